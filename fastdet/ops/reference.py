@@ -1,0 +1,67 @@
+"""Plain-torch reference implementations: the truth every kernel is tested against.
+
+Boxes are xyxy. Pairwise functions accept ``[N,4] x [M,4] -> [N,M]`` or batched
+``[B,N,4] x [B,M,4] -> [B,N,M]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _pairwise_inter_union(a: Tensor, b: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)  # [.., N]
+    area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)  # [.., M]
+    lt = torch.maximum(a[..., :, None, :2], b[..., None, :, :2])  # [.., N, M, 2]
+    rb = torch.minimum(a[..., :, None, 2:], b[..., None, :, 2:])
+    wh = (rb - lt).clamp(min=0)
+    inter = wh[..., 0] * wh[..., 1]  # [.., N, M]
+    union = area_a[..., :, None] + area_b[..., None, :] - inter
+    return inter, union
+
+
+def box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
+    """IoU of every box in ``a`` with every box in ``b``; 0 where the union is empty."""
+    inter, union = _pairwise_inter_union(a, b, eps)
+    return inter / union.clamp(min=eps)
+
+
+def generalized_box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
+    """Generalized IoU (Rezatofighi et al. 2019), pairwise like :func:`box_iou`."""
+    inter, union = _pairwise_inter_union(a, b, eps)
+    iou = inter / union.clamp(min=eps)
+    lt = torch.minimum(a[..., :, None, :2], b[..., None, :, :2])
+    rb = torch.maximum(a[..., :, None, 2:], b[..., None, :, 2:])
+    wh = (rb - lt).clamp(min=0)
+    enclose = wh[..., 0] * wh[..., 1]
+    return iou - (enclose - union) / enclose.clamp(min=eps)
+
+
+def giou_loss(pred: Tensor, target: Tensor, eps: float = 1e-10) -> Tensor:
+    """Elementwise ``1 - GIoU`` of paired boxes ``[..., 4]`` (PaddleDetection GIoULoss)."""
+    x1 = torch.maximum(pred[..., 0], target[..., 0])
+    y1 = torch.maximum(pred[..., 1], target[..., 1])
+    x2 = torch.minimum(pred[..., 2], target[..., 2])
+    y2 = torch.minimum(pred[..., 3], target[..., 3])
+    inter = (x2 - x1).clamp(min=0) * (y2 - y1).clamp(min=0)
+    area_p = (pred[..., 2] - pred[..., 0]) * (pred[..., 3] - pred[..., 1])
+    area_t = (target[..., 2] - target[..., 0]) * (target[..., 3] - target[..., 1])
+    union = area_p + area_t - inter + eps
+    iou = inter / union
+    ex1 = torch.minimum(pred[..., 0], target[..., 0])
+    ey1 = torch.minimum(pred[..., 1], target[..., 1])
+    ex2 = torch.maximum(pred[..., 2], target[..., 2])
+    ey2 = torch.maximum(pred[..., 3], target[..., 3])
+    enclose = (ex2 - ex1) * (ey2 - ey1) + eps
+    return 1.0 - (iou - (enclose - union) / enclose)
+
+
+@torch.no_grad()
+def ema_update_(ema_tensors: list[Tensor], tensors: list[Tensor], decay: Tensor | float) -> None:
+    """``ema = decay * ema + (1 - decay) * t`` for floating tensors, a copy for the rest."""
+    for e, t in zip(ema_tensors, tensors):
+        if e.is_floating_point():
+            e.lerp_(t.to(e.dtype), 1.0 - decay)
+        else:
+            e.copy_(t)
