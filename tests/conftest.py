@@ -1,0 +1,29 @@
+"""Shared fixtures. Every test that needs data uses the small demo set made here once.
+
+- ``demo_small``: ``Path`` of a COCO-layout root with 24 train and 8 val images
+  (``annotations/instances_{train,val}2017.json``, ``{train,val}2017/*.jpg``), four
+  classes with COCO ids 1, 3, 7, 12, and one image without objects in each split.
+- ``demo_paths``: the same set as ``fastdet.data.coco.DataPaths``
+  (``train_ann``, ``train_images``, ``val_ann``, ``val_images``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastdet.data.coco import DataPaths, coco_layout
+from fastdet.data.demo import make_demo
+
+DEMO_SMALL = dict(num_train=24, num_val=8, seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_demo(tmp_path_factory.mktemp("demo_small") / "demo", **DEMO_SMALL)
+
+
+@pytest.fixture(scope="session")
+def demo_paths(demo_small: Path) -> DataPaths:
+    return coco_layout(demo_small)
