@@ -59,6 +59,9 @@ class DataConfig:
     num_workers: int = 4
     augment: bool = True
     keep_empty_train: bool = False  # train on images without annotations too
+    # Image files checked when the annotations are read: "none", "open" (exists, header
+    # readable, size matches the JSON) or "decode" (every pixel; cached under cache_dir).
+    check_images: str = "open"
     channels_last: bool = False
     cache_dir: str = "~/.cache/fastdet"
 
