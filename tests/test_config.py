@@ -1,0 +1,132 @@
+"""Config presets against the published PP-YOLOE recipes, overrides, and dump/load."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fastdet.config import (
+    DEMO_OVERRIDES,
+    PRESETS,
+    Config,
+    ConfigError,
+    apply_overrides,
+    get_preset,
+    parse_set_args,
+)
+
+# PaddleDetection ppyoloe_crn_{s,m,l,x}_300e_coco.yml (../shared/REFERENCE.md):
+# images per GPU on 8 GPUs, base lr and the global batch it is given for, warmup steps.
+PUBLISHED = {
+    "s": dict(imgs_per_gpu=32, base_lr=0.04, ref_batch=8 * 32, warmup=2300),
+    "m": dict(imgs_per_gpu=28, base_lr=0.03, ref_batch=8 * 20, warmup=3000),
+    "l": dict(imgs_per_gpu=20, base_lr=0.03, ref_batch=8 * 20, warmup=3000),
+    "x": dict(imgs_per_gpu=16, base_lr=0.03, ref_batch=8 * 20, warmup=3000),
+}
+
+
+@pytest.mark.parametrize("size", ["s", "m", "l", "x"])
+def test_ppyoloe_presets_match_published_recipe(size):
+    cfg = get_preset("ppyoloe", size)
+    pub = PUBLISHED[size]
+    assert (cfg.model.arch, cfg.model.size) == ("ppyoloe", size)
+    assert cfg.data.batch_size == pub["imgs_per_gpu"]
+    assert cfg.optim.warmup_steps == pub["warmup"]
+    # REFERENCE.md: "base lr 0.03 for 8x20 (s: 0.04 at 8x32)"; the lr scales with the global batch.
+    assert (cfg.optim.base_lr, cfg.optim.ref_batch) == (pub["base_lr"], pub["ref_batch"])
+    assert cfg.optim.epochs == 300 and cfg.optim.cosine_epochs == 360
+    assert cfg.optim.momentum == 0.9 and cfg.optim.weight_decay == 5e-4
+    assert cfg.optim.ema_decay == 0.9998
+    assert cfg.model.static_assigner_epoch == 100
+    assert cfg.data.train_sizes == tuple(range(320, 769, 32)) and len(cfg.data.train_sizes) == 15
+
+
+def test_preset_names_and_errors():
+    assert set(PRESETS) == {"ppyoloe_s", "ppyoloe_m", "ppyoloe_l", "ppyoloe_x"}
+    with pytest.raises(ConfigError, match=r"unknown --arch 'yolov9'.*ppyoloe"):
+        get_preset("yolov9", "s")
+    with pytest.raises(ConfigError, match=r"unknown --size 'xxl' for ppyoloe.*l, m, s, x"):
+        get_preset("ppyoloe", "xxl")
+
+
+def test_configs_are_frozen():
+    cfg = get_preset("ppyoloe", "s")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.base_lr = 1.0  # type: ignore[misc]
+
+
+def test_overrides_coerce_command_line_strings_to_field_types():
+    base = get_preset("ppyoloe", "s")
+    cfg = apply_overrides(base, parse_set_args([
+        "optim.base_lr=0.01",
+        "data.batch_size=4",
+        "data.multiscale=false",
+        "data.train_sizes=256, 288,320",
+        "run.ckpt=/tmp/w.pt",
+        "run.max_steps=1e3",
+        "compile.compile=yes",
+    ]))
+    assert cfg.optim.base_lr == 0.01 and type(cfg.optim.base_lr) is float
+    assert cfg.data.batch_size == 4 and type(cfg.data.batch_size) is int
+    assert cfg.data.multiscale is False
+    assert cfg.data.train_sizes == (256, 288, 320)
+    assert cfg.run.ckpt == "/tmp/w.pt"
+    assert cfg.run.max_steps == 1000 and type(cfg.run.max_steps) is int
+    assert cfg.compile.compile is True
+    # The preset itself is untouched, and untouched fields carry over.
+    assert base.optim.base_lr == 0.04 and base.data.batch_size == 32
+    assert cfg.optim.momentum == base.optim.momentum
+    assert apply_overrides(cfg, {"run.ckpt": "none"}).run.ckpt is None
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("optim.base_lr", "fast", r"optim.base_lr: expected a number, got 'fast'"),
+        ("data.batch_size", "3.5", r"data.batch_size: expected an integer, got '3.5'"),
+        ("data.batch_size", True, r"data.batch_size: expected an integer"),
+        ("data.multiscale", "maybe", r"data.multiscale: expected true/false, got 'maybe'"),
+        ("data.train_sizes", "256,big", r"data.train_sizes: expected an integer, got 'big'"),
+        ("optim.base_lrr", "0.1", r"unknown config field 'optim.base_lrr' \(did you mean optim.base_lr\?\)"),
+        ("optimizer.base_lr", "0.1", r"unknown config section 'optimizer'"),
+        ("base_lr", "0.1", r"must be section.field"),
+    ],
+)
+def test_bad_overrides_give_one_line_errors(key, value, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        apply_overrides(get_preset("ppyoloe", "s"), {key: value})
+    assert "\n" not in str(e.value)
+
+
+def test_parse_set_args_rejects_items_without_equals():
+    assert parse_set_args(["a.b=c=d"]) == {"a.b": "c=d"}
+    with pytest.raises(ConfigError, match="expected section.field=value"):
+        parse_set_args(["optim.base_lr"])
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_dump_load_round_trip(tmp_path, suffix):
+    cfg = apply_overrides(get_preset("ppyoloe", "m"), {**DEMO_OVERRIDES, "run.ckpt": "w.pt"})
+    path = tmp_path / f"config{suffix}"
+    cfg.dump(path)
+    back = Config.load(path)
+    assert back == cfg
+    assert isinstance(back.data.train_sizes, tuple)
+
+
+def test_load_rejects_unknown_and_mistyped_fields(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  base_lr: 0.1\n  warmup: 10\n")
+    with pytest.raises(ConfigError, match=r"unknown config field optim.warmup"):
+        Config.load(path)
+    path.write_text("data:\n  batch_size: eight\n")
+    with pytest.raises(ConfigError, match=r"data.batch_size: expected an integer, got 'eight'"):
+        Config.load(path)
+
+
+def test_demo_overrides_apply_to_every_preset():
+    for name, preset in PRESETS.items():
+        cfg = apply_overrides(preset, DEMO_OVERRIDES)
+        assert cfg.data.img_size == 320 and cfg.data.max_boxes == 32, name
+        assert max(cfg.data.train_sizes) <= cfg.data.img_size
