@@ -1,0 +1,108 @@
+"""Checkpoints: atomic writes, loadable with ``torch.load(weights_only=True)``.
+
+A checkpoint holds the plain module's state (never the compiled or DDP wrapper's keys),
+the EMA, optimizer, grad-scaler state, epoch, step, the resolved config and the RNG
+states. Everything is tensors, numbers, strings, lists and dicts, so loading one from
+elsewhere cannot run code.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and ``torch.compile`` wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": _to_lists(random.getstate()),
+        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_to_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_lists(x: Any) -> Any:
+    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (temp file in the same folder + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a corrupt file or one that needs code to unpickle
+        raise ValueError(f"checkpoint {path} cannot be loaded safely (weights_only): {e}") from None
+
+
+def load_weights_tolerant(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """Load matching tensors; return the names skipped because their shape differs.
+
+    Used by ``--ckpt`` fine-tuning, e.g. from an 80-class checkpoint into a 3-class
+    head: the classification layers are skipped and stay freshly initialised.
+    """
+    own = model.state_dict()
+    keep, skipped = {}, []
+    for k, v in state.items():
+        if k in own and own[k].shape == v.shape:
+            keep[k] = v
+        elif k in own:
+            skipped.append(f"{k} {tuple(v.shape)}->{tuple(own[k].shape)}")
+    missing = [k for k in own if k not in keep and not any(s.startswith(k + " ") for s in skipped)]
+    if len(missing) > len(own) // 2:
+        raise ValueError(
+            f"checkpoint does not fit this model: {len(missing)} of {len(own)} tensors missing "
+            f"(first: {missing[0]})"
+        )
+    model.load_state_dict(keep, strict=False)
+    return skipped

@@ -1,0 +1,142 @@
+"""Log lines, progress bar, TensorBoard scalars, NVTX ranges and the profiler window."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger("fastdet")
+
+
+def setup_logging(output_dir: Path | None, is_main: bool) -> None:
+    """Log lines to stdout (rank 0) and to ``output_dir/train.log``."""
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    log.handlers.clear()
+    fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(fmt)
+    log.addHandler(h)
+    if output_dir is not None and is_main:
+        fh = logging.FileHandler(output_dir / "train.log")
+        fh.setFormatter(fmt)
+        log.addHandler(fh)
+    log.propagate = False
+
+
+class TensorBoard:
+    """TensorBoard scalars on rank 0; a no-op elsewhere or when disabled."""
+
+    def __init__(self, log_dir: Path | None):
+        self.writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(log_dir))
+
+    def scalars(self, values: dict[str, float], step: int, prefix: str = "") -> None:
+        if self.writer is None:
+            return
+        for k, v in values.items():
+            self.writer.add_scalar(prefix + k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+class Progress:
+    """A tqdm bar on a terminal (rank 0); nothing otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, dynamic_ncols=True, leave=False)
+
+    def update(self, n: int, desc: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if desc:
+                self.bar.set_description(desc)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+
+
+def memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return 0.0
+
+
+class Nvtx:
+    """``with nvtx("forward"):`` ranges for Nsight, active only with ``--nvtx`` on CUDA."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+
+
+class ProfilerWindow:
+    """``--profile-steps A:B``: cudaProfilerStart before step A, stop after step B-1.
+
+    Pair with ``nsys profile --capture-range=cudaProfilerApi``.
+    """
+
+    def __init__(self, spec: str | None, device: torch.device):
+        self.start = self.stop = -1
+        if spec:
+            try:
+                a, b = (int(x) for x in spec.split(":"))
+            except ValueError:
+                raise ValueError(f"--profile-steps {spec!r}: expected A:B, e.g. 100:120") from None
+            if not 0 <= a < b:
+                raise ValueError(f"--profile-steps {spec!r}: need 0 <= A < B")
+            if device.type != "cuda":
+                raise ValueError("--profile-steps needs --device cuda (it drives the CUDA profiler API)")
+            self.start, self.stop = a, b
+        self.active = False
+
+    def before_step(self, step: int) -> None:
+        if step == self.start:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            self.active = True
+        elif step == self.stop and self.active:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            self.active = False
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt

@@ -1,0 +1,155 @@
+"""Parameter groups, a capturable momentum SGD, and the learning-rate schedules.
+
+The optimizer keeps each group's learning rate as a 0-d tensor on the training device
+and does its update with foreach kernels only, so a step has no host sync and can be
+replayed inside a CUDA graph: the schedule writes the new value with ``fill_`` before
+each step. ``torch.optim.SGD`` cannot do that: with a tensor LR its eager foreach path
+passes ``alpha=-lr`` to ``_foreach_add_``, which reads the tensor back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastdet.config import OptimConfig
+
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups per LR multiplier.
+
+    No weight decay on norm weights, biases and other 1-d parameters (PaddleDetection
+    ``L2Decay`` as the seed ports it). A model may declare ``lr_multipliers()``
+    returning ``{name_prefix: multiplier}`` for per-group learning rates.
+    """
+    mults: dict[str, float] = model.lr_multipliers() if hasattr(model, "lr_multipliers") else {}
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, _NORM_TYPES):
+            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = not (id(p) in no_decay_ids or name.endswith(".bias") or p.ndim <= 1)
+        mult = 1.0
+        for prefix, m in mults.items():
+            if name.startswith(prefix):
+                mult = m
+        groups.setdefault((decay, mult), []).append(p)
+    return [
+        {"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr_mult": mult}
+        for (decay, mult), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+    ]
+
+
+class CapturableSGD(torch.optim.Optimizer):
+    """SGD with momentum (PaddleDetection ``Momentum``: v = mu * v + g; p -= lr * v).
+
+    L2 weight decay is added to the gradient (coupled, as Paddle's L2Decay and
+    ``torch.optim.SGD``). ``group["lr"]`` is a 0-d device tensor; momentum buffers are
+    created up front so that the state has fixed addresses for CUDA graphs.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float, momentum: float = 0.9,
+                 nesterov: bool = False, device: torch.device | str = "cpu"):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, lr_mult=1.0)
+        super().__init__(param_groups, defaults)
+        for g in self.param_groups:
+            g["lr"] = torch.tensor(float(g["lr"]) * g["lr_mult"], dtype=torch.float32, device=device)
+            for p in g["params"]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch.optim signature
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            if g["weight_decay"] != 0.0:
+                grads = torch._foreach_add(grads, params, alpha=g["weight_decay"])
+            torch._foreach_mul_(bufs, g["momentum"])
+            torch._foreach_add_(bufs, grads)
+            if g["nesterov"]:
+                update = torch._foreach_add(grads, bufs, alpha=g["momentum"])
+            else:
+                update = bufs
+            # p -= lr * update, with lr a device tensor (no host read).
+            torch._foreach_sub_(params, torch._foreach_mul(update, g["lr"]))
+        return None
+
+    def set_lr(self, base_lr: float) -> None:
+        """Write ``base_lr * lr_mult`` into each group's LR tensor (no sync)."""
+        for g in self.param_groups:
+            g["lr"].fill_(base_lr * g["lr_mult"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Keep the LR tensors (and their addresses) and copy the saved values into them.
+        lrs = [g["lr"] for g in self.param_groups]
+        saved = [g["lr"] for g in state_dict["param_groups"]]
+        super().load_state_dict(state_dict)
+        for g, t, v in zip(self.param_groups, lrs, saved):
+            t.copy_(torch.as_tensor(v, dtype=t.dtype))
+            g["lr"] = t
+        for g in self.param_groups:
+            for p in g["params"]:
+                buf = self.state[p]["momentum_buffer"]
+                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Learning rate as a pure function of the global step.
+
+    ``cosine`` (PP-YOLOE): linear warmup from ``start_factor * lr`` over ``warmup``
+    steps, then ``lr * 0.5 * (1 + cos(pi * step / (cosine_epochs * steps_per_epoch)))``
+    (PaddleDetection CosineDecay with ``max_epochs`` = cosine_epochs, which runs past the
+    training length on purpose, so the LR never reaches 0).
+    ``warmcos`` (YOLOX ``yoloxwarmcos``): quadratic warmup from 0, cosine to
+    ``min_lr_ratio * lr``, held at the minimum for the last ``no_aug_epochs``.
+    """
+
+    base_lr: float
+    kind: str
+    steps_per_epoch: int
+    epochs: int
+    cosine_epochs: int
+    warmup: int
+    start_factor: float
+    min_lr_ratio: float
+    no_aug_epochs: int
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig, base_lr: float, steps_per_epoch: int) -> "LRSchedule":
+        if cfg.schedule not in ("cosine", "warmcos"):
+            raise ValueError(f"optim.schedule: expected 'cosine' or 'warmcos', got {cfg.schedule!r}")
+        warmup = (round(cfg.warmup_epochs * steps_per_epoch) if cfg.warmup_epochs > 0
+                  else cfg.warmup_steps)
+        return cls(base_lr, cfg.schedule, steps_per_epoch, cfg.epochs, cfg.cosine_epochs,
+                   warmup, cfg.warmup_start_factor, cfg.min_lr_ratio, cfg.no_aug_epochs)
+
+    def __call__(self, step: int) -> float:
+        lr = self.base_lr
+        if self.kind == "cosine":
+            total = max(1, self.cosine_epochs * self.steps_per_epoch)
+            if step < self.warmup:
+                alpha = step / self.warmup
+                return lr * (self.start_factor * (1 - alpha) + alpha)
+            return lr * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+        # warmcos
+        total = self.epochs * self.steps_per_epoch
+        no_aug = self.no_aug_epochs * self.steps_per_epoch
+        min_lr = lr * self.min_lr_ratio
+        if step < self.warmup:
+            return lr * (step / self.warmup) ** 2
+        if step >= total - no_aug:
+            return min_lr
+        span = max(1, total - self.warmup - no_aug)
+        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * (step - self.warmup) / span))
