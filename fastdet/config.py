@@ -37,6 +37,9 @@ class ModelConfig:
     nms_iou: float = 0.7
     max_det: int = 300
     pre_nms_topk: int = 1000
+    # Keep BatchNorm running statistics fixed while training (fine-tuning, and the
+    # DDP-vs-single-process equivalence test on the CPU, where SyncBatchNorm is unavailable).
+    freeze_bn: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class CompileConfig:
     cuda_graphs: bool = False
     # "auto": bf16 on GPUs that support it, fp32 on the CPU.
     amp: str = "auto"
+    # Compile one graph with symbolic H, W instead of one per size bucket: far less
+    # compile time with many multi-scale buckets, somewhat slower kernels.
+    dynamic: bool = False
 
 
 @dataclass(frozen=True)
