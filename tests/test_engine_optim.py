@@ -1,0 +1,153 @@
+"""Optimizer, parameter groups, LR schedules and checkpoints of the engine."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastdet.config import OptimConfig
+from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
+                                       save_checkpoint, set_rng_state, unwrap)
+from fastdet.engine.optim import CapturableSGD, LRSchedule, build_param_groups
+
+
+class Net(nn.Module):
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, classes)
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        x = self.gn(self.bn(self.conv(x))).mean((2, 3))
+        return self.head(x) * self.alpha
+
+
+def test_param_groups_no_decay_on_norm_and_bias():
+    net = Net()
+    groups = build_param_groups(net, 5e-4)
+    decay = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    no_decay = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert decay == {id(net.conv.weight), id(net.head.weight)}
+    assert no_decay == {id(p) for n, p in net.named_parameters()} - decay
+    assert sum(len(g["params"]) for g in groups) == len(list(net.parameters()))
+
+
+def test_param_groups_lr_multipliers():
+    net = Net()
+    net.lr_multipliers = lambda: {"head.": 2.0}
+    groups = build_param_groups(net, 1e-4)
+    mult = {id(p): g["lr_mult"] for g in groups for p in g["params"]}
+    assert mult[id(net.head.weight)] == 2.0 and mult[id(net.head.bias)] == 2.0
+    assert mult[id(net.conv.weight)] == 1.0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_capturable_sgd_matches_torch_sgd(nesterov):
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    ours = CapturableSGD(build_param_groups(a, 5e-4), lr=0.1, momentum=0.9, nesterov=nesterov)
+    ref = torch.optim.SGD(build_param_groups(b, 5e-4), lr=0.1, momentum=0.9, nesterov=nesterov)
+    for step in range(5):
+        lr = 0.1 * (0.5 ** step)
+        ours.set_lr(lr)
+        for g in ref.param_groups:
+            g["lr"] = lr * g["lr_mult"]
+        x = torch.randn(4, 3, 8, 8)
+        for net, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_capturable_sgd_state_dict_round_trip_keeps_lr_tensors():
+    net = Net()
+    opt = CapturableSGD(build_param_groups(net, 5e-4), lr=0.1)
+    net(torch.randn(2, 3, 8, 8)).sum().backward()
+    opt.step()
+    opt.set_lr(0.05)
+    sd = opt.state_dict()
+    net2 = Net()
+    net2.load_state_dict(net.state_dict())
+    opt2 = CapturableSGD(build_param_groups(net2, 5e-4), lr=0.1)
+    lr_tensor = opt2.param_groups[0]["lr"]
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] is lr_tensor  # same tensor: CUDA graphs keep its address
+    assert float(lr_tensor) == pytest.approx(0.05)
+    for p, p2 in zip(net.parameters(), net2.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
+
+
+def test_cosine_schedule_matches_paddle_formula():
+    cfg = OptimConfig(schedule="cosine", epochs=300, cosine_epochs=360, warmup_steps=100,
+                      warmup_start_factor=0.001)
+    s = LRSchedule.from_config(cfg, base_lr=0.04, steps_per_epoch=50)
+    assert s(0) == pytest.approx(0.04 * 0.001)
+    assert s(50) == pytest.approx(0.04 * (0.001 * 0.5 + 0.5))
+    t = 1000
+    assert s(t) == pytest.approx(0.04 * 0.5 * (1 + math.cos(math.pi * t / (360 * 50))))
+    # cosine over 360 epochs: at the end of 300 the LR is still above zero
+    assert s(300 * 50) > 0.04 * 0.06
+
+
+def test_warmcos_schedule_matches_yolox():
+    cfg = OptimConfig(schedule="warmcos", epochs=10, warmup_epochs=2, min_lr_ratio=0.05,
+                      no_aug_epochs=2)
+    s = LRSchedule.from_config(cfg, base_lr=0.01, steps_per_epoch=10)
+    assert s(10) == pytest.approx(0.01 * (10 / 20) ** 2)
+    assert s(20) == pytest.approx(0.01)
+    assert s(80) == pytest.approx(0.0005) and s(99) == pytest.approx(0.0005)
+    assert s(50) == pytest.approx(0.0005 + 0.5 * 0.0095 * (1 + math.cos(math.pi * 30 / 60)))
+
+
+def test_unknown_schedule_is_a_clear_error():
+    with pytest.raises(ValueError, match="optim.schedule"):
+        LRSchedule.from_config(OptimConfig(schedule="step"), 0.1, 10)
+
+
+def test_checkpoint_atomic_weights_only_round_trip(tmp_path):
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    state = {"model": Net().state_dict(), "epoch": 3, "rng": rng_state(), "name": "x"}
+    path = tmp_path / "ck" / "latest.pth"
+    save_checkpoint(path, state)
+    assert [p.name for p in path.parent.iterdir()] == ["latest.pth"]  # no temp file left
+    a = (torch.rand(3), random.random(), np.random.rand())
+    back = load_checkpoint(path)  # weights_only=True inside
+    set_rng_state(back["rng"])
+    b = (torch.rand(3), random.random(), np.random.rand())
+    torch.testing.assert_close(a[0], b[0])
+    assert a[1:] == b[1:]
+    assert back["epoch"] == 3
+
+
+def test_checkpoint_that_needs_code_is_refused(tmp_path):
+    path = tmp_path / "evil.pth"
+    torch.save({"obj": OptimConfig()}, path)  # a dataclass needs unpickling code
+    with pytest.raises(ValueError, match="weights_only"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pth")
+
+
+def test_tolerant_load_skips_a_different_head():
+    src, dst = Net(classes=80), Net(classes=3)
+    skipped = load_weights_tolerant(dst, src.state_dict())
+    assert sorted(s.split()[0] for s in skipped) == ["head.bias", "head.weight"]
+    torch.testing.assert_close(dst.conv.weight, src.conv.weight)
+
+
+def test_unwrap_compiled_module():
+    net = Net()
+    assert unwrap(torch.compile(net)) is net
