@@ -2,15 +2,62 @@
 
 ``resolve_data`` turns the data section of the config into four paths;
 ``load_coco`` reads one annotation file into :class:`CocoDataset`.
+
+What the records hold (``fastdet.data.records.ImageRecord``):
+
+- boxes converted from COCO ``[x, y, w, h]`` to ``[x0, y0, x1, y1]`` pixels and clipped
+  to the image; boxes narrower or lower than 1 px after clipping are dropped
+  ("degenerate"), boxes with no overlap with the image are dropped ("outside image");
+- crowd boxes (``iscrowd: 1``) are never in the records. Training must not learn them
+  as objects; evaluation scores against the ORIGINAL annotation file through
+  pycocotools, which treats crowd regions as "ignore", so nothing is lost there;
+- images without boxes are kept for evaluation; for training only with ``keep_empty``;
+- labels are contiguous ``0..C-1`` in the order of the file's ``categories`` array;
+  ``CocoDataset.cat_ids[label]`` maps back to the COCO category id.
+
+Errors that make the file unusable raise :class:`DataError` with one line naming the
+file and the field: a missing annotation file or image directory, invalid JSON (with
+line and column), a missing or mistyped top-level key or field, an annotation whose
+``image_id`` or ``category_id`` is not declared, a ``bbox`` that is not 4 finite numbers.
+Problems training can go on with are counted in :class:`DataReport` and summarised
+in one line: dropped boxes (crowd, degenerate, outside image) and skipped images
+(missing file, corrupt: the file does not open or decode, size mismatch: the file's
+size differs from the JSON ``width``/``height``, so the boxes cannot be trusted;
+without boxes: training images left empty when ``keep_empty`` is off). The boxes of a
+skipped image are not counted again as dropped boxes.
+
+Image checks (``check_images``): ``"none"`` trusts the JSON; ``"open"`` (default)
+checks that each file exists, that Pillow reads its header and that the size matches;
+``"decode"`` also decodes every pixel. With a ``cache_dir`` the results are stored in
+``<cache_dir>/image_checks/<hash of the image dir>.json`` keyed by file name, size and
+modification time, so a COCO-sized set is verified once. A result from a stricter check
+is reused by a weaker one (a file found corrupt by ``"decode"`` stays skipped).
+
+Skipped images are absent from ``records``; an evaluator should restrict pycocotools to
+``CocoDataset.image_ids`` so they are not scored as misses (the report says they were skipped).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import logging
+import math
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+from PIL import Image
 
 from fastdet.config import DataConfig
 from fastdet.data import demo
+from fastdet.data.records import ImageRecord
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -80,3 +127,442 @@ def resolve_data(data_cfg: DataConfig) -> DataPaths:
             raise DataError(f"{origin}: image directory {path} not found")
         out[key] = path
     return DataPaths(**out)
+
+
+# --------------------------------------------------------------------------- report
+
+CHECK_MODES = ("none", "open", "decode")
+# Reasons in the order the summary lists them.
+BOX_REASONS = ("crowd", "degenerate", "outside image")
+IMAGE_REASONS = ("missing file", "corrupt", "size mismatch", "without boxes")
+_SHOWN_EXAMPLES = 3  # image paths named per reason in the summary
+
+
+def _plural(n: int, word: str) -> str:
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}es" if word.endswith(("x", "s")) else f"{n} {word}s"
+
+
+@dataclass
+class DataReport:
+    """What :func:`load_coco` dropped or skipped, and why.
+
+    ``box_skips`` / ``image_skips`` count per reason (``BOX_REASONS`` / ``IMAGE_REASONS``);
+    ``examples`` holds the first few image paths (image reasons) or annotation ids
+    (box reasons) per reason.
+    """
+
+    ann_file: str
+    train: bool
+    images_in_file: int = 0
+    boxes_in_file: int = 0
+    images_kept: int = 0
+    boxes_kept: int = 0
+    box_skips: Counter = field(default_factory=Counter)
+    image_skips: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def _add(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
+        counter[reason] += n
+        shown = self.examples.setdefault(reason, [])
+        for ex in examples:
+            if len(shown) >= _SHOWN_EXAMPLES:
+                break
+            shown.append(ex)
+
+    @property
+    def dropped_boxes(self) -> int:
+        return sum(self.box_skips.values())
+
+    @property
+    def skipped_images(self) -> int:
+        return sum(self.image_skips.values())
+
+    def summary(self) -> str:
+        """One line, e.g. ``dropped 3 boxes: 2 degenerate, 1 outside image; skipped 1 image: 1 corrupt (/d/a.jpg)``."""
+        parts = []
+        if self.dropped_boxes:
+            reasons = []
+            for r in BOX_REASONS:
+                if self.box_skips[r]:
+                    note = " (scored from the annotation file)" if r == "crowd" and not self.train else ""
+                    reasons.append(f"{self.box_skips[r]} {r}{note}")
+            parts.append(f"dropped {_plural(self.dropped_boxes, 'box')}: " + ", ".join(reasons))
+        if self.skipped_images:
+            reasons = []
+            for r in IMAGE_REASONS:
+                n = self.image_skips[r]
+                if not n:
+                    continue
+                shown = self.examples.get(r, []) if r != "without boxes" else []
+                more = f", +{n - len(shown)} more" if shown and n > len(shown) else ""
+                reasons.append(f"{n} {r}" + (f" ({', '.join(shown)}{more})" if shown else ""))
+            parts.append(f"skipped {_plural(self.skipped_images, 'image')}: " + ", ".join(reasons))
+        return "; ".join(parts) if parts else "nothing dropped or skipped"
+
+
+# --------------------------------------------------------------------------- dataset
+
+@dataclass(frozen=True)
+class CocoDataset:
+    """The records of one annotation file and the category mapping."""
+
+    records: list[ImageRecord]
+    cat_ids: list[int]  # contiguous label -> COCO category id (order of the file's `categories`)
+    class_names: list[str]
+    ann_file: Path
+    image_dir: Path
+    report: DataReport
+    train: bool
+    _labels: dict[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_labels", {c: i for i, c in enumerate(self.cat_ids)})
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.cat_ids)
+
+    @property
+    def image_ids(self) -> list[int]:
+        return [r.image_id for r in self.records]
+
+    def label_of(self, cat_id: int) -> int:
+        """Contiguous label of a COCO category id."""
+        try:
+            return self._labels[cat_id]
+        except KeyError:
+            raise KeyError(f"category id {cat_id} is not declared in {self.ann_file}") from None
+
+    def cat_id_of(self, label: int) -> int:
+        """COCO category id of a contiguous label (``cat_ids[label]``)."""
+        return self.cat_ids[label]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def describe(self) -> str:
+        """One line for the log: what was read and what the report counted."""
+        r = self.report
+        return (
+            f"{self.ann_file.name}: {_plural(r.images_kept, 'image')}, {_plural(r.boxes_kept, 'box')}, "
+            f"{_plural(self.num_classes, 'class')}; {r.summary()}"
+        )
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _read_json(ann_file: Path) -> dict:
+    if not ann_file.is_file():
+        raise DataError(f"{ann_file}: annotation file not found")
+    try:
+        with open(ann_file, "rb") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{ann_file}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{ann_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{ann_file}: top level must be a JSON object with images, annotations, categories")
+    for key in ("images", "annotations", "categories"):
+        if key not in doc:
+            raise DataError(f"{ann_file}: missing top-level key '{key}'")
+        if not isinstance(doc[key], list):
+            raise DataError(f"{ann_file}: top-level key '{key}' must be a list, got {type(doc[key]).__name__}")
+    return doc
+
+
+def _parse_categories(ann_file: Path, cats: list) -> tuple[list[int], list[str]]:
+    if not cats:
+        raise DataError(f"{ann_file}: 'categories' is empty")
+    ids, names, seen = [], [], set()
+    for i, c in enumerate(cats):
+        where = f"{ann_file}: categories[{i}]"
+        if not isinstance(c, dict):
+            raise DataError(f"{where}: must be an object with 'id' and 'name'")
+        if not _is_int(c.get("id")):
+            raise DataError(f"{where}: field 'id' must be an integer, got {c.get('id')!r}")
+        if c["id"] in seen:
+            raise DataError(f"{where}: duplicate category id {c['id']}")
+        name = c.get("name")
+        if not isinstance(name, str):
+            raise DataError(f"{where} (id {c['id']}): field 'name' must be a string, got {name!r}")
+        seen.add(c["id"])
+        ids.append(c["id"])
+        names.append(name)
+    return ids, names
+
+
+def _parse_images(ann_file: Path, images: list) -> list[tuple[int, str, int, int]]:
+    out, seen = [], set()
+    for i, im in enumerate(images):
+        where = f"{ann_file}: images[{i}]"
+        if not isinstance(im, dict):
+            raise DataError(f"{where}: must be an object with id, file_name, width, height")
+        if not _is_int(im.get("id")):
+            raise DataError(f"{where}: field 'id' must be an integer, got {im.get('id')!r}")
+        where = f"{where} (id {im['id']})"
+        if im["id"] in seen:
+            raise DataError(f"{where}: duplicate image id")
+        if not isinstance(im.get("file_name"), str) or not im["file_name"]:
+            raise DataError(f"{where}: field 'file_name' must be a non-empty string, got {im.get('file_name')!r}")
+        for key in ("width", "height"):
+            if not _is_int(im.get(key)) or im[key] <= 0:
+                raise DataError(f"{where}: field '{key}' must be a positive integer, got {im.get(key)!r}")
+        seen.add(im["id"])
+        out.append((im["id"], im["file_name"], im["width"], im["height"]))
+    return out
+
+
+def _parse_annotations(
+    ann_file: Path, anns: list, image_index: dict[int, int], label_of: dict[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validate every annotation; return per-annotation arrays.
+
+    Returns ``img`` [A] int64 (index into the images list), ``xywh`` [A, 4] float64,
+    ``label`` [A] int64, ``crowd`` [A] bool, ``ann_id`` [A] int64 (-1 when absent).
+    """
+    n = len(anns)
+    img = np.empty(n, np.int64)
+    xywh = np.empty((n, 4), np.float64)
+    label = np.empty(n, np.int64)
+    crowd = np.empty(n, bool)
+    ann_id = np.empty(n, np.int64)
+    for i, a in enumerate(anns):
+        if not isinstance(a, dict):
+            raise DataError(f"{ann_file}: annotations[{i}]: must be an object")
+        aid = a.get("id")
+        where = f"{ann_file}: annotation id {aid}" if _is_int(aid) else f"{ann_file}: annotations[{i}]"
+        image_id = a.get("image_id")
+        if not _is_int(image_id):
+            raise DataError(f"{where}: field 'image_id' must be an integer, got {image_id!r}")
+        if image_id not in image_index:
+            raise DataError(f"{where}: image_id {image_id} is not in 'images'")
+        cat = a.get("category_id")
+        if not _is_int(cat):
+            raise DataError(f"{where}: field 'category_id' must be an integer, got {cat!r}")
+        if cat not in label_of:
+            raise DataError(f"{where}: category_id {cat} is not in 'categories'")
+        bbox = a.get("bbox")
+        if not isinstance(bbox, list) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
+            raise DataError(f"{where}: field 'bbox' must be 4 finite numbers [x, y, w, h], got {bbox!r}")
+        iscrowd = a.get("iscrowd", 0)
+        if iscrowd not in (0, 1) or isinstance(iscrowd, float):
+            raise DataError(f"{where}: field 'iscrowd' must be 0 or 1, got {iscrowd!r}")
+        img[i] = image_index[image_id]
+        xywh[i] = bbox
+        label[i] = label_of[cat]
+        crowd[i] = bool(iscrowd)
+        ann_id[i] = aid if _is_int(aid) else -1
+    return img, xywh, label, crowd, ann_id
+
+
+# --------------------------------------------------------------------------- image checks
+
+_LEVEL = {"open": 1, "decode": 2}
+
+
+def _probe(path: Path, level: int) -> tuple[str, int, int, int, int, str]:
+    """Check one file: ``(status, size, mtime_ns, width, height, detail)``.
+
+    ``status`` is ``"ok"``, ``"missing file"`` or ``"corrupt"``; level 1 reads the header,
+    level 2 decodes all pixels.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        return "missing file", -1, -1, 0, 0, ""
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            if level >= 2:
+                im.load()
+    except Exception as e:  # noqa: BLE001 - any failure to read the file means it does not decode
+        return "corrupt", st.st_size, st.st_mtime_ns, 0, 0, f"{type(e).__name__}: {e}"[:200]
+    return "ok", st.st_size, st.st_mtime_ns, w, h, ""
+
+
+def _cache_file(cache_dir: str | Path, image_dir: Path) -> Path:
+    key = hashlib.sha1(str(image_dir.resolve()).encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / "image_checks" / f"{key}.json"
+
+
+def _load_cache(path: Path, image_dir: Path) -> dict[str, list]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("image_dir") != str(image_dir.resolve()):
+        return {}
+    entries = doc.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _save_cache(path: Path, image_dir: Path, entries: dict[str, list]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"image_dir": str(image_dir.resolve()), "entries": entries}))
+    os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
+
+
+def _check_images(
+    image_dir: Path, file_names: list[str], mode: str, cache_dir: str | Path | None
+) -> list[tuple[str, int, int, str]]:
+    """``(status, width, height, detail)`` per file, reusing cached results when valid."""
+    level = _LEVEL[mode]
+    cache_path = _cache_file(cache_dir, image_dir) if cache_dir is not None else None
+    cache = _load_cache(cache_path, image_dir) if cache_path is not None else {}
+    results: list[tuple[str, int, int, str] | None] = [None] * len(file_names)
+    todo = []
+    for i, name in enumerate(file_names):
+        entry = cache.get(name)
+        if entry is not None and len(entry) == 7 and entry[2] >= level:
+            size, mtime, _, w, h, status, detail = entry
+            try:
+                st = (image_dir / name).stat()
+            except OSError:
+                st = None
+            if st is not None and st.st_size == size and st.st_mtime_ns == mtime:
+                results[i] = (status, w, h, detail)
+                continue
+        todo.append(i)
+    if todo:
+        paths = [image_dir / file_names[i] for i in todo]
+        # Pillow releases the GIL while reading and decoding, so threads scale here.
+        workers = min(16, os.cpu_count() or 1, max(1, len(todo) // 64))
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as ex:
+                probed = list(ex.map(lambda p: _probe(p, level), paths, chunksize=64))
+        else:
+            probed = [_probe(p, level) for p in paths]
+        for i, (status, size, mtime, w, h, detail) in zip(todo, probed):
+            results[i] = (status, w, h, detail)
+            if status != "missing file":
+                cache[file_names[i]] = [size, mtime, level, w, h, status, detail]
+        if cache_path is not None:
+            _save_cache(cache_path, image_dir, cache)
+    return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- load_coco
+
+def load_coco(
+    ann_file: str | Path,
+    image_dir: str | Path,
+    *,
+    train: bool,
+    keep_empty: Optional[bool] = None,
+    check_images: str = "open",
+    cache_dir: str | Path | None = None,
+) -> CocoDataset:
+    """Read a COCO ``instances`` file into records.
+
+    Args:
+        ann_file: the JSON annotation file.
+        image_dir: the folder the images' ``file_name`` are relative to.
+        train: training records (crowd boxes dropped; images without boxes only with
+            ``keep_empty``) or evaluation records (images without boxes kept).
+        keep_empty: keep images without boxes; default False for training, True for evaluation.
+        check_images: ``"none"``, ``"open"`` or ``"decode"`` (see the module docstring).
+        cache_dir: where image-check results are cached (``~`` expanded); None: no cache.
+
+    Raises:
+        DataError: one line naming the file and field, for input that cannot be used.
+    """
+    ann_file = Path(ann_file).expanduser()
+    image_dir = Path(image_dir).expanduser().absolute()
+    if check_images not in CHECK_MODES:
+        raise DataError(f"check_images must be one of {', '.join(CHECK_MODES)}, got {check_images!r}")
+    if keep_empty is None:
+        keep_empty = not train
+    doc = _read_json(ann_file)
+    if not image_dir.is_dir():
+        raise DataError(f"{image_dir}: image directory not found (images of {ann_file})")
+    cat_ids, class_names = _parse_categories(ann_file, doc["categories"])
+    images = _parse_images(ann_file, doc["images"])
+    image_index = {im[0]: i for i, im in enumerate(images)}
+    label_of = {c: i for i, c in enumerate(cat_ids)}
+    img, xywh, label, crowd, ann_id = _parse_annotations(ann_file, doc["annotations"], image_index, label_of)
+    del doc
+
+    report = DataReport(ann_file=str(ann_file), train=train, images_in_file=len(images), boxes_in_file=len(img))
+    # Image sizes: [I] as decoded (checked) or as declared (check_images="none").
+    widths = np.array([im[2] for im in images], np.float64)
+    heights = np.array([im[3] for im in images], np.float64)
+    usable = np.ones(len(images), bool)
+    if check_images != "none":
+        checks = _check_images(image_dir, [im[1] for im in images], check_images, cache_dir)
+        for i, ((_, name, w, h), (status, fw, fh, detail)) in enumerate(zip(images, checks)):
+            path = str(image_dir / name)
+            if status == "ok" and (fw, fh) != (w, h):
+                status, detail = "size mismatch", f"{path}: file is {fw}x{fh}, JSON says {w}x{h}"
+            if status != "ok":
+                usable[i] = False
+                report._add(report.image_skips, status, examples=[path])
+                if detail:
+                    log.debug("%s: %s", status, detail)
+
+    # Boxes of usable images only; reasons in precedence order crowd > degenerate/outside.
+    keep_ann = usable[img]
+    img, xywh, label, crowd, ann_id = img[keep_ann], xywh[keep_ann], label[keep_ann], crowd[keep_ann], ann_id[keep_ann]
+    W, H = widths[img], heights[img]
+    x0, y0 = xywh[:, 0], xywh[:, 1]
+    x1, y1 = x0 + xywh[:, 2], y0 + xywh[:, 3]
+    cx0, cy0 = np.clip(x0, 0, W), np.clip(y0, 0, H)
+    cx1, cy1 = np.clip(x1, 0, W), np.clip(y1, 0, H)
+    cw, ch = cx1 - cx0, cy1 - cy0
+    tiny = (xywh[:, 2] < 1) | (xywh[:, 3] < 1)
+    outside = ~crowd & ~tiny & ((x1 <= 0) | (y1 <= 0) | (x0 >= W) | (y0 >= H))
+    degenerate = ~crowd & ~outside & (tiny | (cw < 1) | (ch < 1))
+    for reason, m in (("crowd", crowd), ("degenerate", degenerate), ("outside image", outside)):
+        n = int(m.sum())
+        if n:
+            report._add(report.box_skips, reason, n, (f"annotation id {a}" for a in ann_id[m][:_SHOWN_EXAMPLES]))
+    kept = ~(crowd | degenerate | outside)
+    boxes = np.stack([cx0, cy0, cx1, cy1], axis=1)[kept].astype(np.float32)  # [K, 4]
+    labels = label[kept]
+    owner = img[kept]
+    order = np.argsort(owner, kind="stable")  # keeps the file's annotation order per image
+    boxes, labels, owner = boxes[order], labels[order], owner[order]
+    starts = np.searchsorted(owner, np.arange(len(images) + 1))
+
+    records = []
+    for i, (image_id, name, w, h) in enumerate(images):
+        if not usable[i]:
+            continue
+        b, e = starts[i], starts[i + 1]
+        if b == e and not keep_empty:
+            report._add(report.image_skips, "without boxes")
+            continue
+        records.append(ImageRecord(
+            image_id=image_id,
+            file=str(image_dir / name),
+            width=w,
+            height=h,
+            boxes=boxes[b:e].copy(),
+            labels=labels[b:e].copy(),
+        ))
+    report.images_kept = len(records)
+    report.boxes_kept = int(sum(len(r.boxes) for r in records))
+    dataset = CocoDataset(
+        records=records,
+        cat_ids=cat_ids,
+        class_names=class_names,
+        ann_file=ann_file,
+        image_dir=image_dir,
+        report=report,
+        train=train,
+    )
+    if not records:
+        raise DataError(f"{ann_file}: no usable images in {image_dir} ({report.summary()})")
+    log.info("%s", dataset.describe())
+    return dataset

@@ -1,0 +1,361 @@
+"""The plain training loop: data -> step -> log, with checkpoints and evaluation.
+
+Nothing here names an architecture: the model declares what changes during training
+(``model.loss_kwargs(epoch)``) and the loop passes it back in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdet.config import Config
+from fastdet.data.coco import load_coco, resolve_data
+from fastdet.data.loader import build_eval_loader, build_train_loader
+from fastdet.engine import dist
+from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
+                                       save_checkpoint, set_rng_state)
+from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
+                                    format_eta, memory_mb, setup_logging)
+from fastdet.engine.optim import CapturableSGD, LRSchedule, build_param_groups
+from fastdet.engine.step import TrainStep, resolve_amp
+from fastdet.eval.coco import evaluate
+from fastdet.models import build_model
+from fastdet.ops.ema import ModelEMA
+
+log = logging.getLogger("fastdet")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss, a recompile after warm-up)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible (use --device cpu)")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu, cuda or auto, got {name!r}")
+    return torch.device(name)
+
+
+def output_dir(cfg: Config) -> Path:
+    return Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
+
+
+def build_detector(cfg: Config, num_classes: int) -> nn.Module:
+    return build_model(cfg.model.arch, cfg.model.size, num_classes=num_classes,
+                       static_assigner_epoch=cfg.model.static_assigner_epoch)
+
+
+def predict_kwargs(cfg: Config) -> dict[str, Any]:
+    m = cfg.model
+    return dict(score_thresh=m.score_thresh, iou_thresh=m.nms_iou, max_det=m.max_det,
+                pre_nms_topk=m.pre_nms_topk)
+
+
+def freeze_bn_stats(model: nn.Module) -> None:
+    """Put every BatchNorm in eval mode (running statistics fixed, affine still trained)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            mod.eval()
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.device = resolve_device(cfg.run.device)
+        if cfg.compile.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("--cuda-graphs needs a CUDA device (this run is on the CPU): drop the flag")
+        self.dist = dist.init_distributed(self.device.type)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.out = output_dir(cfg)
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        setup_logging(self.out, self.dist.is_main)
+        dist.seed_everything(cfg.run.seed, self.dist.rank)
+
+        paths = resolve_data(cfg.data)
+        self.train_set = load_coco(paths.train_ann, paths.train_images, train=True,
+                                   keep_empty=cfg.data.keep_empty_train,
+                                   check_images=cfg.data.check_images, cache_dir=cfg.data.cache_dir)
+        self.val_set = load_coco(paths.val_ann, paths.val_images, train=False,
+                                 check_images=cfg.data.check_images, cache_dir=cfg.data.cache_dir)
+        for name, ds in (("train", self.train_set), ("val", self.val_set)):
+            log.info("%s: %s", name, ds.describe())
+            if ds.report.summary():
+                log.info("%s: %s", name, ds.report.summary())
+        if len(self.train_set) == 0:
+            raise ValueError(f"{paths.train_ann}: no usable training images ({self.train_set.report.summary()})")
+        if self.train_set.cat_ids != self.val_set.cat_ids:
+            raise ValueError(f"{paths.val_ann}: categories differ from {paths.train_ann}")
+        cfg = replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
+        self.cfg = cfg
+
+        self.model = build_detector(cfg, self.train_set.num_classes).to(self.device)
+        if cfg.data.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)
+        world_batch = cfg.data.batch_size * self.dist.world_size
+        self.base_lr = cfg.optim.base_lr * world_batch / cfg.optim.ref_batch
+        self.optimizer = CapturableSGD(
+            build_param_groups(self.model, cfg.optim.weight_decay), lr=self.base_lr,
+            momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov, device=self.device)
+        self.ema = (ModelEMA(self.model, decay=cfg.optim.ema_decay, kind=cfg.optim.ema_type)
+                    if cfg.optim.ema else None)
+
+        self.train_loader = build_train_loader(cfg, self.train_set, rank=self.dist.rank,
+                                               world_size=self.dist.world_size,
+                                               device=self.device, seed=cfg.run.seed)
+        self.val_loader = build_eval_loader(cfg, self.val_set, rank=self.dist.rank,
+                                            world_size=self.dist.world_size, device=self.device)
+        self.steps_per_epoch = len(self.train_loader)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training set has {len(self.train_set)} images, fewer than one batch of "
+                f"{world_batch}: lower --batch-size")
+        self.schedule = LRSchedule.from_config(cfg.optim, self.base_lr, self.steps_per_epoch)
+        self.epoch, self.step, self.best_ap = 0, 0, -1.0
+
+        if cfg.run.resume:
+            self._resume()
+        elif cfg.run.ckpt:
+            self._finetune(cfg.run.ckpt)
+
+        self.net: nn.Module = self.model
+        if self.dist.distributed:
+            self.net = self._wrap_ddp()
+        self.train_step = TrainStep(
+            self.model, self.net, self.optimizer, self.ema, self.device, self.amp_dtype,
+            clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
+            cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
+            graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx))
+        self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
+        self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
+        if self.dist.is_main:
+            cfg.dump(self.out / "config.yaml")
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _wrap_ddp(self) -> nn.Module:
+        if self.device.type == "cuda":
+            if self.cfg.compile.compile:
+                log.info("SyncBatchNorm is not traceable by torch.compile (Dynamo graph-breaks on "
+                         "it): --compile keeps per-rank BatchNorm")
+            else:
+                self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+            return nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index])
+        log.info("distributed on the CPU (gloo): torch's SyncBatchNorm needs CUDA, so each rank "
+                 "uses plain BatchNorm on its own batch")
+        return nn.parallel.DistributedDataParallel(self.model)
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.train_step.scaler.state_dict() if hasattr(self, "train_step") else {},
+            "epoch": self.epoch,
+            "step": self.step,
+            "best_ap": self.best_ap,
+            "config": self.cfg.to_dict(),
+            "cat_ids": list(self.train_set.cat_ids),
+            "class_names": list(self.train_set.class_names),
+            "rng": rng_state(),
+            "world_size": self.dist.world_size,
+        }
+
+    def _resume(self) -> None:
+        path = Path(self.cfg.run.ckpt) if self.cfg.run.ckpt else self.out / "latest.pth"
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {path} (train once without --resume)")
+        ck = load_checkpoint(path)
+        self.model.load_state_dict(ck["model"])
+        if self.ema is not None and ck.get("ema") is not None:
+            self.ema.load_state_dict(ck["ema"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self._scaler_state = ck.get("scaler") or {}
+        self.epoch, self.step, self.best_ap = ck["epoch"], ck["step"], ck.get("best_ap", -1.0)
+        if ck.get("world_size", 1) == self.dist.world_size:
+            set_rng_state(ck["rng"])
+        log.info("resumed from %s at epoch %d, step %d", path, self.epoch, self.step)
+
+    def _finetune(self, path: str) -> None:
+        ck = load_checkpoint(path)
+        weights = ck.get("ema") or ck.get("model") or ck
+        if isinstance(weights, dict) and "module" in weights:
+            weights = weights["module"]
+        skipped = load_weights_tolerant(self.model, weights)
+        if self.ema is not None:
+            self.ema.reset(self.model)
+        msg = f"fine-tuning from {path}"
+        if skipped:
+            msg += f"; {len(skipped)} tensors left freshly initialised (shape differs, e.g. a " \
+                   f"different number of classes): {', '.join(skipped[:4])}"
+        log.info(msg)
+
+    # ------------------------------------------------------------------ checkpoints / eval
+    def save(self, name: str) -> None:
+        if self.dist.is_main:
+            save_checkpoint(self.out / f"{name}.pth", self._state())
+
+    def evaluate(self) -> dict[str, float]:
+        model = self.ema.module if self.ema is not None else self.model
+        t = time.perf_counter()
+        stats = evaluate(model, self.val_loader, self.val_set, self.amp_dtype, predict_kwargs(self.cfg))
+        log.info("eval (%s weights) epoch %d: AP %.4f  AP50 %.4f  AP75 %.4f  (%.1f s)",
+                 "EMA" if self.ema is not None else "model", self.epoch, stats["AP"],
+                 stats["AP50"], stats["AP75"], time.perf_counter() - t)
+        self.tb.scalars({k: v for k, v in stats.items()}, self.step, prefix="val/")
+        return stats
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, float]:
+        cfg, run = self.cfg, self.cfg.run
+        total_steps = cfg.optim.epochs * self.steps_per_epoch
+        if run.max_steps > 0:
+            total_steps = min(total_steps, run.max_steps)
+        if getattr(self, "_scaler_state", None):
+            self.train_step.scaler.load_state_dict(self._scaler_state)
+        self._warmup()
+        log.info("training %s-%s on %s: %d images, %d steps/epoch x %d epochs (%d steps), "
+                 "batch %d x %d rank(s), lr %.4g, amp %s, compile %s, cuda graphs %s, loader %s",
+                 cfg.model.arch, cfg.model.size, self.device, len(self.train_set),
+                 self.steps_per_epoch, cfg.optim.epochs, total_steps, cfg.data.batch_size,
+                 self.dist.world_size, self.base_lr, self.amp_dtype or "off", cfg.compile.compile,
+                 cfg.compile.cuda_graphs, self.train_loader.backend)
+        progress = Progress(total_steps - self.step, run.progress and self.dist.is_main)
+        stats: dict[str, float] = {}
+        t_start, steps_at_start = time.perf_counter(), self.step
+        self._last_log_t = t_start
+        while self.step < total_steps:
+            if self._train_epoch(total_steps, progress, t_start, steps_at_start):
+                progress.close()
+                self.tb.close()
+                raise TrainingError(f"non-finite loss at step {self.step}: training stopped; "
+                                    f"the last good checkpoint is {self.out / 'latest.pth'}")
+            epoch_done = self.step % self.steps_per_epoch == 0
+            if epoch_done:
+                self.epoch += 1
+            last = self.step >= total_steps
+            if epoch_done or last:
+                self.save("latest")
+            if last or (epoch_done and self.epoch % run.eval_interval == 0):
+                stats = self.evaluate()
+                if stats["AP"] > self.best_ap:
+                    self.best_ap = stats["AP"]
+                    self.save("best")
+                    self.save("latest")
+        progress.close()
+        self.tb.close()
+        if stats and self.dist.is_main:
+            log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s)",
+                     stats["AP"], stats["AP50"], self.best_ap, self.out)
+        return stats
+
+    def _warmup(self) -> None:
+        cfg = self.cfg
+        if not (cfg.compile.compile or cfg.compile.cuda_graphs):
+            return
+        sizes = self.train_loader.sizes
+        last_epoch = cfg.optim.epochs - 1
+        if cfg.run.max_steps > 0:
+            last_epoch = min(last_epoch, (cfg.run.max_steps - 1) // self.steps_per_epoch)
+        variants = []
+        for e in range(self.epoch, last_epoch + 1):
+            kw = self.model.loss_kwargs(e)
+            if kw not in variants:
+                variants.append(kw)
+        t = time.perf_counter()
+        self.train_step.warmup([(s, s) for s in sizes], cfg.data.batch_size, cfg.data.max_boxes,
+                               variants, channels_last=cfg.data.channels_last)
+        log.info("warm-up: %d size bucket(s) x %d loss variant(s) compiled%s in %.1f s",
+                 len(sizes), len(variants), " and captured" if cfg.compile.cuda_graphs else "",
+                 time.perf_counter() - t)
+
+    def _train_epoch(self, total_steps: int, progress: Progress, t_start: float,
+                     steps_at_start: int) -> bool:
+        """Train until the end of the epoch or ``total_steps``; True if training must stop."""
+        cfg, run = self.cfg, self.cfg.run
+        self.net.train()
+        if cfg.model.freeze_bn:
+            freeze_bn_stats(self.model)
+        self.train_loader.set_epoch(self.epoch)
+        skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
+        kw = self.model.loss_kwargs(self.epoch)
+        timer, data_time, n_images = Timer(), 0.0, 0
+        nvtx = self.train_step.nvtx
+        it = iter(self.train_loader)
+        while True:
+            with nvtx("data"):
+                batch = next(it, None)
+            if batch is None:
+                return False
+            if skip > 0:
+                skip -= 1
+                continue
+            data_time += timer.lap()
+            self.profiler.before_step(self.step)
+            self.optimizer.set_lr(self.schedule(self.step))
+            self.train_step(batch, kw)
+            self.step += 1
+            n_images += batch["images"].shape[0] * self.dist.world_size
+            timer.lap()
+            if self.step % run.log_interval == 0 or self.step >= total_steps:
+                if not self._log(progress, t_start, steps_at_start, total_steps, data_time, n_images):
+                    return True
+                data_time, n_images = 0.0, 0
+            if run.ckpt_interval_steps and self.step % run.ckpt_interval_steps == 0:
+                self.save("latest")
+            if self.step >= total_steps:
+                return False
+            if self.step % self.steps_per_epoch == 0:
+                return False
+
+    def _log(self, progress: Progress, t_start: float, steps_at_start: int, total_steps: int,
+             data_time: float, n_images: int) -> bool:
+        """One host read of the accumulated losses; False on a non-finite loss."""
+        n = self.train_step.steps_accumulated
+        losses = self.train_step.read_losses()
+        if self.dist.distributed:
+            losses = dist.mean_dict(losses, self.device)
+        if not all(math.isfinite(v) for v in losses.values()):
+            bad = ", ".join(f"{k}={v}" for k, v in losses.items() if not math.isfinite(v))
+            log.error("non-finite loss at step %d (epoch %d): %s; stopping. The last good "
+                      "checkpoint is kept in %s", self.step, self.epoch, bad, self.out)
+            return False
+        self.train_step.check_recompiles()
+        elapsed = time.perf_counter() - t_start
+        done = self.step - steps_at_start
+        now = time.perf_counter()
+        ips = n_images / max(1e-9, now - self._last_log_t)
+        self._last_log_t = now
+        eta = elapsed / max(1, done) * (total_steps - self.step)
+        lr = self.schedule(self.step - 1)
+        mem = memory_mb(self.device)
+        loss_txt = "  ".join(f"{k} {v:.4f}" for k, v in losses.items())
+        log.info("epoch %d  step %d/%d  %s  lr %.3g  %.1f img/s  data %.3f s/it  mem %.0f MB  eta %s",
+                 self.epoch, self.step, total_steps, loss_txt, lr, ips, data_time / max(1, n),
+                 mem, format_eta(eta))
+        progress.update(n, f"ep {self.epoch} loss {losses.get('total_loss', float('nan')):.3f}")
+        self.tb.scalars({f"train/{k}": v for k, v in losses.items()}, self.step)
+        self.tb.scalars({"train/lr": lr, "train/images_per_s": ips, "train/data_time": data_time / max(1, n),
+                         "train/memory_mb": mem}, self.step)
+        return True
+
+
+def train(cfg: Config) -> dict[str, float]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        dist.shutdown()
+
