@@ -1,0 +1,61 @@
+"""Model registry: an architecture name is looked up here once, nowhere else.
+
+``build_model(arch, size, num_classes=80, **family_options) -> Detector``. A family is
+added by one module defining an :class:`~fastdet.models.detector.ArchFamily` and one
+line in ``ARCHITECTURES``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from fastdet.models import ppyoloe
+from fastdet.models.detector import ArchFamily, Detector, multiclass_nms, rescale_boxes
+
+ARCHITECTURES: dict[str, ArchFamily] = {
+    "ppyoloe": ppyoloe.FAMILY,
+}
+
+__all__ = [
+    "ARCHITECTURES",
+    "ArchFamily",
+    "Detector",
+    "build_model",
+    "build_model_from_config",
+    "multiclass_nms",
+    "rescale_boxes",
+]
+
+
+def _family(arch: str, size: str) -> ArchFamily:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}: available are {', '.join(sorted(ARCHITECTURES))}")
+    fam = ARCHITECTURES[arch]
+    if size not in fam.sizes:
+        raise ValueError(f"unknown size {size!r} for {arch}: available are {', '.join(fam.sizes)}")
+    return fam
+
+
+def build_model(arch: str, size: str, num_classes: int = 80, **family_options: Any) -> Detector:
+    """Build ``arch`` (e.g. ``"ppyoloe"``) of ``size`` (e.g. ``"s"``) for ``num_classes`` classes.
+
+    ``family_options`` are the family builder's keyword options (PP-YOLOE:
+    ``static_assigner_epoch``, ``use_alpha``, ``width_mult``, ``depth_mult``).
+    """
+    fam = _family(arch, size)
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+    params = inspect.signature(fam.build).parameters
+    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(family_options) - set(accepted))
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} for {arch}: accepted are {', '.join(accepted) or 'none'}")
+    return fam.build(size, num_classes, **family_options)
+
+
+def build_model_from_config(model_cfg: Any) -> Detector:
+    """Build from a :class:`fastdet.config.ModelConfig`, passing the fields the family reads."""
+    fam = _family(model_cfg.arch, model_cfg.size)
+    options = {f: getattr(model_cfg, f) for f in fam.config_fields}
+    return build_model(model_cfg.arch, model_cfg.size, model_cfg.num_classes, **options)

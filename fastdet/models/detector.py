@@ -1,0 +1,153 @@
+"""The base detector (backbone -> neck -> head) and the post-processing every family shares.
+
+A family subclasses :class:`Detector` only for what differs (``loss_kwargs``); its head
+computes the loss (``head.loss(feats, targets, **kwargs) -> dict``) and the dense
+predictions (``head.inference(feats) -> (boxes [B,A,4] xyxy px, scores [B,A,C])``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torchvision
+from torch import Tensor, nn
+
+TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
+
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """What the registry knows of an architecture family.
+
+    ``build(size, num_classes, **options) -> Detector``; ``config_fields`` names the
+    ``ModelConfig`` fields the family reads as options (see
+    ``fastdet.models.build_model_from_config``).
+    """
+
+    build: Callable[..., "Detector"]
+    sizes: tuple[str, ...]
+    config_fields: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Detector(nn.Module):
+    """``backbone -> neck -> head``.
+
+    ``model(images, targets, **model.loss_kwargs(epoch))`` returns the head's dict of
+    named losses (including ``total_loss``); ``model(images)`` returns the dense
+    predictions ``(boxes [B,A,4] xyxy input px, scores [B,A,C] probabilities)``, and
+    :meth:`predict` adds multiclass NMS. Both paths have static shapes and no host syncs.
+    """
+
+    size_divisor = 32  # inputs must be multiples of the largest stride
+
+    def __init__(self, backbone: nn.Module, neck: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.neck = neck
+        self.head = head
+
+    def features(self, images: Tensor) -> list[Tensor]:
+        return self.neck(self.backbone(images))
+
+    def forward(self, images: Tensor, targets: Mapping[str, Tensor] | None = None, **loss_kwargs: Any):
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be [B, 3, H, W], got {list(images.shape)}")
+        h, w = images.shape[-2:]
+        if h % self.size_divisor or w % self.size_divisor:
+            raise ValueError(f"image size {h}x{w} must be a multiple of {self.size_divisor}")
+        feats = self.features(images)
+        if targets is None:
+            return self.head.inference(feats)
+        missing = [k for k in TARGET_KEYS if k not in targets]
+        if missing:
+            raise ValueError(f"targets lack {', '.join(missing)} (expected keys {', '.join(TARGET_KEYS)})")
+        return self.head.loss(feats, targets, **loss_kwargs)
+
+    def loss_kwargs(self, epoch: int) -> dict[str, Any]:
+        """Arguments of the training forward that change over training (none by default)."""
+        return {}
+
+    @torch.no_grad()
+    def predict(
+        self,
+        images: Tensor,
+        score_thresh: float = 0.01,
+        iou_thresh: float = 0.7,
+        max_det: int = 300,
+        pre_nms_topk: int = 1000,
+    ) -> list[dict[str, Tensor]]:
+        """Detections per image: ``{"boxes" [K,4] xyxy input px, "scores" [K], "labels" [K]}``.
+
+        Call in eval mode (BatchNorm statistics). Host syncs are fine here: this is not
+        the training hot path.
+        """
+        boxes, scores = self(images)
+        return multiclass_nms(boxes, scores, score_thresh, iou_thresh, max_det, pre_nms_topk)
+
+    @torch.no_grad()
+    def fuse(self) -> "Detector":
+        """Fuse re-parameterisable blocks (RepVGG branches, then conv+BN) for inference.
+
+        Eval-mode outputs stay the same; the fused model can no longer be trained.
+        """
+        # Multi-branch blocks (``fuse_first``, e.g. RepVGG) fold their own conv+BN children,
+        # so they go first; the remaining conv+BN pairs are folded after.
+        for first in (True, False):
+            for m in list(self.modules()):
+                if m is not self and hasattr(m, "fuse") and getattr(m, "fuse_first", False) == first:
+                    m.fuse()
+        return self
+
+
+def multiclass_nms(
+    boxes: Tensor,
+    scores: Tensor,
+    score_thresh: float = 0.01,
+    iou_thresh: float = 0.7,
+    max_det: int = 300,
+    pre_nms_topk: int = 1000,
+) -> list[dict[str, Tensor]]:
+    """Class-aware NMS over dense predictions.
+
+    Per image: the ``pre_nms_topk`` highest (anchor, class) scores over all classes that
+    exceed ``score_thresh`` are candidates; ``torchvision.ops.batched_nms`` (per class,
+    IoU ``iou_thresh``); the best ``max_det`` are kept, by score. Paddle's MultiClassNMS
+    applies its ``nms_top_k`` per class; one top-k over all classes bounds the NMS cost
+    (at most ``pre_nms_topk`` boxes) and keeps the same boxes whenever fewer than
+    ``pre_nms_topk`` candidates pass the threshold.
+
+    Args:
+        boxes: [B, A, 4] xyxy; scores: [B, A, C].
+    """
+    out = []
+    num_classes = scores.shape[-1]
+    for b in range(boxes.shape[0]):
+        s = scores[b].reshape(-1)  # [A * C], anchor-major
+        k = min(pre_nms_topk, s.numel())
+        top_s, top_i = s.topk(k)
+        keep = top_s > score_thresh
+        top_s, top_i = top_s[keep], top_i[keep]
+        anchor = torch.div(top_i, num_classes, rounding_mode="floor")
+        labels = top_i % num_classes
+        cand = boxes[b][anchor].float()
+        kept = torchvision.ops.batched_nms(cand, top_s.float(), labels, iou_thresh)[:max_det]
+        out.append({"boxes": cand[kept], "scores": top_s[kept], "labels": labels[kept]})
+    return out
+
+
+def rescale_boxes(boxes: Tensor, input_hw: Sequence[int], orig_hw: Sequence[int] | Tensor) -> Tensor:
+    """Map ``[K, 4]`` xyxy boxes from the network input to the original image and clip.
+
+    x scales by ``orig_w / input_w``, y by ``orig_h / input_h`` (eval resizes without
+    keeping the aspect ratio, as PP-YOLOE does); ``orig_hw`` is ``(height, width)`` as in
+    the batch's ``orig_sizes``.
+    """
+    in_h, in_w = (float(v) for v in input_hw)
+    o_h, o_w = (float(v) for v in orig_hw)
+    scale = boxes.new_tensor([o_w / in_w, o_h / in_h, o_w / in_w, o_h / in_h])
+    out = boxes * scale
+    out[:, 0::2] = out[:, 0::2].clamp(0, o_w)
+    out[:, 1::2] = out[:, 1::2].clamp(0, o_h)
+    return out

@@ -1,0 +1,340 @@
+"""PP-YOLOE (Xu et al. 2022): CustomCSPPAN neck, PPYOLOEHead with its loss, and the s/m/l/x presets.
+
+Follows PaddleDetection (configs/ppyoloe/_base_/ppyoloe_crn.yml;
+ppdet/modeling/necks/custom_pan.py, heads/ppyoloe_head.py). The backbone is
+:class:`fastdet.models.backbones.cspresnet.CSPResNet`.
+
+Feature maps, anchors and predictions are ordered as in Paddle: stride 32, 16, 8
+(A = sum of H_l * W_l, coarsest level first). The loss is computed in stride units
+(boxes divided by their level's stride), the assigners see pixels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastdet.losses import all_reduce_mean, distribution_focal_loss, giou_loss, varifocal_loss
+from fastdet.models.backbones.cspresnet import CSPResNet, scale_channels, scale_depths
+from fastdet.models.detector import ArchFamily, Detector
+from fastdet.models.layers import SPP, BasicBlock, ConvBNAct
+from fastdet.ops import atss_assign, task_aligned_assign
+
+# size -> (depth_mult, width_mult), PaddleDetection configs/ppyoloe/ppyoloe_crn_{s,m,l,x}_300e_coco.yml
+SIZES: dict[str, tuple[float, float]] = {
+    "s": (0.33, 0.50),
+    "m": (0.67, 0.75),
+    "l": (1.00, 1.00),
+    "x": (1.33, 1.25),
+}
+
+
+# --------------------------------------------------------------------------- neck
+
+
+class CSPStage(nn.Module):
+    """Two 1x1 branches of ``c_out // 2``; one through ``n`` BasicBlocks (no residual) with an
+    SPP after block ``(n - 1) // 2`` when ``spp``; concat; 1x1 to ``c_out``."""
+
+    def __init__(self, c_in: int, c_out: int, n: int, act: str = "swish", spp: bool = False, alpha: bool = False):
+        super().__init__()
+        c_mid = c_out // 2
+        self.conv1 = ConvBNAct(c_in, c_mid, 1, act=act)
+        self.conv2 = ConvBNAct(c_in, c_mid, 1, act=act)
+        blocks: list[nn.Module] = []
+        for i in range(n):
+            blocks.append(BasicBlock(c_mid, c_mid, act=act, shortcut=False, alpha=alpha))
+            if spp and i == (n - 1) // 2:
+                blocks.append(SPP(c_mid * 4, c_mid, 1, (5, 9, 13), act=act))
+        self.convs = nn.Sequential(*blocks)
+        self.conv3 = ConvBNAct(c_mid * 2, c_out, 1, act=act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv3(torch.cat([self.conv1(x), self.convs(self.conv2(x))], dim=1))
+
+
+class CustomCSPPAN(nn.Module):
+    """FPN top-down then PAN bottom-up over CSPStages (``stage_num`` 1, transformer off).
+
+    Args:
+        in_channels: backbone widths, finest first (e.g. strides 8, 16, 32).
+        out_channels: output widths, coarsest first (l: 768, 384, 192), before ``width_mult``.
+    Returns (forward): features coarsest first (strides 32, 16, 8).
+    """
+
+    def __init__(
+        self,
+        in_channels: Sequence[int],
+        out_channels: Sequence[int] = (768, 384, 192),
+        width_mult: float = 1.0,
+        depth_mult: float = 1.0,
+        block_num: int = 3,
+        act: str = "swish",
+        spp: bool = True,
+        use_alpha: bool = False,
+    ):
+        super().__init__()
+        out_ch = scale_channels(out_channels, width_mult)
+        n = scale_depths([block_num], depth_mult)[0]
+        in_ch = list(in_channels)[::-1]  # coarsest first
+        self.num_levels = len(in_ch)
+        self.out_channels = out_ch
+
+        self.fpn_stages = nn.ModuleList()
+        self.fpn_routes = nn.ModuleList()
+        ch_pre = 0
+        for i, (c_in, c_out) in enumerate(zip(in_ch, out_ch)):
+            if i > 0:
+                c_in += ch_pre // 2
+            self.fpn_stages.append(CSPStage(c_in, c_out, n, act=act, spp=spp and i == 0, alpha=use_alpha))
+            if i < self.num_levels - 1:
+                self.fpn_routes.append(ConvBNAct(c_out, c_out // 2, 1, act=act))
+            ch_pre = c_out
+
+        # PAN modules are indexed by the level they produce (0 = coarsest), as in Paddle.
+        pan_stages, pan_routes = [], []
+        for i in reversed(range(self.num_levels - 1)):
+            pan_routes.append(ConvBNAct(out_ch[i + 1], out_ch[i + 1], 3, stride=2, act=act))
+            pan_stages.append(CSPStage(out_ch[i] + out_ch[i + 1], out_ch[i], n, act=act, alpha=use_alpha))
+        self.pan_stages = nn.ModuleList(pan_stages[::-1])
+        self.pan_routes = nn.ModuleList(pan_routes[::-1])
+
+    def forward(self, feats: Sequence[Tensor]) -> list[Tensor]:
+        fpn = []
+        route = None
+        for i, block in enumerate(list(feats)[::-1]):
+            if route is not None:
+                block = torch.cat([route, block], dim=1)
+            route = self.fpn_stages[i](block)
+            fpn.append(route)
+            if i < self.num_levels - 1:
+                route = F.interpolate(self.fpn_routes[i](route), scale_factor=2.0, mode="nearest")
+        pan = [fpn[-1]]
+        route = fpn[-1]
+        for i in reversed(range(self.num_levels - 1)):
+            route = self.pan_stages[i](torch.cat([self.pan_routes[i](route), fpn[i]], dim=1))
+            pan.append(route)
+        return pan[::-1]
+
+
+# --------------------------------------------------------------------------- head
+
+
+class ESEAttn(nn.Module):
+    """``ConvBNAct1x1(feat * sigmoid(fc(mean(feat))))``; fc initialised N(0, 0.001)."""
+
+    def __init__(self, channels: int, act: str = "swish"):
+        super().__init__()
+        self.fc = nn.Conv2d(channels, channels, 1)
+        self.conv = ConvBNAct(channels, channels, 1, act=act)
+        nn.init.normal_(self.fc.weight, std=0.001)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, feat: Tensor, avg_feat: Tensor) -> Tensor:
+        return self.conv(feat * self.fc(avg_feat).sigmoid())
+
+
+class PPYOLOEHead(nn.Module):
+    """Decoupled head with ESE attention per level, varifocal classification and DFL regression.
+
+    Args:
+        in_channels: neck widths in ``strides`` order (coarsest first).
+        strides: (32, 16, 8).
+        reg_max: DFL bins are 0..reg_max (17 for 16); distances in stride units.
+        grid_cell_scale / grid_cell_offset: ATSS anchor side (x stride) and point offset.
+        static_topk / topk, alpha, beta: ATSS and task-aligned assigner settings.
+        loss_weights: class (VFL), iou (GIoU), dfl.
+    """
+
+    def __init__(
+        self,
+        in_channels: Sequence[int],
+        num_classes: int = 80,
+        strides: Sequence[int] = (32, 16, 8),
+        reg_max: int = 16,
+        grid_cell_scale: float = 5.0,
+        grid_cell_offset: float = 0.5,
+        static_topk: int = 9,
+        topk: int = 13,
+        alpha: float = 1.0,
+        beta: float = 6.0,
+        loss_weights: Mapping[str, float] | None = None,
+        act: str = "swish",
+    ):
+        super().__init__()
+        if len(in_channels) != len(strides):
+            raise ValueError(f"PPYOLOEHead: {len(in_channels)} input levels but {len(strides)} strides")
+        self.num_classes = num_classes
+        self.strides = tuple(strides)
+        self.reg_max = reg_max
+        self.grid_cell_scale = grid_cell_scale
+        self.grid_cell_offset = grid_cell_offset
+        self.static_topk, self.topk, self.alpha, self.beta = static_topk, topk, alpha, beta
+        self.loss_weights = dict(loss_weights or {"class": 1.0, "iou": 2.5, "dfl": 0.5})
+
+        self.stem_cls = nn.ModuleList(ESEAttn(c, act) for c in in_channels)
+        self.stem_reg = nn.ModuleList(ESEAttn(c, act) for c in in_channels)
+        self.pred_cls = nn.ModuleList(nn.Conv2d(c, num_classes, 3, padding=1) for c in in_channels)
+        self.pred_reg = nn.ModuleList(nn.Conv2d(c, 4 * (reg_max + 1), 3, padding=1) for c in in_channels)
+        prior_bias = -math.log((1 - 0.01) / 0.01)  # sigmoid(bias) = 0.01
+        for cls_conv, reg_conv in zip(self.pred_cls, self.pred_reg):
+            nn.init.zeros_(cls_conv.weight)
+            nn.init.constant_(cls_conv.bias, prior_bias)
+            nn.init.zeros_(reg_conv.weight)
+            nn.init.constant_(reg_conv.bias, 1.0)
+        # Paddle's proj_conv: a fixed 1x1 conv with weights 0..reg_max, never trained. A
+        # buffer here, so optimisers and weight decay never see it.
+        self.register_buffer("proj", torch.linspace(0, reg_max, reg_max + 1), persistent=False)
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def raw_outputs(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """-> cls logits [B, A, C], distance logits [B, A, 4, reg_max + 1] (float32)."""
+        cls_list, reg_list = [], []
+        for i, feat in enumerate(feats):
+            avg = feat.mean((2, 3), keepdim=True)
+            cls_logit = self.pred_cls[i](self.stem_cls[i](feat, avg) + feat)  # [B, C, H, W]
+            reg = self.pred_reg[i](self.stem_reg[i](feat, avg))  # [B, 4 * bins, H, W]
+            cls_list.append(cls_logit.flatten(2).transpose(1, 2))
+            reg_list.append(reg.flatten(2).transpose(1, 2))
+        cls = torch.cat(cls_list, dim=1).float()
+        reg = torch.cat(reg_list, dim=1).float()
+        return cls, reg.reshape(reg.shape[0], reg.shape[1], 4, self.reg_max + 1)
+
+    def anchors(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, list[int], Tensor]:
+        """-> anchor boxes [A, 4] px (side grid_cell_scale * stride), points [A, 2] px,
+        anchors per level, stride per anchor [A, 1]."""
+        boxes, points, counts, strides = [], [], [], []
+        for feat, s in zip(feats, self.strides):
+            h, w = feat.shape[-2:]
+            dev = feat.device
+            ys = (torch.arange(h, device=dev, dtype=torch.float32) + self.grid_cell_offset) * s
+            xs = (torch.arange(w, device=dev, dtype=torch.float32) + self.grid_cell_offset) * s
+            yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+            p = torch.stack([xx, yy], dim=-1).reshape(-1, 2)
+            half = self.grid_cell_scale * s / 2
+            boxes.append(torch.cat([p - half, p + half], dim=-1))
+            points.append(p)
+            counts.append(h * w)
+            strides.append(torch.full((h * w, 1), float(s), device=dev))
+        return torch.cat(boxes), torch.cat(points), counts, torch.cat(strides)
+
+    def decode_distances(self, dist_logits: Tensor) -> Tensor:
+        """[B, A, 4, bins] -> expected ltrb distances [B, A, 4] (stride units)."""
+        return dist_logits.softmax(dim=-1) @ self.proj
+
+    @staticmethod
+    def distance_to_box(points: Tensor, ltrb: Tensor) -> Tensor:
+        return torch.cat([points - ltrb[..., :2], points + ltrb[..., 2:]], dim=-1)
+
+    # ------------------------------------------------------------------ inference
+
+    def inference(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """-> boxes [B, A, 4] xyxy input px, scores [B, A, C] probabilities."""
+        cls, dist = self.raw_outputs(feats)
+        _, points, _, stride = self.anchors(feats)
+        boxes = self.distance_to_box(points / stride, self.decode_distances(dist)) * stride
+        return boxes, cls.sigmoid()
+
+    # ------------------------------------------------------------------ training
+
+    def loss(self, feats: Sequence[Tensor], targets: Mapping[str, Tensor], static_assigner: bool = False) -> dict[str, Tensor]:
+        """Named losses; ``static_assigner`` picks ATSS (True) or the task-aligned assigner.
+
+        targets: ``gt_boxes`` [B, M, 4] xyxy input px, ``gt_labels`` [B, M], ``gt_mask`` [B, M] bool.
+        """
+        C = self.num_classes
+        cls_logits, dist = self.raw_outputs(feats)  # [B, A, C], [B, A, 4, bins]
+        anchor_boxes, points, counts, stride = self.anchors(feats)
+        points_s = points / stride  # [A, 2] stride units
+        pred_boxes = self.distance_to_box(points_s, self.decode_distances(dist))  # [B, A, 4] stride units
+        pred_scores = cls_logits.sigmoid()
+
+        mask = targets["gt_mask"].bool()
+        pad_mask = mask[..., None].float()  # [B, M, 1]
+        gt_boxes = targets["gt_boxes"].float() * pad_mask  # padded slots are exactly zero, as Paddle assumes
+        gt_labels = torch.where(mask, targets["gt_labels"].long(), 0)[..., None]  # [B, M, 1]
+        pred_boxes_px = pred_boxes.detach() * stride
+        if static_assigner:
+            labels, boxes, scores = atss_assign(
+                anchor_boxes, counts, gt_labels, gt_boxes, pad_mask, bg_index=C,
+                topk=self.static_topk, pred_bboxes=pred_boxes_px, num_classes=C,
+            )
+        else:
+            labels, boxes, scores = task_aligned_assign(
+                pred_scores.detach(), pred_boxes_px, points, gt_labels, gt_boxes, pad_mask, bg_index=C,
+                topk=self.topk, alpha=self.alpha, beta=self.beta,
+            )
+        boxes = boxes / stride  # [B, A, 4] stride units
+
+        one_hot = (labels[..., None] == torch.arange(C, device=labels.device)).float()  # bg (= C) -> all 0
+        # Normaliser: sum of soft targets, mean over ranks, at least 1.
+        norm = all_reduce_mean(scores.sum().detach()).clamp(min=1.0)
+        loss_cls = varifocal_loss(cls_logits, scores, one_hot) / norm
+
+        fg = labels != C  # [B, A]
+        fg_f = fg.float()
+        weight = scores.sum(-1) * fg_f  # [B, A]
+        # Negatives get their own (detached) prediction as target: zero loss, finite gradient.
+        safe_boxes = torch.where(fg[..., None], boxes, pred_boxes.detach())
+        loss_iou = (giou_loss(pred_boxes, safe_boxes) * weight).sum() / norm
+        ltrb = torch.cat([points_s - safe_boxes[..., :2], safe_boxes[..., 2:] - points_s], dim=-1)
+        ltrb = ltrb.clamp(0.0, self.reg_max - 0.01)
+        loss_dfl = (distribution_focal_loss(dist, ltrb).mean(-1) * weight).sum() / norm
+        with torch.no_grad():  # logged only, as in Paddle
+            num_pos = fg_f.sum()
+            loss_l1 = ((pred_boxes - safe_boxes).abs().sum(-1) * fg_f).sum() / (4 * num_pos).clamp(min=1.0)
+
+        w = self.loss_weights
+        total = w["class"] * loss_cls + w["iou"] * loss_iou + w["dfl"] * loss_dfl
+        return {
+            "total_loss": total,
+            "loss_cls": loss_cls,
+            "loss_iou": loss_iou,
+            "loss_dfl": loss_dfl,
+            "loss_l1": loss_l1,
+        }
+
+
+# --------------------------------------------------------------------------- model
+
+
+class PPYOLOE(Detector):
+    """PP-YOLOE. ``loss_kwargs(epoch)`` selects ATSS for ``epoch < static_assigner_epoch``."""
+
+    def __init__(self, backbone: nn.Module, neck: nn.Module, head: PPYOLOEHead, static_assigner_epoch: int = 100):
+        super().__init__(backbone, neck, head)
+        self.static_assigner_epoch = static_assigner_epoch
+
+    def loss_kwargs(self, epoch: int) -> dict[str, Any]:
+        return {"static_assigner": epoch < self.static_assigner_epoch}
+
+
+def build_ppyoloe(
+    size: str,
+    num_classes: int = 80,
+    *,
+    static_assigner_epoch: int = 100,
+    use_alpha: bool = False,
+    width_mult: float | None = None,
+    depth_mult: float | None = None,
+) -> PPYOLOE:
+    """PP-YOLOE of ``size`` in s/m/l/x (CSPResNet + CustomCSPPAN + PPYOLOEHead).
+
+    ``use_alpha`` gives the PP-YOLOE+ RepVGG scale; ``width_mult`` / ``depth_mult`` override
+    the size's multipliers (e.g. a narrower model for quick experiments).
+    """
+    d, w = SIZES[size]
+    d = d if depth_mult is None else depth_mult
+    w = w if width_mult is None else width_mult
+    backbone = CSPResNet(width_mult=w, depth_mult=d, return_idx=(1, 2, 3), use_large_stem=True, use_alpha=use_alpha)
+    neck = CustomCSPPAN(backbone.out_channels, (768, 384, 192), width_mult=w, depth_mult=d, use_alpha=use_alpha)
+    head = PPYOLOEHead(neck.out_channels, num_classes=num_classes, strides=(32, 16, 8))
+    return PPYOLOE(backbone, neck, head, static_assigner_epoch=static_assigner_epoch)
+
+
+FAMILY = ArchFamily(build=build_ppyoloe, sizes=tuple(SIZES), config_fields=("static_assigner_epoch",))
