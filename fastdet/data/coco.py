@@ -323,6 +323,32 @@ def _parse_images(ann_file: Path, images: list) -> list[tuple[int, str, int, int
     return out
 
 
+def _check_annotation(
+    ann_file: Path, i: int, a: Any, image_index: dict[int, int], label_of: dict[int, int]
+) -> None:
+    """Raise the one-line :class:`DataError` for annotation ``i`` if it is invalid."""
+    if not isinstance(a, dict):
+        raise DataError(f"{ann_file}: annotations[{i}]: must be an object")
+    aid = a.get("id")
+    where = f"{ann_file}: annotation id {aid}" if _is_int(aid) else f"{ann_file}: annotations[{i}]"
+    image_id = a.get("image_id")
+    if not _is_int(image_id):
+        raise DataError(f"{where}: field 'image_id' must be an integer, got {image_id!r}")
+    if image_id not in image_index:
+        raise DataError(f"{where}: image_id {image_id} is not in 'images'")
+    cat = a.get("category_id")
+    if not _is_int(cat):
+        raise DataError(f"{where}: field 'category_id' must be an integer, got {cat!r}")
+    if cat not in label_of:
+        raise DataError(f"{where}: category_id {cat} is not in 'categories'")
+    bbox = a.get("bbox")
+    if not isinstance(bbox, list) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
+        raise DataError(f"{where}: field 'bbox' must be 4 finite numbers [x, y, w, h], got {bbox!r}")
+    iscrowd = a.get("iscrowd", 0)
+    if type(iscrowd) is not int or iscrowd not in (0, 1):
+        raise DataError(f"{where}: field 'iscrowd' must be 0 or 1, got {iscrowd!r}")
+
+
 def _parse_annotations(
     ann_file: Path, anns: list, image_index: dict[int, int], label_of: dict[int, int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -330,40 +356,45 @@ def _parse_annotations(
 
     Returns ``img`` [A] int64 (index into the images list), ``xywh`` [A, 4] float64,
     ``label`` [A] int64, ``crowd`` [A] bool, ``ann_id`` [A] int64 (-1 when absent).
+
+    The whole list is checked column by column (COCO train has 860k annotations); only
+    when a check fails are the annotations walked one by one to name the first bad one.
     """
     n = len(anns)
-    img = np.empty(n, np.int64)
-    xywh = np.empty((n, 4), np.float64)
-    label = np.empty(n, np.int64)
-    crowd = np.empty(n, bool)
-    ann_id = np.empty(n, np.int64)
-    for i, a in enumerate(anns):
-        if not isinstance(a, dict):
-            raise DataError(f"{ann_file}: annotations[{i}]: must be an object")
-        aid = a.get("id")
-        where = f"{ann_file}: annotation id {aid}" if _is_int(aid) else f"{ann_file}: annotations[{i}]"
-        image_id = a.get("image_id")
-        if not _is_int(image_id):
-            raise DataError(f"{where}: field 'image_id' must be an integer, got {image_id!r}")
-        if image_id not in image_index:
-            raise DataError(f"{where}: image_id {image_id} is not in 'images'")
-        cat = a.get("category_id")
-        if not _is_int(cat):
-            raise DataError(f"{where}: field 'category_id' must be an integer, got {cat!r}")
-        if cat not in label_of:
-            raise DataError(f"{where}: category_id {cat} is not in 'categories'")
-        bbox = a.get("bbox")
-        if not isinstance(bbox, list) or len(bbox) != 4 or not all(_is_number(v) for v in bbox):
-            raise DataError(f"{where}: field 'bbox' must be 4 finite numbers [x, y, w, h], got {bbox!r}")
-        iscrowd = a.get("iscrowd", 0)
-        if iscrowd not in (0, 1) or isinstance(iscrowd, float):
-            raise DataError(f"{where}: field 'iscrowd' must be 0 or 1, got {iscrowd!r}")
-        img[i] = image_index[image_id]
-        xywh[i] = bbox
-        label[i] = label_of[cat]
-        crowd[i] = bool(iscrowd)
-        ann_id[i] = aid if _is_int(aid) else -1
+    try:
+        if {type(a) for a in anns} - {dict}:
+            raise _Invalid
+        image_ids = [a.get("image_id") for a in anns]
+        cats = [a.get("category_id") for a in anns]
+        bboxes = [a.get("bbox") for a in anns]
+        crowd_raw = [a.get("iscrowd", 0) for a in anns]
+        if {type(v) for v in image_ids} - {int} or {type(v) for v in cats} - {int}:
+            raise _Invalid
+        if {type(v) for v in crowd_raw} - {int} or set(crowd_raw) - {0, 1}:
+            raise _Invalid
+        if {type(b) for b in bboxes} - {list} or {len(b) for b in bboxes} - {4}:
+            raise _Invalid
+        flat = [v for b in bboxes for v in b]
+        if {type(v) for v in flat} - {int, float}:
+            raise _Invalid
+        xywh = np.array(flat, np.float64).reshape(n, 4)
+        if not np.isfinite(xywh).all():
+            raise _Invalid
+        img = np.array([image_index.get(v, -1) for v in image_ids], np.int64)
+        label = np.array([label_of.get(v, -1) for v in cats], np.int64)
+        if (img < 0).any() or (label < 0).any():
+            raise _Invalid
+    except _Invalid:
+        for i, a in enumerate(anns):
+            _check_annotation(ann_file, i, a, image_index, label_of)
+        raise AssertionError("an annotation failed the column checks but passed the per-item check") from None
+    crowd = np.array(crowd_raw, bool)
+    ann_id = np.array([a["id"] if type(a.get("id")) is int else -1 for a in anns], np.int64)
     return img, xywh, label, crowd, ann_id
+
+
+class _Invalid(Exception):
+    """Some annotation is invalid; which one is found by the per-item check."""
 
 
 # --------------------------------------------------------------------------- image checks
