@@ -173,6 +173,25 @@ def test_bbox_must_be_four_numbers(tmp_path, bbox):
 @pytest.mark.parametrize(
     "field, value, message",
     [
+        ("iscrowd", 2, r"annotation id 3: field 'iscrowd' must be 0 or 1, got 2"),
+        ("iscrowd", "1", r"annotation id 3: field 'iscrowd' must be 0 or 1, got '1'"),
+        ("image_id", "20", r"annotation id 3: field 'image_id' must be an integer, got '20'"),
+        ("category_id", 2.0, r"annotation id 3: field 'category_id' must be an integer, got 2.0"),
+        ("id", None, r"annotations\[2\]: field 'bbox' must be 4 finite numbers"),
+    ],
+)
+def test_mistyped_annotation_fields(tmp_path, field, value, message):
+    anns = good_annotations()
+    anns[2][field] = value
+    if field == "id":
+        anns[2]["bbox"] = [0, 0, 1]  # without an id the error names the position
+    ann, img_dir = make_set(tmp_path, annotations=anns, write_images=False)
+    raises_one_line(message, ann, img_dir, train=True)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
         ("width", "64", r"images\[0\] \(id 10\): field 'width' must be a positive integer, got '64'"),
         ("height", 0, r"images\[0\] \(id 10\): field 'height' must be a positive integer, got 0"),
         ("file_name", None, r"images\[0\] \(id 10\): field 'file_name' must be a non-empty string"),
