@@ -401,3 +401,13 @@ def test_resolve_root_without_val_split(demo_small: Path, tmp_path):
     (root / "train2017").mkdir()
     with pytest.raises(DataError, match=r"annotations/instances_val2017.json not found"):
         resolve_data(DataConfig(data=str(root)))
+
+
+def test_an_unwritable_cache_only_warns(tmp_path, caplog):
+    ann, img_dir = make_set(tmp_path / "set")
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    with caplog.at_level("WARNING", logger="fastdet.data.coco"):
+        ds = load_coco(ann, img_dir, train=True, check_images="decode", cache_dir=blocker)
+    assert sorted(ds.image_ids) == [10, 20, 30]
+    assert "could not write the image-check cache" in caplog.text

@@ -439,10 +439,14 @@ def _load_cache(path: Path, image_dir: Path) -> dict[str, list]:
 
 
 def _save_cache(path: Path, image_dir: Path, entries: dict[str, list]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"image_dir": str(image_dir.resolve()), "entries": entries}))
-    os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"image_dir": str(image_dir.resolve()), "entries": entries}))
+        os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
+    except OSError as e:  # a read-only cache only costs the next run another check
+        log.warning("could not write the image-check cache %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
 
 
 def _check_images(
