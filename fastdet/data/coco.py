@@ -446,7 +446,8 @@ def _save_cache(path: Path, image_dir: Path, entries: dict[str, list]) -> None:
         os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written cache
     except OSError as e:  # a read-only cache only costs the next run another check
         log.warning("could not write the image-check cache %s: %s", path, e)
-        tmp.unlink(missing_ok=True)
+        if tmp.is_file():
+            tmp.unlink()
 
 
 def _check_images(
