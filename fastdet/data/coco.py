@@ -163,7 +163,8 @@ class DataReport:
     image_skips: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
 
-    def _add(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
+    def count(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
+        """Add ``n`` to ``counter[reason]`` (``box_skips`` or ``image_skips``), keeping a few examples."""
         counter[reason] += n
         shown = self.examples.setdefault(reason, [])
         for ex in examples:
@@ -543,7 +544,7 @@ def load_coco(
                 status, detail = "size mismatch", f"{path}: file is {fw}x{fh}, JSON says {w}x{h}"
             if status != "ok":
                 usable[i] = False
-                report._add(report.image_skips, status, examples=[path])
+                report.count(report.image_skips, status, examples=[path])
                 if detail:
                     log.debug("%s: %s", status, detail)
 
@@ -562,7 +563,7 @@ def load_coco(
     for reason, m in (("crowd", crowd), ("degenerate", degenerate), ("outside image", outside)):
         n = int(m.sum())
         if n:
-            report._add(report.box_skips, reason, n, (f"annotation id {a}" for a in ann_id[m][:_SHOWN_EXAMPLES]))
+            report.count(report.box_skips, reason, n, (f"annotation id {a}" for a in ann_id[m][:_SHOWN_EXAMPLES]))
     kept = ~(crowd | degenerate | outside)
     boxes = np.stack([cx0, cy0, cx1, cy1], axis=1)[kept].astype(np.float32)  # [K, 4]
     labels = label[kept]
@@ -577,7 +578,7 @@ def load_coco(
             continue
         b, e = starts[i], starts[i + 1]
         if b == e and not keep_empty:
-            report._add(report.image_skips, "without boxes")
+            report.count(report.image_skips, "without boxes")
             continue
         records.append(ImageRecord(
             image_id=image_id,
