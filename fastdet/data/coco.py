@@ -91,18 +91,20 @@ _FLAGS = {
 }
 
 
-def resolve_data(data_cfg: DataConfig) -> DataPaths:
+def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val")) -> DataPaths:
     """Where the training and validation annotations and images are.
 
     ``data_cfg.data`` is ``"demo"`` (the built-in set, generated on first use under
     ``data_cfg.cache_dir``) or a COCO root holding ``annotations/instances_{train,val}2017.json``
     and ``{train,val}2017/``. Each of ``train_ann``, ``train_images``, ``val_ann``,
     ``val_images`` that is set overrides the root's path. Every path is checked; a
-    missing one raises :class:`DataError` naming the flag and the path.
+    missing one raises :class:`DataError` naming the flag and the path. Only the
+    ``splits`` asked for are resolved (evaluation needs no training set); the others are None.
     """
+    wanted = [k for k in _FLAGS if k.split("_")[0] in splits]
     explicit = {k: getattr(data_cfg, k) for k in _FLAGS}
     base: DataPaths | None = None
-    if any(v is None for v in explicit.values()):
+    if any(explicit[k] is None for k in wanted):
         if data_cfg.data == "demo":
             base = coco_layout(demo.demo_root(data_cfg.cache_dir))
         else:
@@ -113,8 +115,9 @@ def resolve_data(data_cfg: DataConfig) -> DataPaths:
                     "with annotations/ and train2017/, val2017/)"
                 )
             base = coco_layout(root)
-    out = {}
-    for key, flag in _FLAGS.items():
+    out: dict[str, Any] = {k: None for k in _FLAGS}
+    for key in wanted:
+        flag = _FLAGS[key]
         if explicit[key] is not None:
             path, origin = Path(explicit[key]).expanduser(), flag
         else:
