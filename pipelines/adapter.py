@@ -1,0 +1,248 @@
+"""DALI pipelines behind the loader interface of ``fastdet.data.loader``.
+
+Each loader owns one pipeline fed by an endless, iteration-keyed source (see
+``sources``): a pass runs it ``len(loader)`` times and turns the outputs into torch
+tensors without a copy (DLPack; on a GPU bound to torch's current stream, so no host
+synchronisation). Because the stream runs on across epochs, DALI keeps prefetching
+through epoch boundaries; ``set_epoch`` to an epoch the stream is not positioned at
+(resume, or a pass broken off early) rebuilds the pipeline there.
+
+DALI stops the pipeline for good on a file it cannot decode and cannot skip a sample,
+so its records must be decode-verified: :func:`verified_records` runs the COCO
+layer's cached ``"decode"`` check unless the set was loaded with it, and leaves out
+(counting them) the images that fail.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from fastdet.config import Config
+from fastdet.data.augment import PPYOLOE, AugmentSpec, ImageDecodeError, decode_image
+from fastdet.data.loader import EvalSchedule, LoaderError, TrainSchedule, empty_batch
+from fastdet.data.records import BATCH_KEYS, ImageRecord
+from fastdet.pipelines.detection import OUTPUTS, detection_pipeline
+from fastdet.pipelines.sources import EvalSource, TrainSource, _RecordSource
+
+log = logging.getLogger(__name__)
+
+
+def verified_records(dataset: Any, cfg: Config) -> tuple[list[ImageRecord], int]:
+    """``(records that decode, number left out)``; trusts a set loaded with ``check_images="decode"``."""
+    records = list(dataset.records)
+    if cfg.data.check_images == "decode":
+        return records, 0
+    from fastdet.data import coco
+
+    by_dir: dict[Path, list[int]] = defaultdict(list)
+    for i, r in enumerate(records):
+        by_dir[Path(r.file).parent].append(i)
+    bad: list[int] = []
+    report = getattr(dataset, "report", None)
+    for d, idx in by_dir.items():
+        checks = coco._check_images(d, [Path(records[i].file).name for i in idx], "decode", cfg.data.cache_dir)
+        for i, (status, w, h, _) in zip(idx, checks):
+            if status == "ok" and (w, h) != (records[i].width, records[i].height):
+                status = "size mismatch"
+            if status != "ok":
+                bad.append(i)
+                if report is not None:
+                    report.count(report.image_skips, status, 1, [records[i].file])
+    if bad:
+        shown = ", ".join(records[i].file for i in bad[:3])
+        log.warning(
+            "DALI loader: left out %d image(s) that do not decode (%s%s)",
+            len(bad), shown, ", ..." if len(bad) > 3 else "",
+        )
+        drop = set(bad)
+        records = [r for i, r in enumerate(records) if i not in drop]
+    if not records:
+        raise LoaderError(f"{dataset.ann_file}: no image decodes")
+    return records, len(bad)
+
+
+class _DaliLoader:
+    backend = "dali"
+
+    def __init__(
+        self, cfg: Config, records: list[ImageRecord], *, device: torch.device, augment: Optional[AugmentSpec]
+    ) -> None:
+        d = cfg.data
+        self.records = records
+        self.device = device
+        self.max_boxes = d.max_boxes
+        self.channels_last = d.channels_last
+        self.augment = augment
+        self.num_threads = max(1, int(d.num_workers))
+        self.boxes_truncated = 0  # boxes beyond max_boxes (the smallest ones)
+        self.left_out = 0  # records that failed the decode check (set by the builder)
+        if device.type == "cuda":
+            self._pixels = "gpu"
+            self._device_id = device.index if device.index is not None else torch.cuda.current_device()
+        else:
+            self._pixels, self._device_id = "cpu", None
+        self._pipe = None
+        self._source: _RecordSource | None = None
+
+    def _build(self, source: _RecordSource, batch_size: int, seed: int) -> None:
+        self.close()
+        self._source = source
+        self._pipe = detection_pipeline(
+            source,
+            device=self._pixels,
+            augment=self.augment,
+            max_boxes=self.max_boxes,
+            channels_last=self.channels_last,
+            batch_size=batch_size,
+            num_threads=self.num_threads,
+            device_id=self._device_id,
+            seed=seed,
+            prefetch_queue_depth=2,
+        )
+        self._pipe.build()
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        try:
+            if self._pixels == "gpu":
+                outs = self._pipe.run(torch.cuda.current_stream(self.device))
+            else:
+                outs = self._pipe.run()
+        except RuntimeError as e:
+            raise self._explain(e) from None
+        named = dict(zip(OUTPUTS, outs))
+        batch = {}
+        for k in BATCH_KEYS:
+            if self._pixels == "gpu":
+                with torch.cuda.device(self.device):
+                    batch[k] = torch.from_dlpack(named[k].as_tensor())
+            else:
+                batch[k] = torch.from_dlpack(named[k].as_tensor())
+        self.boxes_truncated += int(np.asarray(named["overflow"].as_tensor()).sum())
+        if self.channels_last:
+            batch["images"] = batch["images"].permute(0, 3, 1, 2)  # [B, 3, H, W] with channels-last strides
+        return batch
+
+    def _explain(self, err: RuntimeError) -> LoaderError:
+        """A one-line error naming the file when DALI failed to decode one."""
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        files = [f for fs in (self._source.recent.values() if self._source else []) for f in fs]
+        for f in dict.fromkeys(files):
+            try:
+                decode_image(f)
+            except ImageDecodeError:
+                return LoaderError(
+                    f"DALI cannot decode {f}: load the data with --set data.check_images=decode "
+                    "(corrupt images are then skipped and counted) or use --loader torch"
+                )
+        return LoaderError(f"DALI pipeline failed: {msg}")
+
+    def report(self) -> str:
+        """One line: what this loader left out or truncated so far."""
+        parts = []
+        if self.left_out:
+            parts.append(f"{self.left_out} images that do not decode left out")
+        if self.boxes_truncated:
+            parts.append(f"{self.boxes_truncated} boxes beyond max_boxes={self.max_boxes} dropped")
+        return "; ".join(parts) if parts else "nothing skipped"
+
+    def close(self) -> None:
+        """Release the pipeline (and its device memory)."""
+        if self._source is not None:
+            self._source.close()
+        self._pipe, self._source = None, None
+
+
+class DaliTrainLoader(_DaliLoader):
+    """Training batches of a :class:`TrainSchedule`; successive passes are successive epochs."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        records: list[ImageRecord],
+        schedule: TrainSchedule,
+        *,
+        device: torch.device,
+        seed: int,
+        rank: int,
+        spec: Optional[AugmentSpec] = None,
+    ) -> None:
+        # spec: the augmentation (default: PP-YOLOE's when cfg.data.augment, else none).
+        spec = spec if spec is not None else (PPYOLOE if cfg.data.augment else None)
+        super().__init__(cfg, records, device=device, augment=spec)
+        self.schedule = schedule
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.epoch = 0
+        self._next: tuple[int, int] | None = None  # (epoch, step) the stream yields next
+
+    def __len__(self) -> int:
+        return self.schedule.steps_per_epoch
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.schedule.sizes
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _restart(self, epoch: int) -> None:
+        # The augmentation RNG differs per rank and per restart point, and is fixed by the seed.
+        seed = int(np.random.SeedSequence([self.seed, self.rank, epoch]).generate_state(1)[0] >> 1)
+        a = self.augment
+        source = TrainSource(
+            self.records,
+            self.schedule,
+            epoch,
+            reader_threads=self.num_threads,
+            with_wh=a is not None and (a.expand_prob > 0 or a.crop),
+        )
+        self._build(source, self.schedule.batch_size, seed)
+        self._next = (epoch, 0)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, steps = self.epoch, self.schedule.steps_per_epoch
+        if self._pipe is None or self._next != (epoch, 0):
+            self._restart(epoch)
+        for step in range(steps):
+            batch = self._next_batch()
+            self._next = (epoch, step + 1) if step + 1 < steps else (epoch + 1, 0)
+            yield batch
+        self.epoch = epoch + 1
+
+
+class DaliEvalLoader(_DaliLoader):
+    """Evaluation batches of an :class:`EvalSchedule` (every record once over all ranks)."""
+
+    def __init__(self, cfg: Config, records: list[ImageRecord], schedule: EvalSchedule, *, device: torch.device) -> None:
+        super().__init__(cfg, records, device=device, augment=None)
+        self.schedule = schedule
+        self._next = -1  # the non-empty step the stream yields next (-1: no pipeline)
+
+    def __len__(self) -> int:
+        return self.schedule.steps
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.schedule.size,)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Evaluation is the same every epoch."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        s = self.schedule
+        if s.nonempty_steps:
+            if self._pipe is None or self._next != 0:
+                self._build(EvalSource(self.records, s, reader_threads=self.num_threads), s.batch_size, seed=0)
+                self._next = 0
+            for step in range(s.nonempty_steps):
+                batch = self._next_batch()
+                self._next = (step + 1) % s.nonempty_steps
+                yield batch
+        for _ in range(s.steps - s.nonempty_steps):
+            yield empty_batch(s.size, self.max_boxes, channels_last=self.channels_last, device=self.device)

@@ -1,0 +1,177 @@
+"""The stages the detection pipelines are composed of (DALI graph helpers).
+
+Every stage takes and returns DataNodes; the pipeline functions in
+``fastdet.pipelines.detection`` chain them. Pixels live on ``device`` ("gpu" after
+the mixed decoder, or "cpu" in CPU-only mode); boxes and the random parameters are
+always on the CPU (DALI's box operators are CPU-only), and they are small.
+
+The parameters are those of ``fastdet.data.augment`` (the torch back end), which
+documents where each comes from.
+
+Coordinates: boxes enter as xyxy relative to the decoded image. ``expand_crop``
+works on a virtual canvas ``(cw, ch)`` px, never materialised: the crop window,
+rounded to whole canvas pixels, is cut from the original image with
+``slice(out_of_bounds_policy="pad")`` filled with the ImageNet mean, which is what
+RandomExpand followed by RandomCrop produce, without allocating a canvas up to 16
+times the image. Boxes are then re-expressed relative to that integer window, so
+they stay exact through the resize (relative boxes do not change under a resize)
+and are scaled to pixels only at the end (``targets``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import nvidia.dali.fn as fn
+import nvidia.dali.math as dmath
+import nvidia.dali.types as types
+
+from fastdet.data import augment as A
+from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
+
+
+def _maybe(p: float, value, neutral: float):
+    """``value`` with probability ``p``, else ``neutral`` (per sample, CPU)."""
+    on = fn.cast(fn.random.coin_flip(probability=p), dtype=types.FLOAT)
+    return on * value + (1.0 - on) * neutral
+
+
+def decode(encoded, device: str):
+    """JPEG/PNG bytes → uint8 HWC RGB; nvJPEG (mixed) on a GPU. EXIF is ignored, as the JSON sizes."""
+    return fn.decoders.image(
+        encoded,
+        device="mixed" if device == "gpu" else "cpu",
+        output_type=types.RGB,
+        adjust_orientation=False,
+    )
+
+
+def distort(images, prob: float):
+    """PP-YOLOE RandomDistort: brightness, contrast, saturation, hue, each with probability ``prob``."""
+    b = _maybe(prob, fn.random.uniform(range=A.BRIGHTNESS), 1.0)
+    c = _maybe(prob, fn.random.uniform(range=A.CONTRAST), 1.0)
+    s = _maybe(prob, fn.random.uniform(range=A.SATURATION), 1.0)
+    h = _maybe(prob, fn.random.uniform(range=A.HUE), 0.0)
+    images = fn.brightness_contrast(images, brightness=b, contrast=c, contrast_center=A.CONTRAST_CENTER)
+    return fn.hsv(images, hue=h, saturation=s, dtype=types.UINT8)
+
+
+def expand_crop(images, boxes, labels, wh, spec: A.AugmentSpec):
+    """RandomExpand (virtual canvas) + RandomCrop (``random_bbox_crop``) in one cut.
+
+    Args:
+        images: uint8 HWC on the pixel device.
+        boxes: [N, 4] xyxy relative to the image; labels: [N] int32.
+        wh: float32 [2] (width, height) of the image.
+        spec: ``expand_prob``, ``expand_max_ratio`` and ``crop`` are read at build time.
+
+    Returns:
+        ``(window images, boxes [K, 4] relative to the window, labels [K])``.
+    """
+    w, h = wh[0], wh[1]
+    ratio = _maybe(spec.expand_prob, fn.random.uniform(range=[1.0, spec.expand_max_ratio]), 1.0)
+    cw, ch = dmath.floor(w * ratio), dmath.floor(h * ratio)  # canvas px
+    ox = dmath.floor(fn.random.uniform(range=[0.0, 1.0]) * (cw - w))  # image offset on the canvas, px
+    oy = dmath.floor(fn.random.uniform(range=[0.0, 1.0]) * (ch - h))
+    sx, sy, tx, ty = w / cw, h / ch, ox / cw, oy / ch
+    canvas_boxes = boxes * fn.stack(sx, sy, sx, sy) + fn.stack(tx, ty, tx, ty)
+
+    if not spec.crop:
+        return _cut(images, canvas_boxes, labels, 0.0, 0.0, 1.0, 1.0, cw, ch, ox, oy)
+    anchor, shape, win_boxes, win_labels = fn.random_bbox_crop(
+        canvas_boxes,
+        labels,
+        bbox_layout="xyXY",
+        thresholds=list(A.CROP_THRESHOLDS),
+        scaling=list(A.CROP_SCALING),
+        aspect_ratio=list(A.CROP_ASPECT),
+        allow_no_crop=True,
+        # PaddleDetection: the best box must meet the threshold, not every box.
+        all_boxes_above_threshold=False,
+        num_attempts=A.CROP_ATTEMPTS,
+        # Bounded: after every threshold had its attempts, the best candidate is taken.
+        total_num_attempts=A.CROP_ATTEMPTS * (len(A.CROP_THRESHOLDS) + 1),
+        quiet=True,
+    )
+    # An image without boxes is not cropped (PaddleDetection RandomCrop returns early).
+    has = fn.cast(boxes.shape()[0] > 0, dtype=types.FLOAT)
+    ax, ay = anchor[0] * has, anchor[1] * has
+    aw, ah = shape[0] * has + (1.0 - has), shape[1] * has + (1.0 - has)
+    return _cut(images, win_boxes, win_labels, ax, ay, aw, ah, cw, ch, ox, oy)
+
+
+def _cut(images, win_boxes, labels, ax, ay, aw, ah, cw, ch, ox, oy):
+    """Cut the window (relative anchor ``ax, ay``, shape ``aw, ah`` on the ``cw`` x ``ch`` canvas).
+
+    ``win_boxes`` are relative to that float window; the image sits at ``(ox, oy)`` on the canvas.
+    """
+    # The window in whole canvas pixels [x0, x1) x [y0, y1).
+    x0 = dmath.clamp(dmath.floor(ax * cw + 0.5), 0.0, cw - 1.0)
+    y0 = dmath.clamp(dmath.floor(ay * ch + 0.5), 0.0, ch - 1.0)
+    x1 = dmath.clamp(dmath.floor((ax + aw) * cw + 0.5), x0 + 1.0, cw)
+    y1 = dmath.clamp(dmath.floor((ay + ah) * ch + 0.5), y0 + 1.0, ch)
+    ww, wh_ = x1 - x0, y1 - y0
+    # random_bbox_crop's boxes are relative to its float window: re-express them on the integer one.
+    bsx, bsy = aw * cw / ww, ah * ch / wh_
+    btx, bty = (ax * cw - x0) / ww, (ay * ch - y0) / wh_
+    win_boxes = dmath.clamp(win_boxes * fn.stack(bsx, bsy, bsx, bsy) + fn.stack(btx, bty, btx, bty), 0.0, 1.0)
+
+    start = fn.cast(fn.stack(x0 - ox, y0 - oy), dtype=types.INT32)  # in the original image, may be < 0
+    extent = fn.cast(fn.stack(ww, wh_), dtype=types.INT32)
+    images = fn.slice(
+        images,
+        start,
+        extent,
+        axis_names="WH",
+        out_of_bounds_policy="pad",
+        fill_values=list(A.FILL),
+    )
+    return images, win_boxes, labels
+
+
+def flip(boxes, prob: float):
+    """RandomFlip's boxes and the per-sample coin that mirrors the pixels in ``normalize``."""
+    coin = fn.random.coin_flip(probability=prob)
+    return fn.bb_flip(boxes, ltrb=True, horizontal=coin), coin
+
+
+def resize(images, size, interp):
+    """Stretch to the batch's square size (float32 [2] per sample), no antialiasing (cv2-like)."""
+    return fn.resize(
+        images,
+        size=size,
+        interp_type=fn.cast(interp, dtype=types.INTERP_TYPE),
+        antialias=False,
+        dtype=types.UINT8,
+    )
+
+
+def normalize(images, mirror, channels_last: bool):
+    """ImageNet mean/std on 0..255, float32, CHW (or HWC for a channels-last model)."""
+    kw = {} if mirror is None else {"mirror": mirror}
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT,
+        output_layout="HWC" if channels_last else "CHW",
+        mean=list(IMAGENET_MEAN),
+        std=list(IMAGENET_STD),
+        **kw,
+    )
+
+
+def _finalize(boxes: np.ndarray, labels: np.ndarray, size: np.ndarray, *, max_boxes: int):
+    # size is (S_h, S_w); boxes are xyxy relative.
+    scale = np.array([size[1], size[0], size[1], size[0]], np.float32)
+    b, lab, mask, overflow = A.finalize_targets(boxes.reshape(-1, 4) * scale, labels, max_boxes)
+    return b, lab, mask, np.array(overflow, np.int64)
+
+
+def targets(boxes, labels, size, max_boxes: int):
+    """Pixels of the input, < 1 px dropped, the M largest kept and padded (``fastdet.data.targets``).
+
+    Returns ``(gt_boxes [M, 4] f32, gt_labels [M] i64, gt_mask [M] bool, overflow [] i64)`` per sample, CPU.
+    """
+    return fn.python_function(
+        boxes, labels, size, function=partial(_finalize, max_boxes=max_boxes), num_outputs=4
+    )

@@ -1,0 +1,406 @@
+"""Both loader back ends (DALI in CPU-only mode, the torch DataLoader) against the same contract.
+
+- geometry: images holding one white rectangle on black go through each augmentation
+  (resize, flip, expand, crop, and the whole PP-YOLOE chain with colour distortion);
+  the output box must be the tight box of the rectangle's pixels in the output image;
+- padding and masks, multi-scale batches, determinism, sharding, exactly-once eval;
+- with augmentation off the two back ends give the same boxes and nearly the same pixels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastdet.config import Config, DataConfig
+from fastdet.data import augment as A
+from fastdet.data.coco import load_coco
+from fastdet.data.loader import (
+    EvalSchedule,
+    TrainSchedule,
+    build_eval_loader,
+    build_train_loader,
+    train_sizes,
+)
+from fastdet.data.records import BATCH_KEYS, IMAGENET_MEAN, IMAGENET_STD, ImageRecord
+from fastdet.data.torch_backend import TorchTrainLoader
+from fastdet.pipelines.adapter import DaliTrainLoader
+
+BACKENDS = ("dali", "torch")
+SIZES = (96, 128, 160)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # In-process torch workers (num_workers=0) on a shared 2-core machine: avoid OpenMP contention.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_cfg(backend: str, tmp: Path, **data) -> Config:
+    base = dict(
+        loader=backend,
+        batch_size=4,
+        eval_batch_size=3,
+        img_size=160,
+        train_sizes=SIZES,
+        max_boxes=8,
+        num_workers=0,
+        check_images="decode",
+        cache_dir=str(tmp),
+    )
+    base.update(data)
+    return Config(data=DataConfig(**base))
+
+
+@pytest.fixture(scope="module")
+def demo_train(demo_paths):
+    return load_coco(demo_paths.train_ann, demo_paths.train_images, train=True, check_images="decode")
+
+
+@pytest.fixture(scope="module")
+def demo_val(demo_paths):
+    return load_coco(demo_paths.val_ann, demo_paths.val_images, train=False, check_images="decode")
+
+
+def pixels(images: torch.Tensor) -> np.ndarray:
+    """Normalised [B, 3, H, W] → 0..255 float [B, H, W, 3]."""
+    x = images.permute(0, 2, 3, 1).cpu().numpy()
+    return x * np.asarray(IMAGENET_STD, np.float32) + np.asarray(IMAGENET_MEAN, np.float32)
+
+
+def collect(loader, passes: int = 1) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in b.items()} for _ in range(passes) for b in loader]
+
+
+# --------------------------------------------------------------------------- geometry
+
+@pytest.fixture(scope="module")
+def rect_set(tmp_path_factory):
+    """8 PNGs, 160..256 px, each with one white rectangle (>= 48 px a side) on black."""
+    root = tmp_path_factory.mktemp("rects")
+    rng = np.random.default_rng(7)
+    records = []
+    for i in range(8):
+        w, h = int(rng.integers(160, 257)), int(rng.integers(160, 257))
+        rw, rh = int(rng.integers(48, w // 2)), int(rng.integers(48, h // 2))
+        x0, y0 = int(rng.integers(0, w - rw)), int(rng.integers(0, h - rh))
+        img = np.zeros((h, w, 3), np.uint8)
+        img[y0 : y0 + rh, x0 : x0 + rw] = 255
+        f = root / f"{i}.png"
+        Image.fromarray(img).save(f)
+        records.append(ImageRecord(i + 1, str(f), w, h, np.array([[x0, y0, x0 + rw, y0 + rh]], np.float32),
+                                   np.array([i % 3], np.int64)))
+    return records
+
+
+def geometry_loader(backend: str, records, spec: A.AugmentSpec, tmp: Path, seed: int = 0):
+    cfg = make_cfg(backend, tmp, batch_size=4, train_sizes=(128, 160))
+    sched = TrainSchedule(len(records), 4, rank=0, world_size=1, seed=seed, sizes=(128, 160), random_interp=True)
+    cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
+    kw = dict(seed=seed, rank=0) if backend == "dali" else {}
+    return cls(cfg, records, sched, device=torch.device("cpu"), spec=spec, **kw)
+
+
+def rect_pixel_box(img: np.ndarray, white: float) -> np.ndarray | None:
+    """Tight [x0, y0, x1, y1] (pixel edges) of the rectangle's pixels in a 0..255 [H, W, 3] image.
+
+    The rectangle's pixels are grey (distortion keeps R = G = B grey) and at the level
+    ``white``; black is grey but at least 64 levels darker after any distortion, and the
+    mean-filled canvas (and its blends with black) is not grey.
+    """
+    gray = img.mean(axis=2)
+    spread = img.max(axis=2) - img.min(axis=2)
+    ys, xs = np.nonzero((np.abs(gray - white) < 12) & (spread < 8))
+    if len(xs) == 0:
+        return None
+    return np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], np.float32)
+
+
+def run_geometry(backend, records, spec, tmp, *, adaptive=False, epochs=2):
+    """Check every output box against the rectangle's pixels; return per-sample results."""
+    loader = geometry_loader(backend, records, spec, tmp)
+    out = []
+    for _ in range(epochs):
+        for batch in loader:
+            imgs = pixels(batch["images"])
+            size = imgs.shape[1]
+            for b in range(imgs.shape[0]):
+                ids = int(batch["image_ids"][b])
+                m = batch["gt_mask"][b]
+                assert int(m.sum()) <= 1
+                box = batch["gt_boxes"][b][m].numpy()
+                res = dict(id=ids, size=size, box=box[0] if len(box) else None, img=imgs[b])
+                if len(box):
+                    # Distorted: the rectangle's level is read at the box centre.
+                    cx, cy = int((box[0, 0] + box[0, 2]) / 2), int((box[0, 1] + box[0, 3]) / 2)
+                    white = imgs[b][cy, cx].mean() if adaptive else 255.0
+                    tight = rect_pixel_box(imgs[b], white)
+                    assert tight is not None, f"{backend}: a box but no rectangle pixels (image {ids})"
+                    assert np.abs(tight - box[0]).max() <= 2.0, (backend, ids, tight, box[0])
+                    assert int(batch["gt_labels"][b][m][0]) == (ids - 1) % 3
+                out.append(res)
+    return out
+
+
+NO_AUG = A.AugmentSpec(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=0.0)
+
+
+def scaled(rec: ImageRecord, size: int) -> np.ndarray:
+    return rec.boxes[0] * np.array([size / rec.width, size / rec.height] * 2, np.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometry_resize(backend, rect_set, tmp_path):
+    by_id = {r.image_id: r for r in rect_set}
+    for s in run_geometry(backend, rect_set, NO_AUG, tmp_path):
+        np.testing.assert_allclose(s["box"], scaled(by_id[s["id"]], s["size"]), atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometry_flip(backend, rect_set, tmp_path):
+    by_id = {r.image_id: r for r in rect_set}
+    spec = A.AugmentSpec(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=1.0)
+    for s in run_geometry(backend, rect_set, spec, tmp_path):
+        x0, y0, x1, y1 = scaled(by_id[s["id"]], s["size"])
+        np.testing.assert_allclose(s["box"], [s["size"] - x1, y0, s["size"] - x0, y1], atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometry_expand(backend, rect_set, tmp_path):
+    by_id = {r.image_id: r for r in rect_set}
+    spec = A.AugmentSpec(distort_prob=0.0, expand_prob=1.0, crop=False, flip_prob=0.0)
+    samples = run_geometry(backend, rect_set, spec, tmp_path)
+    shrunk, fill_frac = 0, []
+    for s in samples:
+        assert s["box"] is not None  # expansion never loses a box
+        fill = (np.abs(s["img"] - np.asarray(A.FILL, np.float32)) <= 3).all(axis=2)
+        assert fill.any(), "an expanded image shows the mean-filled canvas"
+        fill_frac.append(fill.mean())
+        ref = scaled(by_id[s["id"]], s["size"])
+        shrunk += (s["box"][2] - s["box"][0]) < 0.9 * (ref[2] - ref[0])
+    # ratio ~ U(1, 4): the canvas fills 1 - 1/ratio^2 of the image, 0.84 at the median ratio.
+    assert np.median(fill_frac) > 0.5
+    assert shrunk >= len(samples) // 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometry_crop(backend, rect_set, tmp_path):
+    by_id = {r.image_id: r for r in rect_set}
+    spec = A.AugmentSpec(distort_prob=0.0, expand_prob=0.0, crop=True, flip_prob=0.0)
+    samples = run_geometry(backend, rect_set, spec, tmp_path)
+    cropped = sum(
+        s["box"] is None or not np.allclose(s["box"], scaled(by_id[s["id"]], s["size"]), atol=0.5) for s in samples
+    )
+    assert cropped >= 3, "RandomCrop changed the geometry of several samples"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometry_full_chain(backend, rect_set, tmp_path):
+    samples = run_geometry(backend, rect_set, A.PPYOLOE, tmp_path, adaptive=True, epochs=3)
+    assert sum(s["box"] is not None for s in samples) >= len(samples) // 2
+
+
+# --------------------------------------------------------------------------- padding and masks
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_truncation_and_tiny_boxes(backend, tmp_path):
+    """12 boxes with M = 8 keeps the 8 largest; a box under 1 px after the resize is dropped."""
+    img = np.zeros((200, 200, 3), np.uint8)
+    f = tmp_path / "many.png"
+    Image.fromarray(img).save(f)
+    sides = np.array([10, 30, 12, 40, 14, 50, 16, 60, 18, 70, 20, 80], np.float32)
+    boxes = np.stack([np.zeros(12), np.zeros(12), sides, sides], axis=1).astype(np.float32)
+    boxes = np.concatenate([boxes, [[100, 100, 101, 150]]]).astype(np.float32)  # 1 px wide → 0.48 px at 96
+    labels = np.arange(13, dtype=np.int64) % 4
+    recs = [ImageRecord(i + 1, str(f), 200, 200, boxes, labels) for i in range(4)]
+    ds = SimpleNamespace(records=recs, ann_file=tmp_path / "x.json")
+    cfg = make_cfg(backend, tmp_path, augment=False, multiscale=False, img_size=96, max_boxes=8)
+    loader = build_train_loader(cfg, ds, rank=0, world_size=1, device="cpu", seed=0)
+    (batch,) = list(loader)
+    assert batch["gt_boxes"].shape == (4, 8, 4) and batch["gt_boxes"].dtype == torch.float32
+    assert batch["gt_labels"].dtype == torch.int64 and batch["gt_mask"].dtype == torch.bool
+    largest = np.sort(np.argsort(-sides, kind="stable")[:8])
+    expect = boxes[largest] * np.float32(96 / 200)
+    for b in range(4):
+        assert batch["gt_mask"][b].tolist() == [True] * 8
+        np.testing.assert_allclose(batch["gt_boxes"][b].numpy(), expect, rtol=0, atol=1e-5)
+        assert batch["gt_labels"][b].tolist() == labels[largest].tolist()
+    assert loader.boxes_truncated == 4 * 4  # 12 valid boxes, 8 kept, per image
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masks_for_images_without_boxes(backend, demo_train, tmp_path):
+    recs = list(demo_train.records[:4])
+    empty = ImageRecord(999, recs[0].file, recs[0].width, recs[0].height, np.zeros((0, 4), np.float32),
+                        np.zeros(0, np.int64))
+    ds = SimpleNamespace(records=[empty] * 4, ann_file=demo_train.ann_file)
+    loader = build_train_loader(make_cfg(backend, tmp_path), ds, rank=0, world_size=1, device="cpu", seed=0)
+    for batch in loader:
+        assert not batch["gt_mask"].any()
+        assert (batch["gt_boxes"] == 0).all() and (batch["gt_labels"] == 0).all()
+
+
+# --------------------------------------------------------------------------- multi-scale, determinism
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multiscale_one_size_per_batch(backend, demo_train, tmp_path):
+    cfg = make_cfg(backend, tmp_path)
+    loader = build_train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=3)
+    sched = TrainSchedule(len(demo_train.records), 4, rank=0, world_size=1, seed=3, sizes=SIZES, random_interp=True)
+    seen = []
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            b, c, h, w = batch["images"].shape
+            assert (b, c) == (4, 3) and h == w and h in SIZES  # one tensor: all samples share the size
+            assert h == sched.size_and_interp(epoch, step)[0]
+            boxes = batch["gt_boxes"][batch["gt_mask"]]
+            assert (boxes >= 0).all() and (boxes <= h).all()
+            assert ((boxes[:, 2:] - boxes[:, :2]) >= 1).all()
+            seen.append(h)
+    assert len(seen) == 2 * len(loader) and len(set(seen)) > 1
+    assert any(a != b for a, b in zip(seen, seen[1:])), "the size changes between batches"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_determinism(backend, demo_train, tmp_path):
+    def run(seed):
+        loader = build_train_loader(make_cfg(backend, tmp_path), demo_train, rank=0, world_size=1, device="cpu",
+                                    seed=seed)
+        return collect(loader, passes=2)
+
+    a, b, c = run(5), run(5), run(6)
+    assert len(a) == len(b) == 2 * (len(demo_train.records) // 4)
+    for x, y in zip(a, b):
+        for k in BATCH_KEYS:
+            assert torch.equal(x[k], y[k]), k
+    assert any(not torch.equal(x["images"], z["images"]) for x, z in zip(a, c) if x["images"].shape == z["images"].shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_set_epoch_jumps_and_reshuffles(backend, demo_train, tmp_path):
+    cfg = make_cfg(backend, tmp_path, augment=False)
+    loader = build_train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=1)
+    e0 = [b["image_ids"].tolist() for b in loader]
+    e1 = [b["image_ids"].tolist() for b in loader]  # the next pass is epoch 1
+    loader.set_epoch(0)
+    again = [b["image_ids"].tolist() for b in loader]
+    assert again == e0 and e1 != e0
+    # A pass broken off early does not shift the next epoch.
+    loader.set_epoch(1)
+    next(iter(loader))
+    loader.set_epoch(1)
+    assert [b["image_ids"].tolist() for b in loader] == e1
+
+
+# --------------------------------------------------------------------------- sharding
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_train_schedule_shards(world):
+    n, bs = 23, 2
+    shards = [TrainSchedule(n, bs, rank=r, world_size=world, seed=0, sizes=SIZES, random_interp=True)
+              for r in range(world)]
+    for epoch in (0, 1):
+        parts = [s.shard(epoch) for s in shards]
+        flat = np.concatenate(parts)
+        assert len(set(flat.tolist())) == len(flat) == (n // world) * world  # disjoint, all but n % world
+        steps = {s.steps_per_epoch for s in shards}
+        assert steps == {(n // world) // bs}
+        # Every rank draws the same size for a step.
+        assert len({s.size_and_interp(epoch, 0) for s in shards}) == 1
+    assert not np.array_equal(shards[0].shard(0), shards[0].shard(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_see_disjoint_training_images(backend, demo_train, tmp_path):
+    cfg = make_cfg(backend, tmp_path, augment=False, batch_size=3)
+    ids = []
+    for rank in range(2):
+        loader = build_train_loader(cfg, demo_train, rank=rank, world_size=2, device="cpu", seed=0)
+        ids.append({i for b in loader for i in b["image_ids"].tolist()})
+        assert len(loader) == (len(demo_train.records) // 2) // 3
+    assert not ids[0] & ids[1]
+    assert len(ids[0]) == len(ids[1]) == 3 * ((len(demo_train.records) // 2) // 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("count", [7, 8])
+def test_eval_covers_every_image_once(backend, world, count, demo_val, tmp_path):
+    ds = SimpleNamespace(records=demo_val.records[:count], ann_file=demo_val.ann_file)
+    cfg = make_cfg(backend, tmp_path, eval_batch_size=2)
+    loaders = [build_eval_loader(cfg, ds, rank=r, world_size=world, device="cpu") for r in range(world)]
+    steps = -(-(-(-count // world)) // 2)  # ceil(ceil(count / world) / 2)
+    assert [len(l) for l in loaders] == [steps] * world  # every rank runs the same number of steps
+    for _ in range(2):  # and again on the next evaluation
+        ids = []
+        for rank, loader in enumerate(loaders):
+            batches = list(loader)
+            assert len(batches) == steps
+            mine = len(range(rank, count, world))
+            assert [b["images"].shape[0] for b in batches] == [min(2, max(mine - 2 * i, 0)) for i in range(steps)]
+            for b in batches:  # a short rank's last batch may be empty, with the same layout
+                n = b["images"].shape[0]
+                assert b["images"].shape[1:] == (3, 160, 160)
+                assert b["gt_boxes"].shape == (n, 8, 4) and b["orig_sizes"].shape == (n, 2)
+                ids += b["image_ids"].tolist()
+        assert sorted(ids) == sorted(r.image_id for r in ds.records)
+    rec = {r.image_id: r for r in ds.records}
+    b = next(iter(loaders[0]))
+    assert b["orig_sizes"].tolist() == [[rec[i].height, rec[i].width] for i in b["image_ids"].tolist()]
+
+
+# --------------------------------------------------------------------------- parity
+
+def _parity_batches(backend, ds, tmp, train):
+    cfg = make_cfg(backend, tmp, augment=False)
+    if train:
+        return collect(build_train_loader(cfg, ds, rank=0, world_size=1, device="cpu", seed=2))
+    return collect(build_eval_loader(cfg, ds, rank=0, world_size=1, device="cpu"))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train-linear", "eval-cubic"])
+def test_backends_agree_without_augmentation(train, demo_train, demo_val, tmp_path):
+    ds = demo_train if train else demo_val
+    dali, ref = _parity_batches("dali", ds, tmp_path, train), _parity_batches("torch", ds, tmp_path, train)
+    assert len(dali) == len(ref) > 0
+    for d, t in zip(dali, ref):
+        for k in ("gt_boxes", "gt_labels", "gt_mask", "image_ids", "orig_sizes"):
+            assert torch.equal(d[k], t[k]), k
+        diff = np.abs(pixels(d["images"]) - pixels(t["images"]))  # 0..255 levels
+        if train:  # bilinear: torch's uint8 kernel is within one level of DALI's
+            assert diff.max() <= 1.01 and diff.mean() < 0.5
+        else:  # bicubic: DALI's cubic kernel differs slightly from cv2's / torch's (a = -0.75)
+            assert diff.mean() < 0.6 and np.percentile(diff, 99.9) < 12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_channels_last_layout(backend, demo_train, tmp_path):
+    cl = build_train_loader(make_cfg(backend, tmp_path, augment=False, channels_last=True), demo_train, rank=0,
+                            world_size=1, device="cpu", seed=0)
+    nchw = build_train_loader(make_cfg(backend, tmp_path, augment=False), demo_train, rank=0, world_size=1,
+                              device="cpu", seed=0)
+    a, b = next(iter(cl)), next(iter(nchw))
+    assert a["images"].shape == b["images"].shape
+    assert a["images"].is_contiguous(memory_format=torch.channels_last)
+    assert b["images"].is_contiguous()
+    assert torch.equal(a["images"], b["images"])
+
+
+def test_eval_schedule_counts():
+    s = EvalSchedule(7, 3, rank=2, world_size=3, size=160)
+    assert s.indices.tolist() == [2, 5] and s.steps == 1 and s.nonempty_steps == 1
+    s = EvalSchedule(2, 1, rank=2, world_size=3, size=160)
+    assert s.indices.tolist() == [] and s.steps == 1 and s.nonempty_steps == 0
+
+
+def test_train_sizes_follow_config():
+    assert train_sizes(make_cfg("torch", Path("."))) == SIZES
+    assert train_sizes(make_cfg("torch", Path("."), multiscale=False, img_size=320)) == (320,)

@@ -1,0 +1,159 @@
+"""The torch DataLoader back end and the numpy augmentation it runs.
+
+Behaviour shared with DALI (geometry through every augmentation, padding, multi-scale,
+determinism, sharding, exactly-once evaluation, parity) is tested over both back ends
+in ``test_loader_parity.py``. Here: PaddleDetection's RandomCrop/RandomExpand rules,
+worker processes, and undecodable images (substituted in training, left out in
+evaluation, always counted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from fastdet.config import Config, DataConfig
+from fastdet.data import augment as A
+from fastdet.data.coco import load_coco
+from fastdet.data.loader import build_eval_loader, build_train_loader
+from fastdet.data.records import BATCH_KEYS, ImageRecord
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cfg_for(**data) -> Config:
+    base = dict(loader="torch", batch_size=4, eval_batch_size=3, img_size=96, train_sizes=(64, 96), max_boxes=8,
+                num_workers=0)
+    base.update(data)
+    return Config(data=DataConfig(**base))
+
+
+@pytest.fixture(scope="module")
+def demo_train(demo_paths):
+    return load_coco(demo_paths.train_ann, demo_paths.train_images, train=True)
+
+
+# --------------------------------------------------------------------------- augmentation rules
+
+def test_crop_window_follows_paddledetection_rules():
+    rng = np.random.default_rng(0)
+    boxes = np.array([[20, 30, 120, 90], [150, 40, 190, 180]], np.float32)
+    full = 0
+    for _ in range(300):
+        win = A.random_crop_window(rng, boxes, 200, 200)
+        assert 0 <= win[0] < win[2] <= 200 and 0 <= win[1] < win[3] <= 200
+        if (win == [0, 0, 200, 200]).all():
+            full += 1
+            continue
+        w, h = win[2] - win[0], win[3] - win[1]
+        # scale in [0.3, 1] per side up to the aspect adjustment; aspect ratio in [0.5, 2]
+        assert 0.5 - 0.02 <= w / h <= 2.0 + 0.02
+        assert w * h >= (0.3 * 200) ** 2 * 0.95
+        kept, _ = A.crop_boxes(boxes, np.zeros(2, np.int64), win.astype(np.float32))
+        assert len(kept) >= 1  # some box keeps its centre in the window
+    # "no crop" is one of seven outcomes drawn first: about 1/7 of the time.
+    assert 0.05 < full / 300 < 0.3
+    assert (A.random_crop_window(rng, np.zeros((0, 4), np.float32), 50, 40) == [0, 0, 50, 40]).all()
+
+
+def test_crop_boxes_keeps_centres_inside_and_clips():
+    boxes = np.array([[0, 0, 10, 10], [40, 40, 80, 80], [90, 0, 120, 20]], np.float32)
+    kept, labels = A.crop_boxes(boxes, np.array([1, 2, 3]), np.array([30, 30, 100, 100], np.float32))
+    assert labels.tolist() == [2]  # centre (5, 5) and (105, 10) are outside
+    np.testing.assert_array_equal(kept, [[10, 10, 50, 50]])
+
+
+def test_expand_and_extract():
+    rng = np.random.default_rng(1)
+    draws = [A.random_expand(rng, 100, 80, 0.5, 4.0) for _ in range(400)]
+    expanded = [d for d in draws if d[0] > 100]
+    assert 0.4 < len(expanded) / 400 < 0.6
+    for cw, ch, ox, oy in expanded:
+        assert cw <= 400 and ch <= 320 and 0 <= ox < cw - 100 and 0 <= oy < ch - 80
+    img = np.full((4, 5, 3), 7, np.uint8)
+    out = A.extract(img, -2, -1, 4, 3)  # 2 columns and 1 row of fill
+    assert out.shape == (4, 6, 3)
+    assert (out[0] == A.FILL).all() and (out[:, :2] == A.FILL).all() and (out[1:, 2:] == 7).all()
+
+
+def test_finalize_drops_small_boxes_and_pads():
+    boxes = np.array([[0, 0, 0.9, 5], [0, 0, 5, 5], [1, 1, 3, 1.5]], np.float32)
+    b, l, m, overflow = A.finalize_targets(boxes, np.array([1, 2, 3]), 4)
+    assert m.tolist() == [True, False, False, False] and l.tolist() == [2, 0, 0, 0] and overflow == 0
+    np.testing.assert_array_equal(b[0], [0, 0, 5, 5])
+
+
+# --------------------------------------------------------------------------- workers
+
+def test_workers_give_the_same_batches(demo_train):
+    """Per-sample seeds come from the sampler, so the number of workers changes nothing."""
+    inline = build_train_loader(cfg_for(num_workers=0), demo_train, rank=0, world_size=1, device="cpu", seed=9)
+    pooled = build_train_loader(cfg_for(num_workers=2), demo_train, rank=0, world_size=1, device="cpu", seed=9)
+    steps = len(demo_train.records) // 4
+    assert inline.backend == pooled.backend == "torch" and len(inline) == len(pooled) == steps
+    n = 0
+    for a, b in zip(inline, pooled):
+        for k in BATCH_KEYS:
+            assert torch.equal(a[k], b[k]), k
+        n += 1
+    assert n == steps
+
+
+# --------------------------------------------------------------------------- undecodable images
+
+class _Report:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.image_skips: dict = {}
+
+    def count(self, counter, reason, n=1, examples=()):
+        self.calls.append((reason, n, list(examples)))
+
+
+@pytest.fixture()
+def broken_set(tmp_path: Path, demo_train):
+    good = list(demo_train.records[:7])
+    bad_file = tmp_path / "broken.jpg"
+    bad_file.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    r0 = good[0]
+    bad = ImageRecord(777, str(bad_file), r0.width, r0.height, r0.boxes, r0.labels)
+    # A file whose real size differs from the annotation's: its boxes cannot be trusted.
+    wrong = ImageRecord(778, r0.file, r0.width + 10, r0.height, r0.boxes, r0.labels)
+    return SimpleNamespace(records=good + [bad, wrong], ann_file=tmp_path / "a.json", report=_Report()), bad, wrong
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_training_substitutes_and_counts_undecodable_images(broken_set, workers, caplog):
+    ds, bad, wrong = broken_set
+    loader = build_train_loader(cfg_for(num_workers=workers, batch_size=3), ds, rank=0, world_size=1, device="cpu",
+                                seed=0)
+    seen = []
+    for _ in range(3):
+        for b in loader:
+            assert b["images"].shape[0] == 3  # full batches: another image took the bad one's place
+            seen += b["image_ids"].tolist()
+    assert 777 not in seen and 778 not in seen
+    assert set(loader.skipped) == {bad.file, wrong.file}
+    # Each is drawn once per epoch (9 records, 3 batches of 3), and again whenever it is drawn as a substitute.
+    assert sum(loader.skipped.values()) >= 2 * 3
+    assert sorted(c[0] for c in ds.report.calls) == ["corrupt", "size mismatch"]  # counted once per file
+    assert "undecodable image reads" in loader.report()
+    assert sum(bad.file in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_evaluation_leaves_out_and_counts_undecodable_images(broken_set):
+    ds, bad, wrong = broken_set
+    loader = build_eval_loader(cfg_for(), ds, rank=0, world_size=1, device="cpu")
+    ids = [i for b in loader for i in b["image_ids"].tolist()]
+    assert sorted(ids) == sorted(r.image_id for r in ds.records[:7])
+    assert loader.dropped == 2 and "2 evaluation images left out" in loader.report()
