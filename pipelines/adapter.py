@@ -36,17 +36,25 @@ log = logging.getLogger(__name__)
 def verified_records(dataset: Any, cfg: Config) -> tuple[list[ImageRecord], int]:
     """``(records that decode, number left out)``; trusts a set loaded with ``check_images="decode"``."""
     records = list(dataset.records)
-    if cfg.data.check_images == "decode":
+    if cfg.data.check_images == "decode":  # the loaders assume the set was loaded with cfg.data.check_images
         return records, 0
+    # The COCO layer's checker, keyed like load_coco's (image dir + file name), so its
+    # cache of earlier "decode" checks is reused and this one is cached for the next run.
     from fastdet.data import coco
 
-    by_dir: dict[Path, list[int]] = defaultdict(list)
+    base = getattr(dataset, "image_dir", None)
+    by_dir: dict[Path, list[tuple[int, str]]] = defaultdict(list)
     for i, r in enumerate(records):
-        by_dir[Path(r.file).parent].append(i)
+        f = Path(r.file)
+        if base is not None and f.is_relative_to(base):
+            by_dir[Path(base)].append((i, str(f.relative_to(base))))
+        else:
+            by_dir[f.parent].append((i, f.name))
     bad: list[int] = []
     report = getattr(dataset, "report", None)
-    for d, idx in by_dir.items():
-        checks = coco._check_images(d, [Path(records[i].file).name for i in idx], "decode", cfg.data.cache_dir)
+    for d, items in by_dir.items():
+        idx = [i for i, _ in items]
+        checks = coco._check_images(d, [name for _, name in items], "decode", cfg.data.cache_dir)
         for i, (status, w, h, _) in zip(idx, checks):
             if status == "ok" and (w, h) != (records[i].width, records[i].height):
                 status = "size mismatch"

@@ -404,3 +404,16 @@ def test_eval_schedule_counts():
 def test_train_sizes_follow_config():
     assert train_sizes(make_cfg("torch", Path("."))) == SIZES
     assert train_sizes(make_cfg("torch", Path("."), multiscale=False, img_size=320)) == (320,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_measure_loader_counts_what_it_times(backend, demo_train, tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "loaders.py"
+    spec = importlib.util.spec_from_file_location("fastdet_bench_loaders", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure_loader(make_cfg("auto", tmp_path), demo_train, backend, "cpu", n_batches=4, warmup=1, windows=2)
+    assert r["backend"] == backend and r["images"] == 4 * 4 and len(r["windows"]) == 2
+    assert r["images_per_s"] > 0 and r["batches_per_epoch"] == len(demo_train.records) // 4

@@ -230,6 +230,11 @@ def build_train_loader(cfg: Config, dataset: Any, *, rank: int, world_size: int,
     ``cfg.data.train_sizes`` (one per batch; ``img_size`` when multiscale is off) and
     the augmentation is PP-YOLOE's when ``cfg.data.augment``. Successive passes are
     successive epochs; ``set_epoch(e)`` jumps to epoch ``e``.
+
+    ``dataset`` is taken to be loaded with ``check_images=cfg.data.check_images``; the
+    DALI back end, which cannot skip an undecodable file, runs the COCO layer's cached
+    ``"decode"`` check first unless that is the mode (failures are left out and counted
+    in ``dataset.report``).
     """
     device = _as_device(device)
     backend = resolve_backend(cfg, device)

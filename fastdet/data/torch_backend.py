@@ -69,6 +69,7 @@ class DetectionDataset(Dataset):
 
     def __getitem__(self, item: Item) -> dict[str, Any]:
         index, size, interp, seed = item
+        first = index
         skipped: list[tuple[str, str, str]] = []
         rng = np.random.default_rng(seed) if seed >= 0 else None
         for attempt in range(MAX_SUBSTITUTES + 1):
@@ -79,8 +80,8 @@ class DetectionDataset(Dataset):
                 skipped.append((rec.file, str(e), e.reason))
                 if not self.train:
                     return {"image": None, "skipped": skipped}
-                # A substitute drawn from this sample's seed keeps the run reproducible.
-                index = int(np.random.default_rng([max(seed, 0), attempt]).integers(len(self.records)))
+                # A substitute drawn from this sample's index and seed keeps the run reproducible.
+                index = int(np.random.default_rng([first, max(seed, 0), attempt]).integers(len(self.records)))
                 continue
             s = augment.transform(img, rec.boxes, rec.labels, size=size, interp=interp, rng=rng, spec=self.spec)
             boxes, labels, mask, overflow = augment.finalize_targets(s.boxes, s.labels, self.max_boxes)
@@ -222,6 +223,13 @@ class _TorchLoader:
         if self.channels_last:
             batch["images"] = batch["images"].permute(0, 3, 1, 2)  # [B, 3, H, W] with channels-last strides
         return batch
+
+    def close(self) -> None:
+        """Stop the worker processes (a later pass starts new ones)."""
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._loader._iterator = None
 
     def report(self) -> str:
         """One line: what this loader skipped or truncated so far."""
