@@ -68,6 +68,12 @@ def expand_crop(images, boxes, labels, wh, spec: A.AugmentSpec):
 
     Returns:
         ``(window images, boxes [K, 4] relative to the window, labels [K])``.
+
+    ``random_bbox_crop`` takes PaddleDetection RandomCrop's parameters; its window
+    sampling differs in one detail: it draws each side's scale in [0.3, 1] and rejects
+    aspect ratios outside [0.5, 2], where PaddleDetection draws one scale and then an
+    aspect ratio (the torch back end does that). Both give windows of 9 %..100 % of the
+    canvas, aspect 0.5..2, the best box over the threshold, centre-pruned boxes.
     """
     w, h = wh[0], wh[1]
     ratio = _maybe(spec.expand_prob, fn.random.uniform(range=[1.0, spec.expand_max_ratio]), 1.0)

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 pytest.importorskip("nvidia.dali")
 

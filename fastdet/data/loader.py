@@ -35,7 +35,6 @@ reproducible from its seed and the two back ends see the same samples:
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -44,8 +43,6 @@ import numpy as np
 import torch
 
 from fastdet.config import Config
-
-log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "dali", "torch")
 
