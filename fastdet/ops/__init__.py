@@ -1,7 +1,26 @@
-"""Public ops API. Callers never choose a back end: see ``fastdet.ops`` dispatch."""
+"""Public ops API: IoU family, GIoU loss, fused EMA update and the label assigners.
 
-from fastdet.ops.assigners import atss_assign, task_aligned_assign
-from fastdet.ops.reference import box_iou, ema_update_, generalized_box_iou, giou_loss
+Callers never choose a back end: each function asks ``fastdet.ops.dispatch`` which one
+runs tensors of its device (Triton, CUDA or C++ kernels, or the plain-torch references
+in ``reference.py`` / ``assigners.py``, which stay the truth every kernel is tested
+against). All kernels are torch custom ops with fake implementations, so a
+``torch.compile(fullgraph=True)`` step traces through them without a graph break.
+
+Boxes are xyxy. Shapes: ``box_iou`` / ``generalized_box_iou`` take ``[N,4] x [M,4] ->
+[N,M]`` or ``[B,N,4] x [B,M,4] -> [B,N,M]``; ``giou_loss`` is paired and elementwise,
+``[...,4] x [...,4] -> [...]``, with its backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from fastdet.ops import assigners as _assigners
+from fastdet.ops import reference as _reference
+from fastdet.ops.dispatch import backend_for, set_backend, use_backend
 
 __all__ = [
     "box_iou",
@@ -10,4 +29,166 @@ __all__ = [
     "ema_update_",
     "task_aligned_assign",
     "atss_assign",
+    "backend_for",
+    "set_backend",
+    "use_backend",
 ]
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _backend(op: str, t: Tensor) -> str:
+    return backend_for(op, t.device.type, torch.compiler.is_compiling())
+
+
+def _ns(backend: str):
+    return torch.ops.fastdet_triton if backend == "triton" else torch.ops.fastdet
+
+
+def _check_boxes(op: str, name: str, t: Tensor) -> None:
+    if t.dim() < 1 or t.shape[-1] != 4:
+        raise ValueError(f"fastdet.ops.{op}: {name} must have shape [..., 4] (xyxy boxes), got {tuple(t.shape)}")
+
+
+def _pairwise(op: str, a: Tensor, b: Tensor, eps: float) -> Tensor:
+    _check_boxes(op, "a", a)
+    _check_boxes(op, "b", b)
+    if not ((a.dim() == 2 and b.dim() == 2) or (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0])):
+        raise ValueError(f"fastdet.ops.{op}: expected a [N,4] and b [M,4], or a [B,N,4] and b [B,M,4]; "
+                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    backend = _backend(op, a)
+    if backend == "torch" or dtype not in _KERNEL_DTYPES:
+        return getattr(_reference, op)(a, b, eps)
+    return getattr(_ns(backend), op)(a.to(dtype), b.to(dtype), eps)
+
+
+def box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
+    """Pairwise IoU of xyxy boxes; 0 where the union is empty (``inter / max(union, eps)``)."""
+    return _pairwise("box_iou", a, b, eps)
+
+
+def generalized_box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
+    """Pairwise generalized IoU (Rezatofighi et al. 2019) of xyxy boxes."""
+    return _pairwise("generalized_box_iou", a, b, eps)
+
+
+def giou_loss(pred: Tensor, target: Tensor, eps: float = 1e-10) -> Tensor:
+    """Elementwise ``1 - GIoU`` of paired boxes ``[..., 4]`` (PaddleDetection GIoULoss).
+
+    Differentiable in both arguments; the kernels compute the backward in one pass
+    without saving intermediates (only the two box tensors are kept for it).
+    """
+    _check_boxes("giou_loss", "pred", pred)
+    _check_boxes("giou_loss", "target", target)
+    backend = _backend("giou_loss", pred)
+    dtype = torch.promote_types(pred.dtype, target.dtype)
+    if backend == "torch" or dtype not in _KERNEL_DTYPES:
+        return _reference.giou_loss(pred, target, eps)
+    if pred.shape != target.shape:
+        pred, target = torch.broadcast_tensors(pred, target)
+    return _ns(backend).giou_loss(pred.to(dtype), target.to(dtype), eps)
+
+
+def ema_update_(ema_tensors: Sequence[Tensor], tensors: Sequence[Tensor], decay: Union[Tensor, float]) -> None:
+    """``ema = decay * ema + (1 - decay) * t`` for floating tensors, a copy for the rest.
+
+    One fused update over all tensors (a launch or two on CUDA). Pass ``decay`` as a
+    0-d tensor on the tensors' device so the update can live in a CUDA graph and a
+    changing decay does not recompile a compiled step.
+    """
+    ema_tensors = list(ema_tensors)
+    tensors = list(tensors)
+    if len(ema_tensors) != len(tensors):
+        raise ValueError(f"fastdet.ops.ema_update_: {len(ema_tensors)} EMA tensors but {len(tensors)} model tensors")
+    if not ema_tensors:
+        return
+    device = ema_tensors[0].device
+    if not isinstance(decay, Tensor):
+        decay = torch.tensor(float(decay), dtype=torch.float32, device=device)
+    backend = _backend("ema_update_", ema_tensors[0])
+    with torch.no_grad():
+        if backend == "torch":
+            _reference.ema_update_(ema_tensors, tensors, decay)
+        else:
+            _ns(backend).ema_update_(ema_tensors, [t.detach() for t in tensors], decay.detach())
+
+
+def task_aligned_assign(
+    pred_scores: Tensor,
+    pred_bboxes: Tensor,
+    anchor_points: Tensor,
+    gt_labels: Tensor,
+    gt_bboxes: Tensor,
+    pad_gt_mask: Tensor,
+    bg_index: int,
+    topk: int = 13,
+    alpha: float = 1.0,
+    beta: float = 6.0,
+    eps: float = 1e-9,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Task-aligned assignment (TOOD / PP-YOLOE); semantics of ``assigners.task_aligned_assign``.
+
+    Returns ``(labels [B,A] int64, bboxes [B,A,4], scores [B,A,C])``. The kernels never
+    form a ``[B, M, A]`` tensor; they compute in float32 (float64 too on the CPU) and
+    return the dtype of ``pred_scores``.
+    """
+    backend = _backend("task_aligned_assign", pred_scores)
+    C = pred_scores.shape[-1]
+    dtype = pred_scores.dtype
+    usable = (
+        backend != "torch"
+        and 0 <= bg_index <= C
+        and 1 <= topk <= 32
+        and dtype in _KERNEL_DTYPES
+        and (backend == "cpp" or dtype != torch.float64)
+    )
+    if not usable:
+        return _assigners.task_aligned_assign(pred_scores, pred_bboxes, anchor_points, gt_labels, gt_bboxes,
+                                              pad_gt_mask, bg_index, topk, alpha, beta, eps)
+    kdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    labels, bboxes, scores = _ns(backend).task_aligned_assign(
+        pred_scores.detach().to(kdtype), pred_bboxes.detach().to(kdtype), anchor_points.detach().to(kdtype),
+        gt_labels, gt_bboxes.detach().to(kdtype), pad_gt_mask.detach().to(kdtype), bg_index, topk, alpha, beta, eps)
+    return labels, bboxes.to(dtype), scores.to(dtype)
+
+
+def atss_assign(
+    anchors: Tensor,
+    num_anchors_list: Sequence[int],
+    gt_labels: Tensor,
+    gt_bboxes: Tensor,
+    pad_gt_mask: Tensor,
+    bg_index: int,
+    topk: int = 9,
+    pred_bboxes: Optional[Tensor] = None,
+    num_classes: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """ATSS assignment; semantics of ``assigners.atss_assign`` (``num_classes`` defaults to ``bg_index``).
+
+    Returns ``(labels [B,A] int64, bboxes [B,A,4], scores [B,A,C])``.
+    """
+    C = bg_index if num_classes is None else num_classes
+    backend = _backend("atss_assign", gt_bboxes)
+    dtype = gt_bboxes.dtype
+    counts = [int(n) for n in num_anchors_list]
+    usable = (
+        backend != "torch"
+        and 0 <= bg_index <= C
+        and 1 <= topk <= 32
+        and 1 <= len(counts) <= 8
+        and dtype in _KERNEL_DTYPES
+        and (backend == "cpp" or dtype != torch.float64)
+    )
+    if not usable:
+        return _assigners.atss_assign(anchors, num_anchors_list, gt_labels, gt_bboxes, pad_gt_mask, bg_index, topk,
+                                      pred_bboxes, num_classes)
+    if sum(counts) != anchors.shape[0]:
+        raise ValueError(f"fastdet.ops.atss_assign: num_anchors_list sums to {sum(counts)}, anchors has "
+                         f"{anchors.shape[0]} rows")
+    kdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    pred = pred_bboxes.detach().to(kdtype) if pred_bboxes is not None else None
+    labels, bboxes, scores = _ns(backend).atss_assign(
+        anchors.detach().to(kdtype), counts, gt_labels, gt_bboxes.detach().to(kdtype),
+        pad_gt_mask.detach().to(kdtype), pred, bg_index, C, topk, 1e-9)
+    return labels, bboxes.to(dtype), scores.to(dtype)

@@ -1,0 +1,40 @@
+// Entry points of the fastdet custom ops (schemas in ops.cpp, Python fakes in
+// fastdet/ops/_ext.py). Each has a CPU implementation (*_cpu.cpp) and a CUDA one
+// (ops_cuda.cu); the dispatcher picks by the device of the tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <tuple>
+#include <vector>
+
+namespace fastdet {
+
+// Pairwise IoU / GIoU: a [N,4] x b [M,4] -> [N,M], or a [B,N,4] x b [B,M,4] -> [B,N,M].
+at::Tensor box_iou_cpu(const at::Tensor& a, const at::Tensor& b, double eps);
+at::Tensor generalized_box_iou_cpu(const at::Tensor& a, const at::Tensor& b, double eps);
+// Paired 1 - GIoU of pred [...,4] and target [...,4] -> [...], and its backward.
+at::Tensor giou_loss_cpu(const at::Tensor& pred, const at::Tensor& target, double eps);
+std::tuple<at::Tensor, at::Tensor> giou_loss_backward_cpu(const at::Tensor& grad,
+                                                          const at::Tensor& pred,
+                                                          const at::Tensor& target, double eps);
+// ema[i] = lerp(ema[i], src[i], 1 - decay) for floating tensors, ema[i] = src[i] otherwise.
+void ema_update_cpu(at::TensorList ema, at::TensorList src, const at::Tensor& decay);
+// Task-aligned (TOOD / PP-YOLOE) and ATSS label assignment: see assign_cpu.cpp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> task_aligned_assign_cpu(
+    const at::Tensor& pred_scores, const at::Tensor& pred_bboxes, const at::Tensor& anchor_points,
+    const at::Tensor& gt_labels, const at::Tensor& gt_bboxes, const at::Tensor& pad_gt_mask,
+    int64_t bg_index, int64_t topk, double alpha, double beta, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> atss_assign_cpu(
+    const at::Tensor& anchors, c10::IntArrayRef num_anchors_list, const at::Tensor& gt_labels,
+    const at::Tensor& gt_bboxes, const at::Tensor& pad_gt_mask, const std::optional<at::Tensor>& pred_bboxes,
+    int64_t bg_index, int64_t num_classes, int64_t topk, double eps);
+
+// Shared argument checks (ops.cpp); each throws a one-line error naming the op and argument.
+void check_boxes(const at::Tensor& t, const char* op, const char* name);
+void check_pairwise(const at::Tensor& a, const at::Tensor& b, const char* op);
+void check_paired(const at::Tensor& pred, const at::Tensor& target, const char* op);
+void check_ema(at::TensorList ema, at::TensorList src, const at::Tensor& decay);
+
+}  // namespace fastdet

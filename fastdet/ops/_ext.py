@@ -1,0 +1,272 @@
+"""Build and load the C++/CUDA extension in ``csrc/`` and register its Python side.
+
+The sources ship as package data (``fastdet._csrc``). On first use they are compiled
+with ninja through ``torch.utils.cpp_extension.load`` into a cache directory
+(``$FASTDET_EXT_DIR``, default ``~/.cache/fastdet/ext``; one sub-directory per torch
+version, Python version and variant), or ahead of time with ``python -m fastdet.ops.build``.
+An unchanged rebuild is a ninja no-op. Two variants exist:
+
+- ``cuda``: the C++ CPU kernels (``*_cpu.cpp``) plus the CUDA ones (``ops_cuda.cpp``,
+  ``kernels.cu``). Built wherever torch has CUDA support and a CUDA toolkit is found,
+  with or without a GPU: the library runs its CPU kernels on a machine without one, so
+  one build serves both and proves that the CUDA sources compile (CI has nvcc, no GPU);
+- ``cpu``: the C++ kernels only, where there is no toolkit, or when the CUDA build fails.
+
+``FASTDET_EXT_CUDA=0|1`` forces the choice. One process loads one variant (both define
+the ``fastdet`` op namespace). When no compiler is there, or the build fails, fastdet
+logs one warning naming the cause and the dispatch uses the torch reference instead.
+
+After loading, this module registers the fake (meta) implementation of every op, so
+``torch.compile`` traces through them, and the autograd formula of ``giou_loss``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "fastdet"
+CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp")
+CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu")
+HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h")
+# Hopper (H100/H200) unless the caller says otherwise; only used when no GPU is visible
+# (with a GPU, torch builds for the GPU it sees).
+DEFAULT_CUDA_ARCH = "9.0"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"variant": None, "error": None}
+
+
+class ExtensionUnavailable(RuntimeError):
+    """The extension could not be built or loaded; the message says why."""
+
+
+def source_dir() -> Path:
+    return Path(str(importlib.resources.files("fastdet._csrc")))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FASTDET_EXT_DIR", "~/.cache/fastdet/ext")).expanduser()
+
+
+def want_cuda() -> bool:
+    """Whether to build the CUDA variant: ``FASTDET_EXT_CUDA=0|1`` decides, else whether
+    torch has CUDA support and a CUDA toolkit is found."""
+    env = os.environ.get("FASTDET_EXT_CUDA")
+    if env is not None:
+        return env.strip() not in ("", "0", "false", "no")
+    return torch.version.cuda is not None and find_cuda_home() is not None
+
+
+def find_cuda_home() -> str | None:
+    """The CUDA toolkit root that the ``nvcc`` on PATH really runs.
+
+    ``$CUDA_HOME``/``$CUDA_PATH`` win when they hold ``bin/nvcc``. Otherwise ask nvcc
+    itself (``--dryrun`` prints its own ``bin`` folder as ``_HERE_``), which sees through
+    wrapper scripts that would make torch guess the wrapper's folder.
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return root
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"_HERE_=(\S+)", out.stdout + out.stderr)
+    if m and (Path(m.group(1)) / "nvcc").is_file():
+        return str(Path(m.group(1)).parent)
+    return str(Path(nvcc).resolve().parent.parent)
+
+
+def build_dir(variant: str) -> Path:
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{variant}"
+    return cache_root() / re.sub(r"[^A-Za-z0-9._-]", "_", tag)
+
+
+def build(variant: str | None = None, verbose: bool = False) -> Path:
+    """Compile (or no-op rebuild) one variant and load it; returns its build directory.
+
+    Raises :class:`ExtensionUnavailable` with the reason when it cannot.
+    """
+    variant = variant or ("cuda" if want_cuda() else "cpu")
+    cuda_home = find_cuda_home()
+    if cuda_home is not None:
+        # torch.utils.cpp_extension fixes its CUDA_HOME when first imported and guesses a
+        # wrapper script's folder wrong (then libcudart is not found at link time).
+        os.environ["CUDA_HOME"] = cuda_home
+    # Importing cpp_extension warns "No CUDA runtime is found" on machines without a GPU,
+    # where building the CUDA sources is still wanted (CI compiles them): not a problem.
+    ext_log = logging.getLogger("torch.utils.cpp_extension")
+    level = ext_log.level
+    ext_log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        ext_log.setLevel(level)
+
+    if cuda_home is not None:
+        cpp_extension.CUDA_HOME = cuda_home
+    src = source_dir()
+    sources = [str(src / s) for s in CPU_SOURCES]
+    kwargs: dict[str, object] = {}
+    if variant == "cuda":
+        if cuda_home is None:
+            raise ExtensionUnavailable("no CUDA toolkit found (nvcc is not on PATH and CUDA_HOME is unset)")
+        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            # Without a GPU torch cannot pick an arch and fails with an IndexError.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCH
+        sources += [str(src / s) for s in CUDA_SOURCES]
+        kwargs["extra_cuda_cflags"] = ["-O3", "-lineinfo"]
+        kwargs["with_cuda"] = True
+    elif variant != "cpu":
+        raise ValueError(f"fastdet.ops._ext.build: variant must be 'cpu' or 'cuda', got {variant!r}")
+    else:
+        kwargs["with_cuda"] = False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise ExtensionUnavailable(f"no C++ compiler found ({os.environ.get('CXX', 'c++')} is not on PATH)")
+    out = build_dir(variant)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=f"fastdet_ext_{variant}",
+            sources=sources,
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_include_paths=[str(src)],
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=verbose,
+            **kwargs,
+        )
+    except Exception as e:  # compiler errors, missing toolkit pieces, link errors
+        raise ExtensionUnavailable(f"building the {variant} extension in {out} failed: {_summary(e)}") from e
+    return out
+
+
+def _summary(e: Exception) -> str:
+    """The first compiler error line of a build failure (the full log is in e.__cause__)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("FAILED")]
+    return (errors or lines or [type(e).__name__])[0][:300]
+
+
+def load() -> bool:
+    """Load the extension once per process (building it if needed); False if unavailable.
+
+    The first failure is logged once as a warning; later calls return False quietly.
+    """
+    if _state["variant"] is not None:
+        return True
+    if _state["error"] is not None:
+        return False
+    with _lock:
+        if _state["variant"] is not None or _state["error"] is not None:
+            return _state["variant"] is not None
+        variant = "cuda" if want_cuda() else "cpu"
+        reason = _try_build(variant)
+        if reason is not None and variant == "cuda" and not torch.cuda.is_available():
+            # No GPU to run them on: the C++ kernels alone still serve the CPU.
+            log.warning("fastdet.ops: the CUDA kernels did not build, building the C++ ones alone (%s)", reason)
+            variant = "cpu"
+            reason = _try_build(variant)
+        if reason is not None:
+            _state["error"] = reason
+            log.warning("fastdet.ops: the C++/CUDA kernels are unavailable, using the torch reference (%s)", reason)
+            return False
+        _register_python_side()
+        _state["variant"] = variant
+        return True
+
+
+def _try_build(variant: str) -> str | None:
+    try:
+        build(variant)
+    except ExtensionUnavailable as e:
+        return str(e)
+    return None
+
+
+def variant() -> str | None:
+    """``"cpu"`` or ``"cuda"`` once loaded, else None."""
+    return _state["variant"]  # type: ignore[return-value]
+
+
+def error() -> str | None:
+    """Why the extension is unavailable, if it is."""
+    return _state["error"]  # type: ignore[return-value]
+
+
+def has_cuda_kernels() -> bool:
+    return _state["variant"] == "cuda"
+
+
+# ----------------------------------------------------------------------------- fakes, autograd
+
+
+def _pairwise_fake(a: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    return a.new_empty((*a.shape[:-1], b.shape[-2]))
+
+
+def _giou_loss_fake(pred: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
+    return pred.new_empty(pred.shape[:-1])
+
+
+def _giou_loss_backward_fake(grad, pred, target, eps):
+    return torch.empty_like(pred), torch.empty_like(target)
+
+
+def _ema_fake(ema, src, decay) -> None:
+    return None
+
+
+def _tal_fake(pred_scores, pred_bboxes, anchor_points, gt_labels, gt_bboxes, pad_gt_mask, bg_index, topk, alpha,
+              beta, eps):
+    B, A, C = pred_scores.shape
+    return (pred_scores.new_empty((B, A), dtype=torch.int64), pred_scores.new_empty((B, A, 4)),
+            pred_scores.new_empty((B, A, C)))
+
+
+def _atss_fake(anchors, num_anchors_list, gt_labels, gt_bboxes, pad_gt_mask, pred_bboxes, bg_index, num_classes,
+               topk, eps):
+    B = gt_bboxes.shape[0]
+    A = anchors.shape[0]
+    return (gt_bboxes.new_empty((B, A), dtype=torch.int64), gt_bboxes.new_empty((B, A, 4)),
+            gt_bboxes.new_empty((B, A, num_classes)))
+
+
+def _giou_setup_context(ctx, inputs, output):
+    pred, target, eps = inputs
+    ctx.save_for_backward(pred, target)
+    ctx.eps = eps
+
+
+def _giou_backward(ctx, grad):
+    pred, target = ctx.saved_tensors
+    gp, gt = torch.ops.fastdet.giou_loss_backward(grad.contiguous(), pred, target, ctx.eps)
+    return gp, gt, None
+
+
+def _register_python_side() -> None:
+    ns = NAMESPACE
+    torch.library.register_fake(f"{ns}::box_iou")(_pairwise_fake)
+    torch.library.register_fake(f"{ns}::generalized_box_iou")(_pairwise_fake)
+    torch.library.register_fake(f"{ns}::giou_loss")(_giou_loss_fake)
+    torch.library.register_fake(f"{ns}::giou_loss_backward")(_giou_loss_backward_fake)
+    torch.library.register_fake(f"{ns}::ema_update_")(_ema_fake)
+    torch.library.register_fake(f"{ns}::task_aligned_assign")(_tal_fake)
+    torch.library.register_fake(f"{ns}::atss_assign")(_atss_fake)
+    torch.library.register_autograd(f"{ns}::giou_loss", _giou_backward, setup_context=_giou_setup_context)

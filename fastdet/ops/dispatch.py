@@ -1,0 +1,203 @@
+"""The one place that chooses the back end of every fastdet op, per device type.
+
+Back ends: ``triton`` (Triton kernels: CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``), ``cuda`` (the CUDA kernels of the ``csrc/`` extension), ``cpp``
+(its C++ CPU kernels) and ``torch`` (``fastdet/ops/reference.py`` and
+``fastdet/ops/assigners.py``; under ``torch.compile`` inductor compiles and fuses it).
+
+Defaults (``DEFAULTS``): the faster path measured by ``bench/kernels.py`` for each op and
+device, separately for eager code and for code traced by ``torch.compile`` (where the
+reference is compiled, so a kernel has to beat the *compiled* reference to be used).
+
+Overrides, strongest first:
+
+- ``set_backend(name, device_type=None, op=None)`` (or the ``use_backend`` context manager);
+- ``FASTDET_OPS_BACKEND``: a back end name for every device it can serve (``torch``,
+  ``cpp``, ``cuda``, ``triton``), or a comma list of ``device=name`` and
+  ``device:op=name`` entries, e.g. ``cuda=triton,cuda:task_aligned_assign=cuda``.
+
+An override that cannot serve a device (``cpp`` for CUDA tensors) is ignored there; one
+that is unavailable (no compiler, no triton) falls back to the default chain with one
+warning. The choice is made while tracing (it is a constant to ``torch.compile``), so set
+overrides before compiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from typing import Iterator, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("triton", "cuda", "cpp", "torch")
+OPS = ("box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_aligned_assign", "atss_assign")
+
+# Which back ends can run tensors of each device type, in fallback order.
+_SERVES = {"cpu": ("cpp", "triton", "torch"), "cuda": ("triton", "cuda", "torch")}
+
+# Measured defaults (bench/kernels.py; figures in the module docstring of bench/kernels.py
+# and bench/results/). Keys: (device_type, compiling) -> op -> back end.
+DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
+    ("cpu", False): {
+        "box_iou": "cpp",
+        "generalized_box_iou": "cpp",
+        "giou_loss": "cpp",
+        "ema_update_": "cpp",
+        "task_aligned_assign": "cpp",
+        "atss_assign": "cpp",
+    },
+    ("cpu", True): {
+        "box_iou": "cpp",
+        "generalized_box_iou": "cpp",
+        "giou_loss": "cpp",
+        "ema_update_": "cpp",
+        "task_aligned_assign": "cpp",
+        "atss_assign": "cpp",
+    },
+    # No GPU was available when these were set: the kernels written for the GPU are the
+    # default there until bench/kernels.py --device cuda says otherwise.
+    ("cuda", False): {
+        "box_iou": "triton",
+        "generalized_box_iou": "triton",
+        "giou_loss": "triton",
+        "ema_update_": "cuda",
+        "task_aligned_assign": "cuda",
+        "atss_assign": "cuda",
+    },
+    ("cuda", True): {
+        "box_iou": "triton",
+        "generalized_box_iou": "triton",
+        "giou_loss": "triton",
+        "ema_update_": "cuda",
+        "task_aligned_assign": "cuda",
+        "atss_assign": "cuda",
+    },
+}
+
+# (device_type or None, op or None) -> back end; None matches every device / op.
+_overrides: dict[tuple[Optional[str], Optional[str]], str] = {}
+_env_overrides: dict[tuple[Optional[str], Optional[str]], str] = {}
+_warned: set[tuple[str, str]] = set()
+_resolved: dict[tuple[str, str, bool], str] = {}
+
+
+def _parse_env(value: str) -> dict[tuple[Optional[str], Optional[str]], str]:
+    out: dict[tuple[Optional[str], Optional[str]], str] = {}
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        key, _, name = item.rpartition("=")
+        device, _, op = key.partition(":")
+        if name not in BACKENDS:
+            raise ValueError(f"FASTDET_OPS_BACKEND: unknown back end {name!r} in {value!r} (one of {BACKENDS})")
+        if device and device not in _SERVES:
+            raise ValueError(f"FASTDET_OPS_BACKEND: unknown device type {device!r} in {value!r} (cpu or cuda)")
+        if op and op not in OPS:
+            raise ValueError(f"FASTDET_OPS_BACKEND: unknown op {op!r} in {value!r} (one of {OPS})")
+        out[(device or None, op or None)] = name
+    return out
+
+
+def _load_env() -> None:
+    _env_overrides.clear()
+    _env_overrides.update(_parse_env(os.environ.get("FASTDET_OPS_BACKEND", "")))
+
+
+_load_env()
+
+
+def set_backend(name: Optional[str], device_type: Optional[str] = None, op: Optional[str] = None) -> None:
+    """Force back end ``name`` (None: remove the override) for a device type and/or op."""
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"fastdet.ops.set_backend: unknown back end {name!r} (one of {BACKENDS})")
+    if device_type is not None and device_type not in _SERVES:
+        raise ValueError(f"fastdet.ops.set_backend: unknown device type {device_type!r} (cpu or cuda)")
+    if op is not None and op not in OPS:
+        raise ValueError(f"fastdet.ops.set_backend: unknown op {op!r} (one of {OPS})")
+    if name is None:
+        _overrides.pop((device_type, op), None)
+    else:
+        _overrides[(device_type, op)] = name
+    _resolved.clear()
+
+
+@contextlib.contextmanager
+def use_backend(name: str, device_type: Optional[str] = None, op: Optional[str] = None) -> Iterator[None]:
+    """Context manager form of :func:`set_backend` (restores the previous override)."""
+    key = (device_type, op)
+    previous = _overrides.get(key)
+    set_backend(name, device_type, op)
+    try:
+        yield
+    finally:
+        set_backend(previous, device_type, op)
+
+
+def _requested(op: str, device_type: str) -> Optional[str]:
+    for table in (_overrides, _env_overrides):
+        for key in ((device_type, op), (None, op), (device_type, None), (None, None)):
+            name = table.get(key)
+            if name is not None and name in _SERVES.get(device_type, ("torch",)):
+                return name
+    return None
+
+
+def triton_usable(device_type: str) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device_type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return device_type == "cuda"
+
+
+def available(name: str, device_type: str) -> bool:
+    """Whether back end ``name`` can run now on ``device_type`` (may build the extension)."""
+    if name == "torch":
+        return True
+    if name not in _SERVES.get(device_type, ()):
+        return False
+    if name == "triton":
+        if not triton_usable(device_type):
+            return False
+        import fastdet.ops.triton  # noqa: F401  (registers the fastdet_triton ops)
+
+        return True
+    from fastdet.ops import _ext
+
+    if not _ext.load():
+        return False
+    return name == "cpp" or _ext.has_cuda_kernels()
+
+
+@torch.compiler.assume_constant_result
+def backend_for(op: str, device_type: str, compiling: bool = False) -> str:
+    """The back end that runs ``op`` on tensors of ``device_type``.
+
+    ``compiling`` is ``torch.compiler.is_compiling()`` at the call site. To
+    ``torch.compile`` the answer is a constant computed while tracing.
+    """
+    key = (op, device_type, compiling)
+    hit = _resolved.get(key)
+    if hit is not None:
+        return hit
+    requested = _requested(op, device_type)
+    default = DEFAULTS.get((device_type, compiling), {}).get(op, "torch")
+    chain = [b for b in (requested, default, *_SERVES.get(device_type, ())) if b is not None]
+    chosen = "torch"
+    for name in chain:
+        if available(name, device_type):
+            chosen = name
+            break
+    if requested is not None and chosen != requested and (requested, device_type) not in _warned:
+        _warned.add((requested, device_type))
+        log.warning("fastdet.ops: back end %r is unavailable on %s, using %r", requested, device_type, chosen)
+    _resolved[key] = chosen
+    return chosen
+
+
+def describe(device_type: str) -> dict[str, str]:
+    """Op -> chosen back end in eager code on ``device_type`` (for logs and reports)."""
+    return {op: backend_for(op, device_type, False) for op in OPS}
