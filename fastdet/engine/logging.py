@@ -78,9 +78,12 @@ def format_eta(seconds: float) -> str:
 
 
 def memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch; on the CPU the process's peak resident size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return 0.0
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class Nvtx:

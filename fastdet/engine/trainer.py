@@ -6,6 +6,7 @@ Nothing here names an architecture: the model declares what changes during train
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard,
 from fastdet.engine.optim import CapturableSGD, LRSchedule, build_param_groups
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
-from fastdet.models import build_model
+from fastdet.models import build_model_from_config
 from fastdet.ops.ema import ModelEMA
 
 log = logging.getLogger("fastdet")
@@ -52,8 +53,7 @@ def output_dir(cfg: Config) -> Path:
 
 
 def build_detector(cfg: Config, num_classes: int) -> nn.Module:
-    return build_model(cfg.model.arch, cfg.model.size, num_classes=num_classes,
-                       static_assigner_epoch=cfg.model.static_assigner_epoch)
+    return build_model_from_config(replace(cfg.model, num_classes=num_classes))
 
 
 def predict_kwargs(cfg: Config) -> dict[str, Any]:
@@ -90,10 +90,6 @@ class Trainer:
                                    check_images=cfg.data.check_images, cache_dir=cfg.data.cache_dir)
         self.val_set = load_coco(paths.val_ann, paths.val_images, train=False,
                                  check_images=cfg.data.check_images, cache_dir=cfg.data.cache_dir)
-        for name, ds in (("train", self.train_set), ("val", self.val_set)):
-            log.info("%s: %s", name, ds.describe())
-            if ds.report.summary():
-                log.info("%s: %s", name, ds.report.summary())
         if len(self.train_set) == 0:
             raise ValueError(f"{paths.train_ann}: no usable training images ({self.train_set.report.summary()})")
         if self.train_set.cat_ids != self.val_set.cat_ids:
@@ -210,11 +206,16 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         model = self.ema.module if self.ema is not None else self.model
         t = time.perf_counter()
+        rng = rng_state()  # evaluation must not perturb the training's random streams
         stats = evaluate(model, self.val_loader, self.val_set, self.amp_dtype, predict_kwargs(self.cfg))
+        set_rng_state(rng)
         log.info("eval (%s weights) epoch %d: AP %.4f  AP50 %.4f  AP75 %.4f  (%.1f s)",
                  "EMA" if self.ema is not None else "model", self.epoch, stats["AP"],
                  stats["AP50"], stats["AP75"], time.perf_counter() - t)
-        self.tb.scalars({k: v for k, v in stats.items()}, self.step, prefix="val/")
+        self.tb.scalars(stats, self.step, prefix="val/")
+        if self.dist.is_main:
+            with open(self.out / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"epoch": self.epoch, "step": self.step, **stats}) + "\n")
         return stats
 
     # ------------------------------------------------------------------ the loop
@@ -309,15 +310,17 @@ class Trainer:
             self.step += 1
             n_images += batch["images"].shape[0] * self.dist.world_size
             timer.lap()
-            if self.step % run.log_interval == 0 or self.step >= total_steps:
+            ckpt_due = run.ckpt_interval_steps > 0 and self.step % run.ckpt_interval_steps == 0
+            end = self.step >= total_steps or self.step % self.steps_per_epoch == 0
+            # Losses are read (and checked) before every checkpoint, so a saved
+            # checkpoint never holds weights from after a non-finite loss.
+            if self.step % run.log_interval == 0 or ckpt_due or end:
                 if not self._log(progress, t_start, steps_at_start, total_steps, data_time, n_images):
                     return True
                 data_time, n_images = 0.0, 0
-            if run.ckpt_interval_steps and self.step % run.ckpt_interval_steps == 0:
+            if ckpt_due:
                 self.save("latest")
-            if self.step >= total_steps:
-                return False
-            if self.step % self.steps_per_epoch == 0:
+            if end:
                 return False
 
     def _log(self, progress: Progress, t_start: float, steps_at_start: int, total_steps: int,
@@ -347,6 +350,10 @@ class Trainer:
                  mem, format_eta(eta))
         progress.update(n, f"ep {self.epoch} loss {losses.get('total_loss', float('nan')):.3f}")
         self.tb.scalars({f"train/{k}": v for k, v in losses.items()}, self.step)
+        if self.dist.is_main:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"epoch": self.epoch, "step": self.step, "lr": lr,
+                                    "images_per_s": ips, **losses}) + "\n")
         self.tb.scalars({"train/lr": lr, "train/images_per_s": ips, "train/data_time": data_time / max(1, n),
                          "train/memory_mb": mem}, self.step)
         return True

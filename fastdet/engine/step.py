@@ -1,0 +1,277 @@
+"""The one train step, its compile boundary and its CUDA graphs.
+
+``TrainStep(batch, loss_kwargs)`` runs forward with loss, backward, optional gradient
+clipping per parameter group, the optimizer update and the EMA update, and adds the
+detached losses into a device accumulator. Nothing in it reads a value back to the
+host: the trainer reads the accumulator every ``log_interval`` steps.
+
+Compilation (``--compile``): the model-with-loss is wrapped in
+``torch.compile(fullgraph=True, dynamic=False)``. Backward runs through AOTAutograd's
+compiled backward; the optimizer and EMA are a handful of foreach kernels outside the
+graph (``optimizer.step()`` always breaks a Dynamo graph, COMPILE.md §0.1). Every
+(image size, loss-kwargs) bucket compiles once, during :meth:`TrainStep.warmup`;
+afterwards :meth:`check_recompiles` fails loudly if Dynamo compiled anything new.
+
+CUDA graphs (``--cuda-graphs``): the whole step (zero grads, forward, backward,
+clipping, optimizer, EMA, loss accumulation) is captured once per bucket, after
+warm-up iterations on a side stream, and replayed with the batch copied into static
+input buffers (the MLPerf recipe). All persistent state (weights, grads, momentum,
+EMA, LR and decay tensors, the accumulator) is allocated before capture, outside the
+graphs' shared memory pool, so graphs of different sizes can share one pool and be
+replayed in any order. The LR is a device tensor written before each replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch._dynamo
+from torch import Tensor, nn
+
+from fastdet.engine.logging import Nvtx
+
+TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
+INPUT_KEYS = ("images",) + TARGET_KEYS
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """``auto``: bf16 on GPUs that support it, fp32 elsewhere; ``off`` -> None."""
+    if amp == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    if amp == "bf16":
+        return torch.bfloat16
+    if amp == "fp16":
+        return torch.float16
+    if amp == "off":
+        return None
+    raise ValueError(f"--amp: expected bf16, fp16, off or auto, got {amp!r}")
+
+
+def _kw_key(kw: dict[str, Any]) -> tuple:
+    return tuple(sorted(kw.items()))
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, Tensor]
+
+
+class TrainStep:
+    """Callable train step over one model, optimizer and (optional) EMA.
+
+    Args:
+        model: the plain module (already on ``device``); its state is what is saved.
+        net: what the forward calls: ``model`` or its DDP wrapper.
+        optimizer: a :class:`~fastdet.engine.optim.CapturableSGD`.
+        ema: an EMA object with ``update(model)`` or None.
+        amp_dtype: autocast dtype or None for fp32.
+        clip_grad_norm: per-group max norm (0 disables).
+        compile: wrap ``net`` in ``torch.compile(fullgraph=True)``.
+        cuda_graphs: capture the whole step per bucket (CUDA only, no fp16 scaler).
+        graph_warmup_iters: eager iterations before each capture (DDP needs >= 11).
+    """
+
+    def __init__(self, model: nn.Module, net: nn.Module, optimizer: torch.optim.Optimizer,
+                 ema: Any, device: torch.device, amp_dtype: torch.dtype | None,
+                 clip_grad_norm: float = 0.0, compile: bool = False, cuda_graphs: bool = False,
+                 dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None):
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError("--cuda-graphs needs a CUDA device (got --device cpu): drop the flag")
+        if cuda_graphs and amp_dtype == torch.float16:
+            raise ValueError("--cuda-graphs cannot capture fp16's GradScaler (it syncs with the "
+                             "host every step): use --amp bf16 or --amp off")
+        self.model, self.optimizer, self.ema = model, optimizer, ema
+        self.device, self.amp_dtype = device, amp_dtype
+        self.clip = clip_grad_norm
+        self.cuda_graphs = cuda_graphs
+        self.graph_warmup_iters = graph_warmup_iters
+        self.nvtx = nvtx or Nvtx(False)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        self.forward: Callable[..., dict[str, Tensor]] = (
+            torch.compile(net, fullgraph=True, dynamic=dynamic) if compile else net
+        )
+        self.compiled = compile
+        self.loss_names: tuple[str, ...] | None = None
+        self.loss_sum: Tensor | None = None  # [K] device accumulator of the named losses
+        self.steps_accumulated = 0
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None
+        self._graphs_after_warmup: int | None = None
+        self._buckets = 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+
+    # ------------------------------------------------------------------ the step body
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _body(self, inputs: dict[str, Tensor], kw: dict[str, Any], zero_in_place: bool) -> None:
+        if zero_in_place:
+            # Graph mode: grads are static tensors allocated before capture.
+            torch._foreach_zero_([p.grad for p in self.params])
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        targets = {k: inputs[k] for k in TARGET_KEYS}
+        with self.nvtx("forward"), self._autocast():
+            losses = self.forward(inputs["images"], targets, **kw)
+        with self.nvtx("backward"):
+            self.scaler.scale(losses["total_loss"]).backward()
+        with self.nvtx("optimizer"):
+            if self.clip > 0:
+                self.scaler.unscale_(self.optimizer)
+                for ps in self.groups:
+                    torch.nn.utils.clip_grad_norm_(ps, self.clip, foreach=True)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        if self.ema is not None:
+            with self.nvtx("ema"):
+                self.ema.update(self.model)
+        if self.loss_names is None:
+            self.loss_names = tuple(losses)
+            self.loss_sum = torch.zeros(len(self.loss_names), device=self.device)
+        self.loss_sum += torch.stack([losses[k].detach().float() for k in self.loss_names])
+
+    def __call__(self, batch: dict[str, Tensor], kw: dict[str, Any]) -> None:
+        inputs = {k: batch[k] for k in INPUT_KEYS}
+        if self.cuda_graphs:
+            key = (tuple(inputs["images"].shape), _kw_key(kw))
+            g = self._graphs.get(key) or self._capture(key, inputs, kw)
+            for k in INPUT_KEYS:
+                g.inputs[k].copy_(inputs[k], non_blocking=True)
+            with self.nvtx("step(graph)"):
+                g.graph.replay()
+        else:
+            self._body(inputs, kw, zero_in_place=False)
+        self.steps_accumulated += 1
+
+    # ------------------------------------------------------------------ losses
+    def read_losses(self) -> dict[str, float]:
+        """Mean of each loss since the last read: the one host sync per log interval."""
+        if self.loss_sum is None or self.steps_accumulated == 0:
+            return {}
+        vals = (self.loss_sum / self.steps_accumulated).tolist()
+        self.loss_sum.zero_()
+        self.steps_accumulated = 0
+        return dict(zip(self.loss_names, vals))
+
+    # ------------------------------------------------------------------ state snapshot
+    def _state_tensors(self) -> list[Tensor]:
+        ts = list(self.model.parameters()) + list(self.model.buffers())
+        for st in self.optimizer.state.values():
+            ts += [v for v in st.values() if isinstance(v, Tensor)]
+        ts += [g["lr"] for g in self.optimizer.param_groups if isinstance(g["lr"], Tensor)]
+        if self.ema is not None:
+            ts += self.ema.state_tensors()
+        if self.loss_sum is not None:
+            ts.append(self.loss_sum)
+        return ts
+
+    @contextlib.contextmanager
+    def _preserve_state(self):
+        """Run warm-up iterations without changing the training state (values copied back
+        into the same tensors, so addresses captured by graphs stay valid)."""
+        with torch.no_grad():
+            saved = [t.detach().clone() for t in self._state_tensors()]
+        steps, scaler_state = self.steps_accumulated, self.scaler.state_dict()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, s in zip(self._state_tensors(), saved):
+                    t.copy_(s)
+            self.steps_accumulated = steps
+            if scaler_state:
+                self.scaler.load_state_dict(scaler_state)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _capture(self, key: tuple, inputs: dict[str, Tensor], kw: dict[str, Any]) -> _Graph:
+        static = {k: v.clone() for k, v in inputs.items()}
+        with self._preserve_state():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.graph_warmup_iters):
+                    self._body(static, kw, zero_in_place=False)
+            torch.cuda.current_stream().wait_stream(side)
+            # Grads allocated eagerly (outside the pool) and zeroed in the graph.
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._body(static, kw, zero_in_place=True)
+        torch.cuda.synchronize()
+        g = _Graph(graph, static)
+        self._graphs[key] = g
+        return g
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, sizes: list[tuple[int, int]], batch_size: int, max_boxes: int,
+               kw_variants: list[dict[str, Any]], channels_last: bool = False) -> None:
+        """Compile (and capture) every bucket once, on synthetic batches, leaving the
+        training state unchanged. Sizes are (H, W)."""
+        self._buckets = len(sizes) * len(kw_variants)
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, self._buckets + 2
+        )
+        gen = torch.Generator().manual_seed(0)
+        for h, w in sizes:
+            batch = synthetic_batch(batch_size, h, w, max_boxes, self.device, gen, channels_last)
+            for kw in kw_variants:
+                if self.cuda_graphs:
+                    self._capture((tuple(batch["images"].shape), _kw_key(kw)), batch, kw)
+                else:
+                    with self._preserve_state():
+                        self._body(batch, kw, zero_in_place=False)
+        self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
+        self._graphs_after_warmup = compiled_graph_count()
+
+    def check_recompiles(self) -> None:
+        """Raise if Dynamo compiled new graphs after warm-up (a shape or guard leak)."""
+        if not self.compiled or self._graphs_after_warmup is None:
+            return
+        new = compiled_graph_count() - self._graphs_after_warmup
+        if new > 0:
+            raise RuntimeError(
+                f"torch.compile recompiled {new} time(s) after warm-up of {self._buckets} "
+                "bucket(s): an input shape or a guarded value changed during training "
+                "(run with TORCH_LOGS=recompiles to see which)"
+            )
+
+
+def compiled_graph_count() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def synthetic_batch(batch_size: int, h: int, w: int, max_boxes: int, device: torch.device,
+                    gen: torch.Generator | None = None, channels_last: bool = False
+                    ) -> dict[str, Tensor]:
+    """A batch in the loader layout with random images and a few random valid boxes."""
+    gen = gen or torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, h, w, generator=gen)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    n = min(4, max_boxes)
+    xy = torch.rand(batch_size, max_boxes, 2, generator=gen) * torch.tensor([w * 0.6, h * 0.6])
+    wh = 16 + torch.rand(batch_size, max_boxes, 2, generator=gen) * torch.tensor([w * 0.35, h * 0.35])
+    boxes = torch.cat([xy, xy + wh], dim=-1)
+    mask = torch.zeros(batch_size, max_boxes, dtype=torch.bool)
+    mask[:, :n] = True
+    labels = torch.randint(0, 3, (batch_size, max_boxes), generator=gen) * mask
+    boxes = boxes * mask[..., None]
+    return {
+        "images": images.to(device),
+        "gt_boxes": boxes.to(device),
+        "gt_labels": labels.to(device),
+        "gt_mask": mask.to(device),
+    }

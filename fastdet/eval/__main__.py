@@ -1,0 +1,93 @@
+"""``python -m fastdet.eval --ckpt PATH --data ...``: COCO AP of a checkpoint.
+
+The model is rebuilt from the config stored in the checkpoint; its EMA weights are
+evaluated when present (``--weights model`` picks the raw weights). The val set is
+``--data``'s (or ``--val-ann/--val-images``), defaulting to the one trained on.
+Runs under torchrun too: each rank evaluates its shard, rank 0 scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import torch
+
+from fastdet.config import Config, ConfigError, apply_overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastdet.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, metavar="PATH")
+    p.add_argument("--data", default=None, metavar="demo|COCO_ROOT")
+    p.add_argument("--val-ann", default=None, metavar="JSON")
+    p.add_argument("--val-images", default=None, metavar="DIR")
+    p.add_argument("--img-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--amp", choices=["bf16", "fp16", "off", "auto"], default=None)
+    p.add_argument("--loader", choices=["dali", "torch", "auto"], default=None)
+    p.add_argument("--weights", choices=["ema", "model"], default="ema")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from fastdet.data.coco import DataError, load_coco, resolve_data
+    from fastdet.data.loader import build_eval_loader
+    from fastdet.engine import dist
+    from fastdet.engine.checkpoint import load_checkpoint
+    from fastdet.engine.logging import setup_logging
+    from fastdet.engine.step import resolve_amp
+    from fastdet.engine.trainer import build_detector, predict_kwargs, resolve_device
+    from fastdet.eval.coco import evaluate
+
+    try:
+        ck = load_checkpoint(args.ckpt)
+        if "config" not in ck:
+            raise ValueError(f"{args.ckpt}: not a fastdet checkpoint (no 'config' entry)")
+        cfg = Config.from_dict(ck["config"])
+        over = {"run.device": args.device}
+        for key, val in (("data.data", args.data), ("data.val_ann", args.val_ann),
+                         ("data.val_images", args.val_images), ("data.img_size", args.img_size),
+                         ("data.eval_batch_size", args.batch_size), ("compile.amp", args.amp),
+                         ("data.loader", args.loader)):
+            if val is not None:
+                over[key] = val
+        if args.data is not None:  # a new dataset: forget the trained-on explicit paths
+            for key in ("data.val_ann", "data.val_images", "data.train_ann", "data.train_images"):
+                over.setdefault(key, None)
+        cfg = apply_overrides(cfg, over)
+        device = resolve_device(cfg.run.device)
+        info = dist.init_distributed(device.type)
+        if device.type == "cuda":
+            device = torch.device("cuda", info.local_rank)
+        setup_logging(None, info.is_main)
+        paths = resolve_data(cfg.data, splits=("val",))
+        val = load_coco(paths.val_ann, paths.val_images, train=False, cache_dir=cfg.data.cache_dir)
+        if ck.get("cat_ids") and list(ck["cat_ids"]) != list(val.cat_ids):
+            raise ValueError(f"{paths.val_ann}: categories differ from the checkpoint's "
+                             f"({len(val.cat_ids)} vs {len(ck['cat_ids'])})")
+        model = build_detector(cfg, val.num_classes).to(device)
+        weights = ck["ema"] if args.weights == "ema" and ck.get("ema") else ck["model"]
+        if "module" in weights:  # ModelEMA.state_dict() layout
+            weights = weights["module"]
+        model.load_state_dict(weights)
+        loader = build_eval_loader(cfg, val, rank=info.rank, world_size=info.world_size, device=device)
+        stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), predict_kwargs(cfg))
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        print(f"fastdet.eval: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        from fastdet.engine import dist as _d
+
+        _d.shutdown()
+    logging.getLogger("fastdet").info("evaluated %s on %s", args.ckpt, paths.val_ann)
+    print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}  "
+          f"APs {stats['APs']:.4f}  APm {stats['APm']:.4f}  APl {stats['APl']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
