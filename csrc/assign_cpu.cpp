@@ -5,9 +5,10 @@
 //     (task-aligned: top-k alignment metric; ATSS: top-k centre distance per level and
 //     the mean + std IoU threshold) and keep those that are positive -> cand [B, M, K];
 //  2. per image (parallel over B): count the GTs each anchor is positive for, give an
-//     anchor claimed by several GTs to the GT of highest IoU (argmax over all M slots,
-//     first on ties), and write labels [B, A], boxes [B, A, 4] and scores [B, A, C].
-// Top-k ties go to the lower anchor index, as torch.topk does on the CPU.
+//     anchor claimed by several GTs to the GT of highest IoU x pad mask (argmax over all
+//     M slots, first on ties), and write labels [B, A], boxes [B, A, 4], scores [B, A, C].
+// Top-k ties go to the lower anchor index, as torch.topk does on the CPU when it partially
+// sorts (k * 64 <= n; for smaller rows its order among equal values is unspecified).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -72,7 +73,8 @@ void check_gt(const at::Tensor& gt_labels, const at::Tensor& gt_bboxes, const at
 }
 
 // Stage 2, shared: resolve each anchor of image b to at most one GT.
-// cand: [M, K] positive anchor indices (-1 = none). iou_of(m, a) gives the tie-break IoU.
+// cand: [M, K] positive anchor indices (-1 = none). iou_of(m, a) gives the tie-break IoU
+// (already multiplied by the slot's pad mask: padded slots compete with IoU 0).
 // Returns assigned GT per anchor (-1 = background).
 template <typename IouFn>
 void resolve_image(const int64_t* cand, int64_t M, int64_t K, int64_t A, IouFn iou_of, std::vector<int32_t>& count,
@@ -169,7 +171,8 @@ void tal_kernel(const at::Tensor& scores_t, const at::Tensor& pred_t, const at::
     std::vector<int32_t> count(A), owner(A);
     std::vector<T> metric(A), max_metric(M), max_iou(M);
     for (int64_t b = begin; b < end; ++b) {
-      resolve_image(cand.data() + b * M * K, M, K, A, [&](int64_t m, int64_t a) { return iou_of(b, m, a); },
+      resolve_image(cand.data() + b * M * K, M, K, A,
+                    [&](int64_t m, int64_t a) { return iou_of(b, m, a) * V[b * M + m]; },
                     count, owner);
       std::fill(max_metric.begin(), max_metric.end(), T(0));
       std::fill(max_iou.begin(), max_iou.end(), T(0));
@@ -274,7 +277,8 @@ void atss_kernel(const at::Tensor& anchors_t, c10::IntArrayRef levels, const at:
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> count(A), owner(A);
     for (int64_t b = begin; b < end; ++b) {
-      resolve_image(cand.data() + b * M * K, M, K, A, [&](int64_t m, int64_t a) { return anchor_iou(b, m, a); },
+      resolve_image(cand.data() + b * M * K, M, K, A,
+                    [&](int64_t m, int64_t a) { return anchor_iou(b, m, a) * V[b * M + m]; },
                     count, owner);
       for (int64_t a = 0; a < A; ++a) {
         const int32_t m = owner[a];

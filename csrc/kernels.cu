@@ -402,11 +402,11 @@ __global__ void resolve_kernel(const float* __restrict__ S, const float* __restr
     if (c == 1) {
       m = owner[ba];
     } else if (c > 1) {
-      // Several claimants: the GT of highest IoU over all M slots, the first on ties.
+      // Several claimants: the GT of highest IoU x pad mask over all M slots, first on ties.
       float best = 0.0f;
       for (int64_t j = 0; j < gt.M; ++j) {
         const float* g = gt.boxes + 4 * (b * gt.M + j);
-        const float v = paddle_iou(g[0], g[1], g[2], g[3], qx1, qy1, qx2, qy2, 1e-9f);
+        const float v = paddle_iou(g[0], g[1], g[2], g[3], qx1, qy1, qx2, qy2, 1e-9f) * gt.mask[b * gt.M + j];
         if (j == 0 || v > best) {
           best = v;
           m = static_cast<int32_t>(j);

@@ -9,7 +9,7 @@ Same plan as the C++/CUDA kernels (csrc/assign_cpu.cpp, csrc/ops_cuda.cu), and n
    as ``torch.topk`` does on the CPU. Positive candidates are counted per anchor with
    atomics (``count``, ``owner``);
 2. one program per block of anchors resolves each anchor (several claimants -> the GT
-   of highest IoU over all M slots, first on ties), writes label and box, and for the
+   of highest IoU x pad mask over all M slots, first on ties), writes label and box, and for the
    task-aligned assigner the per-GT maxima (atomic max);
 3. one program per tile of ``[B*A, C]`` writes the scores.
 
@@ -177,7 +177,7 @@ def _atss_claim_kernel(CEN, GTB, GTM, cand, cand_iou, thr, count, owner, A, M, K
 
 
 @triton.jit
-def _resolve_kernel(S, P, AN, GTB, GTL, count, owner, assigned, value, max_metric, max_iou, out_labels, out_bboxes,
+def _resolve_kernel(S, P, AN, GTB, GTL, GTM, count, owner, assigned, value, max_metric, max_iou, out_labels, out_bboxes,
                     B, A, C, M, alpha, beta, bg_index, TAL: tl.constexpr, HAS_PRED: tl.constexpr,
                     LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
     ba = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -204,7 +204,7 @@ def _resolve_kernel(S, P, AN, GTB, GTL, count, owner, assigned, value, max_metri
             g = GTB + (b * M + j) * 4
             v = paddle_iou(tl.load(g + 0, mask=mask, other=0.0), tl.load(g + 1, mask=mask, other=0.0),
                            tl.load(g + 2, mask=mask, other=0.0), tl.load(g + 3, mask=mask, other=0.0),
-                           qx1, qy1, qx2, qy2)
+                           qx1, qy1, qx2, qy2) * tl.load(GTM + b * M + j, mask=mask, other=0.0)
             upd = (j == 0) | (v > best)
             best = tl.where(upd, v, best)
             best_m = tl.where(upd, j, best_m)
@@ -272,7 +272,7 @@ def _empty_outputs(B, A, C, ref: Tensor, bg_index: int, M: int):
     return labels, bboxes, scores
 
 
-def _finish(TAL, S, P, AN, G, Lb, count, owner, B, A, C, M, alpha, beta, bg_index, eps, labels, bboxes, scores):
+def _finish(TAL, S, P, AN, G, Lb, V, count, owner, B, A, C, M, alpha, beta, bg_index, eps, labels, bboxes, scores):
     dev = G.device
     assigned = torch.empty((B, A), dtype=torch.int32, device=dev)
     value = torch.zeros((B, A), dtype=torch.float32, device=dev)
@@ -280,7 +280,7 @@ def _finish(TAL, S, P, AN, G, Lb, count, owner, B, A, C, M, alpha, beta, bg_inde
     max_iou = torch.zeros((B, M), dtype=torch.float32, device=dev)
     dummy = G  # stands in for pointers a variant does not read
     _resolve_kernel[(triton.cdiv(B * A, _BLOCK_A),)](
-        S if S is not None else dummy, P if P is not None else dummy, AN if AN is not None else dummy, G, Lb,
+        S if S is not None else dummy, P if P is not None else dummy, AN if AN is not None else dummy, G, Lb, V,
         count, owner, assigned, value, max_metric, max_iou, labels, bboxes, B, A, C, M, alpha, beta, bg_index,
         TAL=TAL, HAS_PRED=P is not None, LIBDEVICE=not interpreting(), BLOCK=_BLOCK_A)
     BLOCK_C = min(128, triton.next_power_of_2(max(C, 1)))
@@ -314,7 +314,7 @@ def task_aligned_assign(pred_scores: Tensor, pred_bboxes: Tensor, anchor_points:
     owner = torch.empty((B, A), dtype=torch.int32, device=G.device)
     _tal_candidates_kernel[(B * M,)](S, P, pts, G, Lb, V, count, owner, A, C, M, k, alpha, beta,
                                      KP=_kp(k), CHUNK=_CHUNK, SORT=not interpreting(), LIBDEVICE=not interpreting())
-    _finish(True, S, P, None, G, Lb, count, owner, B, A, C, M, alpha, beta, bg_index, eps, labels, bboxes, scores)
+    _finish(True, S, P, None, G, Lb, V, count, owner, B, A, C, M, alpha, beta, bg_index, eps, labels, bboxes, scores)
     return labels, bboxes, scores
 
 
@@ -366,7 +366,7 @@ def atss_assign(anchors: Tensor, num_anchors_list: list[int], gt_labels: Tensor,
     total = B * M * K
     _atss_claim_kernel[(triton.cdiv(total, 1024),)](CEN, G, V, cand, cand_iou, thr, count, owner, A, M, K, total,
                                                     BLOCK=1024)
-    _finish(False, None, P, AN, G, Lb, count, owner, B, A, num_classes, M, 0.0, 0.0, bg_index, 0.0, labels, bboxes,
+    _finish(False, None, P, AN, G, Lb, V, count, owner, B, A, num_classes, M, 0.0, 0.0, bg_index, 0.0, labels, bboxes,
             scores)
     return labels, bboxes, scores
 

@@ -1,0 +1,59 @@
+"""The dispatch: defaults per device, the FASTDET_OPS_BACKEND grammar, overrides that
+cannot serve a device, and fallbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastdet.ops import _ext, dispatch
+
+
+def test_env_grammar():
+    parsed = dispatch._parse_env("triton")
+    assert parsed == {(None, None): "triton"}
+    parsed = dispatch._parse_env("cpu=torch, cuda=triton, cuda:task_aligned_assign=cuda")
+    assert parsed == {("cpu", None): "torch", ("cuda", None): "triton", ("cuda", "task_aligned_assign"): "cuda"}
+    for bad, msg in [("tensorrt", "unknown back end"), ("tpu=torch", "unknown device type"),
+                     ("cpu:nms=torch", "unknown op")]:
+        with pytest.raises(ValueError, match=msg):
+            dispatch._parse_env(bad)
+
+
+def test_overrides_and_defaults():
+    assert dispatch.DEFAULTS.keys() == {("cpu", False), ("cpu", True), ("cuda", False), ("cuda", True)}
+    for table in dispatch.DEFAULTS.values():
+        assert set(table) == set(dispatch.OPS)
+    with dispatch.use_backend("torch"):
+        assert dispatch.backend_for("box_iou", "cpu") == "torch"
+        with dispatch.use_backend("cpp", "cpu", "box_iou"):
+            expected = "cpp" if _ext.load() else "torch"
+            assert dispatch.backend_for("box_iou", "cpu") == expected
+            assert dispatch.backend_for("giou_loss", "cpu") == "torch"
+    # A back end that cannot serve CPU tensors is ignored there (cuda is for CUDA tensors).
+    with dispatch.use_backend("cuda"):
+        assert dispatch.backend_for("box_iou", "cpu") == dispatch.backend_for("box_iou", "cpu", False)
+        assert dispatch.backend_for("box_iou", "cpu") in ("cpp", "torch")
+    with pytest.raises(ValueError, match="unknown back end"):
+        dispatch.set_backend("fast")
+
+
+def test_env_variable_reaches_the_dispatch():
+    code = ("from fastdet.ops import dispatch; "
+            "print(dispatch.backend_for('box_iou', 'cpu'), dispatch.backend_for('task_aligned_assign', 'cpu'))")
+    env = {**os.environ, "FASTDET_OPS_BACKEND": "cpu=torch,cpu:task_aligned_assign=cpp"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    want = "cpp" if _ext.load() else "torch"
+    assert r.stdout.split() == ["torch", want]
+
+
+def test_triton_on_cpu_only_under_the_interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs Triton's interpreter")
+    with dispatch.use_backend("triton", "cpu"):
+        # Without TRITON_INTERPRET, Triton cannot run CPU tensors: fall back (warned once).
+        assert dispatch.backend_for("box_iou", "cpu") in ("cpp", "torch")

@@ -1,0 +1,118 @@
+"""ModelEMA: the two decay schedules against their published formulas, the averaged
+weights against a hand-rolled EMA, state round trips, and a compiled update."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fastdet.ops as ops
+from fastdet.ops.ema import ModelEMA, ramp_decay, threshold_decay
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+
+def test_decay_schedules_match_paddle_and_yolox():
+    for n in (0, 1, 5, 100, 10_000, 1_000_000):
+        # PaddleDetection ModelEMA (threshold): min(decay, (1 + step) / (10 + step)), step before +1.
+        assert threshold_decay(torch.tensor(n), 0.9998).item() == pytest.approx(min(0.9998, (1 + n) / (10 + n)))
+        # YOLOX ModelEMA: decay * (1 - exp(-updates / 2000)), updates after +1.
+        assert ramp_decay(torch.tensor(n), 0.9998).item() == pytest.approx(0.9998 * (1 - math.exp(-n / 2000)))
+
+
+@pytest.mark.parametrize("kind", ["threshold", "ramp"])
+def test_update_matches_hand_rolled_ema(kind):
+    model = _model()
+    ema = ModelEMA(model, decay=0.99, kind=kind, tau=5.0)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model(torch.randn(2, 3, 6, 6))  # moves the BN running stats and counter
+        d = min(0.99, (1 + step) / (10 + step)) if kind == "threshold" else 0.99 * (1 - math.exp(-(step + 1) / 5.0))
+        assert ema.current_decay().item() == pytest.approx(d, rel=1e-6)
+        ema.update(model)
+        for k, v in model.state_dict().items():
+            want[k] = d * want[k] + (1 - d) * v if v.is_floating_point() else v.clone()
+    got = ema.module.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert got["1.num_batches_tracked"].item() == 4
+    assert int(ema.updates) == 4
+    assert not any(p.requires_grad for p in ema.module.parameters()) and not ema.module.training
+
+
+def test_state_dict_round_trip_and_reset():
+    model = _model()
+    ema = ModelEMA(model, decay=0.9)
+    with torch.no_grad():
+        model[0].weight.mul_(3)
+    ema.update(model)
+    ema.update(model)
+    state = copy.deepcopy(ema.state_dict())
+    assert set(state) == {"module", "updates", "decay", "kind"} and state["updates"] == 2
+    other = ModelEMA(_model(), decay=0.9)
+    other.load_state_dict(state)
+    assert int(other.updates) == 2
+    torch.testing.assert_close(other.module[0].weight, ema.module[0].weight)
+    other.reset(model)
+    assert int(other.updates) == 0
+    torch.testing.assert_close(other.module[0].weight, model[0].weight)
+    with pytest.raises(ValueError, match="no 'module' weights"):
+        other.load_state_dict({"updates": 1})
+
+
+def test_bad_config_and_mismatched_model():
+    with pytest.raises(ValueError, match="optim.ema_type"):
+        ModelEMA(_model(), kind="cosine")
+    with pytest.raises(ValueError, match="optim.ema_decay"):
+        ModelEMA(_model(), decay=1.5)
+    ema = ModelEMA(_model())
+    with pytest.raises(ValueError, match="pass the model the EMA was made from"):
+        ema.update(nn.Linear(2, 2))
+
+
+def test_state_tensors_cover_what_update_writes():
+    model = _model()
+    ema = ModelEMA(model)
+    before = [t.clone() for t in ema.state_tensors()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)
+    changed = [not torch.equal(a, b) for a, b in zip(before, ema.state_tensors())]
+    assert changed[-1]  # the counter
+    assert sum(changed) >= len(list(model.parameters())) + 1
+
+
+def test_compiled_update_does_not_recompile():
+    torch._dynamo.reset()
+    model = _model()
+    ema = ModelEMA(model, decay=0.9998, kind="ramp")
+    ref = ModelEMA(model, decay=0.9998, kind="ramp")
+    update = torch.compile(ema.update, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        update(model)
+        ref.update(model)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(ema.module.state_dict().values(), ref.module.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+def test_ema_update_api_accepts_float_decay():
+    e, s = [torch.zeros(3)], [torch.ones(3)]
+    ops.ema_update_(e, s, 0.75)
+    torch.testing.assert_close(e[0], torch.full((3,), 0.25))
+    with pytest.raises(ValueError, match="1 EMA tensors but 2 model tensors"):
+        ops.ema_update_(e, s * 2, 0.5)
