@@ -1,0 +1,150 @@
+"""bench/throughput.py keeps working: one tiny run of every mode through the CLI.
+
+This is a smoke test, not a timing assertion: it checks the JSON schema, that every
+mode ran (or was skipped for the reason this machine gives), that every figure is
+finite and positive and consistent with the others (median within min..max, speedup
+against the row of its baseline, ms/iter against images/s), and that the environment
+block is there. The run uses the ``demo_small`` set, 64 px, batch 2, two windows of one
+iteration, and Dynamo's ``eager`` backend for the compiled mode (tracing, guards and
+graph counters as with inductor, without inductor's minutes of C++ compilation on a
+CPU), and the torch reference ops (no extension build inside the budget).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import common, throughput  # noqa: E402
+
+HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
+
+
+@pytest.fixture(scope="module")
+def quick_run(demo_small, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "throughput.json"
+    cmd = [sys.executable, str(REPO / "bench" / "throughput.py"), "--quick", "--device", "cpu",
+           "--img-size", "64", "--windows", "2", "--iters", "1", "--warmup", "0",
+           "--compile-backend", "eager", "--data", str(demo_small), "--json", str(out)]
+    env = {**os.environ, "FASTDET_OPS_BACKEND": "torch", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_every_mode_ran_with_consistent_figures(quick_run):
+    doc, _ = quick_run
+    assert doc["schema"] == common.SCHEMA and doc["kind"] == "throughput"
+    rows = {r["mode"]: r for r in doc["results"]}
+    assert [r["mode"] for r in doc["results"]] == list(throughput.ALL_MODES)
+
+    skipped = {m: r["reason"] for m, r in rows.items() if r["status"] == "skipped"}
+    # --amp auto is fp32 on the CPU: eager AMP and e2e_torch would repeat other rows.
+    expected_skips = {"step_eager_amp", "step_compile_graphs", "e2e_torch"}
+    if not HAS_DALI:
+        expected_skips |= {"data_dali", "e2e_dali"}
+    assert set(skipped) == expected_skips, skipped
+    assert "CUDA" in skipped["step_compile_graphs"]
+    assert "fp32" in skipped["step_eager_amp"] and "e2e_seed" in skipped["e2e_torch"]
+    if not HAS_DALI:
+        assert skipped["data_dali"].startswith("unavailable: ")
+    assert all(r["status"] != "failed" for r in rows.values())
+
+    for m, r in rows.items():
+        assert r["group"] == throughput.GROUP_OF[m] and r["baseline"] == throughput.BASELINES[r["group"]]
+        if r["status"] != "ok":
+            assert r["speedup"] is None
+            continue
+        ips = r["images_per_s"]
+        assert math.isfinite(ips) and ips > 0, m
+        assert len(r["window_images_per_s"]) == 2
+        assert r["min_images_per_s"] <= ips <= r["max_images_per_s"]
+        assert r["spread_pct"] == pytest.approx(
+            100 * (r["max_images_per_s"] - r["min_images_per_s"]) / ips)
+        assert r["ms_per_iter"] == pytest.approx(1000 * 2 / ips)
+        assert r["timed_s"] > 0 and r["warmup_s"] >= 0
+        assert r["peak_mem_mb"] > 0 and r["mem_kind"].startswith("cpu_peak_rss")
+        base = rows[r["baseline"]]
+        assert r["speedup"] == pytest.approx(ips / base["images_per_s"])
+        if r["group"] != "data":
+            # The step ran and trained: finite losses, no recompilation after warm-up.
+            assert r["losses"] and all(math.isfinite(v) for v in r["losses"].values()), m
+            assert r["recompiles"] == 0 and r["graph_breaks"] == 0
+            assert r["graphs"] == (1 if r["compile"] else 0), m
+        if r["group"] == "e2e":
+            assert 0 <= r["data_wait_frac"] <= 1
+            assert r["step_only_images_per_s"] > 0
+            assert r["of_step"] == pytest.approx(ips / r["step_only_images_per_s"])
+        if r["group"] == "data":
+            assert r["batches_per_epoch"] > 0
+    assert rows["step_eager_fp32"]["speedup"] == 1.0 and rows["e2e_seed"]["speedup"] == 1.0
+    assert rows["step_compile"]["dtype"] == "fp32" and rows["step_compile"]["compile"] is True
+    assert rows["e2e_seed"]["step"] == "eager_fp32" and rows["e2e_seed"]["loader"] == "torch"
+
+
+def test_environment_and_config_block(quick_run):
+    doc, stdout = quick_run
+    env = doc["env"]
+    dt.datetime.fromisoformat(env["date"])
+    assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["gpu"] is None
+    for key in ("cuda", "cudnn", "triton", "dali", "python", "cpu", "git", "tf32", "ops_backends"):
+        assert key in env, key
+    assert env["env_vars"]["FASTDET_OPS_BACKEND"] == "torch"
+    cfg = doc["config"]
+    assert (cfg["arch"], cfg["size"], cfg["img_size"], cfg["batch_size"]) == ("ppyoloe", "s", 64, 2)
+    assert cfg["amp"] == "fp32" and cfg["compile_backend"] == "eager" and cfg["quick"] is True
+    assert cfg["dataset"]["images"] > 0
+    # Targets are evaluated but marked as not applying to a CPU run.
+    assert len(doc["targets"]) == 5 and not any(t["applies"] for t in doc["targets"])
+    # The terminal table names every mode.
+    for m in throughput.ALL_MODES:
+        assert m in stdout
+
+
+def test_mode_selection_and_bad_flags(capsys):
+    assert throughput.parse_modes("e2e_dali, step") == [*throughput.GROUPS["step"], "e2e_dali"]
+    assert throughput.parse_modes("all") == list(throughput.ALL_MODES)
+    for argv, needle in ((["--modes", "step_warp"], "unknown mode 'step_warp'"),
+                         (["--img-size", "100"], "multiple of 32"),
+                         (["--windows", "0"], "--windows must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            throughput.parse_args(argv)
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_summary_table_and_result_name():
+    s = common.summarize([4.0, 1.0, 10.0, 2.0])
+    assert (s["median"], s["min"], s["max"]) == (3.0, 1.0, 10.0)
+    assert s["spread_pct"] == pytest.approx(300.0)
+    text = common.format_table([{"a": "x", "b": 1.23456}, {"a": "longer", "b": None}],
+                               [("a", "name", ""), ("b", "value", ".2f")])
+    lines = text.splitlines()
+    assert lines[0].split() == ["name", "value"] and lines[2].split() == ["x", "1.23"]
+    assert lines[3].split() == ["longer", "-"]
+    env = {"date": "2026-12-02T10:00:00+00:00", "torch": "2.11.0+cu130",
+           "gpu": {"name": "NVIDIA H200"}, "cpu": {"model": "x"}}
+    assert common.result_stem(env, "throughput step") == \
+        "2026-12-02_nvidia-h200_torch-2.11.0+cu130_throughput-step"
+
+
+def test_peak_memory_sees_an_allocation():
+    with common.PeakMemory(torch.device("cpu")) as before:
+        pass
+    with common.PeakMemory(torch.device("cpu")) as mem:
+        x = torch.ones(64 * 2**20)  # 256 MiB, written so the pages are resident
+        del x
+    assert mem.mb >= 256 and (mem.kind != "cpu_peak_rss" or mem.mb >= before.mb)
