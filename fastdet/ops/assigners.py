@@ -67,6 +67,7 @@ def _max_iou_gt_onehot(ious: Tensor) -> Tensor:
 def _resolve_and_gather(
     mask_positive: Tensor,
     ious: Tensor,
+    pad_gt_mask: Tensor,
     gt_labels: Tensor,
     gt_bboxes: Tensor,
     bg_index: int,
@@ -77,13 +78,16 @@ def _resolve_and_gather(
         mask_positive: [B, M, A] 0/1 candidate matrix.
         ious: [B, M, A] used to break ties: an anchor that is positive for several GTs
             goes to the GT of highest IoU (Paddle ``compute_max_iou_anchor``: the argmax
-            runs over all GT slots, as Paddle does).
+            runs over all real GT slots, as in Paddle). Padded slots are masked out of
+            it, which changes nothing for zero-padded boxes (IoU 0) and keeps padded
+            slots unmatched whatever their boxes hold.
+        pad_gt_mask: [B, M, 1].
     Returns:
         mask_positive [B, M, A] (one 1 per positive column), fg [B, A] bool,
         assigned_labels [B, A] int64, assigned_bboxes [B, A, 4].
     """
     multiple = mask_positive.sum(dim=-2, keepdim=True) > 1  # [B, 1, A]
-    mask_positive = torch.where(multiple, _max_iou_gt_onehot(ious), mask_positive)
+    mask_positive = torch.where(multiple, _max_iou_gt_onehot(ious * pad_gt_mask), mask_positive)
     fg = mask_positive.sum(dim=-2) > 0  # [B, A]
     gt_index = mask_positive.argmax(dim=-2)  # [B, A]; 0 for background anchors
     labels = torch.gather(gt_labels.squeeze(-1).long(), 1, gt_index)  # [B, A]
@@ -166,7 +170,7 @@ def atss_assign(
     is_in_gts = points_inside_boxes(anchor_centers, gt_bboxes)
     mask_positive = is_in_topk * is_in_gts * pad_gt_mask  # [B, M, A]
 
-    mask_positive, fg, labels, bboxes = _resolve_and_gather(mask_positive, ious, gt_labels, gt_bboxes, bg_index)
+    mask_positive, fg, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
     scores = _one_hot_without_bg(labels, num_classes, bg_index, dtype)  # [B, A, C]
     if pred_bboxes is not None:
         pred_ious = pairwise_iou(gt_bboxes, pred_bboxes.to(dtype)) * mask_positive  # [B, M, A]
@@ -221,7 +225,7 @@ def task_aligned_assign(
     is_in_topk = torch.zeros_like(metrics).scatter_(-1, idx, 1.0) * pad_gt_mask
     mask_positive = is_in_topk * is_in_gts * pad_gt_mask  # [B, M, A]
 
-    mask_positive, fg, labels, bboxes = _resolve_and_gather(mask_positive, ious, gt_labels, gt_bboxes, bg_index)
+    mask_positive, fg, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
     scores = _one_hot_without_bg(labels, C, bg_index, dtype)  # [B, A, C]
 
     metrics = metrics * mask_positive
