@@ -131,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epoch", type=int, default=0,
                    help="training epoch whose loss settings are used (model.loss_kwargs(epoch))")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prepare-data", action="store_true",
+                   help="only generate the demo set the data and e2e modes read (--demo-images), "
+                        "print where it is and exit (bench/gpu_check.sh does this in the background)")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for k, v in defaults.items():
@@ -207,7 +210,7 @@ class Bench:
         })
         self.dataset = None
         self.rows: list[dict[str, Any]] = []
-        self.env = env_info(self.device)
+        self.env: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ pieces
     def variant_dtype(self, v: StepVariant) -> torch.dtype | None:
@@ -272,19 +275,24 @@ class Bench:
         return [synthetic_batch(a.batch_size, a.img_size, a.img_size, a.max_boxes, self.device, gen,
                                 a.channels_last) for _ in range(n)]
 
+    def data_paths(self):
+        """The training split of ``--data``; a demo set of ``--demo-images`` images other
+        than the default 400 is generated (once) under the cache directory."""
+        from fastdet.data.coco import coco_layout, resolve_data
+        from fastdet.data.demo import DEFAULT_PARAMS, make_demo
+
+        d = self.cfg.data
+        if d.data == "demo" and self.args.demo_images != DEFAULT_PARAMS["num_train"]:
+            root = Path(d.cache_dir).expanduser() / f"bench-demo-{self.args.demo_images}"
+            return coco_layout(make_demo(root, num_train=self.args.demo_images, num_val=8))
+        return resolve_data(d, splits=("train",))
+
     def load_dataset(self):
         if self.dataset is None:
-            from fastdet.data.coco import coco_layout, load_coco, resolve_data
-            from fastdet.data.demo import demo_root, make_demo
+            from fastdet.data.coco import load_coco
 
             d = self.cfg.data
-            if d.data == "demo" and self.args.demo_images != 400:
-                root = Path(d.cache_dir).expanduser() / f"bench-demo-{self.args.demo_images}"
-                paths = coco_layout(make_demo(root, num_train=self.args.demo_images, num_val=8))
-            elif d.data == "demo":
-                paths = coco_layout(demo_root(d.cache_dir))
-            else:
-                paths = resolve_data(d, splits=("train",))
+            paths = self.data_paths()
             ds = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=d.keep_empty_train,
                            check_images=d.check_images, cache_dir=d.cache_dir)
             if ds.num_classes > self.cfg.model.num_classes:
@@ -624,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     bench = Bench(args)
+    if args.prepare_data:
+        print(bench.data_paths().train_ann.parent.parent)
+        return 0
+    bench.env = env_info(bench.device)
     print(env_line(bench.env), flush=True)
     print(f"{args.arch}-{args.size}, {args.img_size} px, batch {args.batch_size}, amp "
           f"{amp_name(bench.amp_dtype)}, {args.windows} windows x {args.iters} iterations after "
