@@ -1,0 +1,196 @@
+"""The trainer through its command line, on the small demo set, on the CPU.
+
+Each run is a subprocess (as a user runs it), at 64-96 px with a handful of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.models import build_model
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def train_cmd(data: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fastdet.train", "--arch", "ppyoloe", "--size", "s",
+            "--data", str(data), "--device", "cpu", "--img-size", "64", "--no-multiscale",
+            "--batch-size", "4", "--epochs", "2", "--output-dir", str(out), "--workers", "0",
+            "--log-interval", "1", "--set", "data.eval_batch_size=8",
+            "--set", "optim.warmup_steps=2", *extra]
+
+
+def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def eager_run(demo_small, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eager")
+    r = run(train_cmd(demo_small, out, "--max-steps", "3"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, r
+
+
+def test_demo_training_writes_checkpoint_tensorboard_and_ap(eager_run):
+    out, r = eager_run
+    assert "COCO AP" in r.stdout
+    ck = load_checkpoint(out / "latest.pth")  # weights_only=True
+    assert ck["step"] == 3 and ck["epoch"] == 0
+    assert {"model", "ema", "optimizer", "scaler", "config", "rng", "cat_ids"} <= set(ck)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ck["model"])
+    assert ck["config"]["model"]["num_classes"] == 4 and ck["cat_ids"] == [1, 3, 7, 12]
+    assert (out / "best.pth").is_file() and (out / "config.yaml").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/total_loss", "train/lr", "train/images_per_s", "val/AP", "val/AP50"} <= tags
+    assert [e.step for e in acc.Scalars("train/total_loss")] == [1, 2, 3]
+    logged = [m["total_loss"] for m in metrics(out)]
+    assert [e.value for e in acc.Scalars("train/total_loss")] == pytest.approx(logged)
+    line = next(l for l in r.stdout.splitlines() if "step 3/" in l)
+    for field in ("epoch 0", "loss_cls", "lr ", "img/s", "data ", "mem ", "eta "):
+        assert field in line, line
+
+
+def test_eval_cli_on_the_checkpoint(eager_run, demo_small):
+    out, r = eager_run
+    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "best.pth"),
+              "--data", str(demo_small), "--device", "cpu"])
+    assert ev.returncode == 0, ev.stderr
+    ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
+    trained = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
+
+
+def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
+    # 24 train images (23 with objects) / batch 4 = 5 steps per epoch; stop mid-epoch 1.
+    full, part = tmp_path / "full", tmp_path / "part"
+    a = run(train_cmd(demo_small, full, "--max-steps", "8"))
+    assert a.returncode == 0, a.stderr
+    b1 = run(train_cmd(demo_small, part, "--max-steps", "7"))
+    assert b1.returncode == 0, b1.stderr
+    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume"))
+    assert b2.returncode == 0, b2.stderr
+    assert "resumed from" in b2.stdout
+    ma, mb = metrics(full), metrics(part)
+    assert [m["step"] for m in mb] == list(range(1, 9))
+    for x, y in zip(ma, mb):
+        for k in ("total_loss", "loss_cls", "loss_iou", "loss_dfl", "lr"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
+    wa = load_checkpoint(full / "latest.pth")
+    wb = load_checkpoint(part / "latest.pth")
+    for key in ("model", "ema"):
+        sa, sb = _flat(wa[key]), _flat(wb[key])
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=f"{key}.{k}")
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[prefix + k] = v
+    return out
+
+
+def test_compiled_training_cli(demo_small, tmp_path):
+    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "2", "--compile",
+                      "--set", "model.static_assigner_epoch=100"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in r.stdout
+    assert "COCO AP" in r.stdout
+    assert all(torch.isfinite(torch.tensor(m["total_loss"])) for m in metrics(tmp_path))
+
+
+def test_ddp_two_ranks_match_one_process(demo_small, tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    # 128 px and a real LR: the assigned-score normaliser is clamped at 1 (PaddleDetection),
+    # so it must exceed 1 on each rank for the two runs to be equivalent, and the weights
+    # must move far more than the tolerance for the comparison to mean anything.
+    common = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05",
+              "--set", "optim.ref_batch=4", "--set", "model.freeze_bn=true",
+              "--set", "run.eval_interval=100"]
+    one = run(train_cmd(demo_small, tmp_path / "one", *common))
+    assert one.returncode == 0, one.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", "29517", "-m", "fastdet.train"]
+    cmd = train_cmd(demo_small, tmp_path / "two", *common)
+    cmd = torchrun + cmd[3:]
+    cmd[cmd.index("--batch-size") + 1] = "2"
+    two = run(cmd)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "plain BatchNorm" in two.stdout
+    a, b = load_checkpoint(tmp_path / "one" / "latest.pth"), load_checkpoint(tmp_path / "two" / "latest.pth")
+    for k, v in a["model"].items():
+        torch.testing.assert_close(v, b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+    torch.manual_seed(0)  # the trainer's seed for rank 0: the initial weights
+    init = build_model("ppyoloe", "s", num_classes=4).state_dict()
+    moved = max((a["model"][k] - v).abs().max().item() for k, v in init.items() if v.is_floating_point())
+    assert moved > 1e-3, "the weights barely moved: the comparison would prove nothing"
+    la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for x, y in zip(la, lb):
+        assert x["total_loss"] == pytest.approx(y["total_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--arch", "yolo9"], "unknown --arch 'yolo9'"),
+    (["--size", "q"], "unknown --size 'q' for ppyoloe"),
+    (["--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
+    (["--batch-size", "four"], "invalid int value: 'four'"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--set", "optim.learning_rate=0.1"], "unknown config field 'optim.learning_rate'"),
+])
+def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, message):
+    r = run(train_cmd(demo_small, tmp_path, *extra))
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_dataset_is_named(tmp_path):
+    r = run(train_cmd(tmp_path / "nowhere", tmp_path / "out"))
+    assert r.returncode == 1
+    assert "no such directory" in r.stderr and "nowhere" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_corrupt_training_image_is_a_counted_skip(demo_small, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    victim = sorted((data / "train2017").iterdir())[3]
+    victim.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg")
+    r = run(train_cmd(data, tmp_path / "out", "--max-steps", "1", "--set", "data.check_images=decode"))
+    assert r.returncode == 0, r.stderr
+    assert "1 corrupt" in r.stdout and victim.name in r.stdout
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(demo_small, tmp_path):
+    good = run(train_cmd(demo_small, tmp_path, "--max-steps", "1"))
+    assert good.returncode == 0
+    before = load_checkpoint(tmp_path / "latest.pth")
+    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "4", "--resume", "--lr", "nan"))
+    assert r.returncode == 1
+    assert "non-finite loss" in r.stderr
+    after = load_checkpoint(tmp_path / "latest.pth")
+    assert after["step"] == before["step"] == 1
+    assert all(torch.isfinite(v).all() for v in after["model"].values() if v.is_floating_point())
