@@ -23,6 +23,13 @@ namespace fastdet {
 namespace {
 
 constexpr double kInsideEps = 1e-9;  // points_inside_boxes(eps=1e-9)
+// About this many anchor visits per parallel task: below it a stage runs on one thread
+// (an OpenMP region costs more than a small assignment, and far more on a busy machine).
+constexpr int64_t kWorkPerTask = 1 << 20;
+
+int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kWorkPerTask / std::max<int64_t>(work_per_item, 1));
+}
 constexpr double kIouEps = 1e-9;     // pairwise_iou(eps=1e-9)
 
 // A bounded list of the best (value, index) pairs, best first. `Larger` picks the order:
@@ -142,7 +149,7 @@ void tal_kernel(const at::Tensor& scores_t, const at::Tensor& pred_t, const at::
   // Stage 1: per GT, the top-K anchors by metric * inside (zeros tie on the index, as
   // in torch.topk), kept when inside the GT.
   std::vector<int64_t> cand(static_cast<size_t>(B * M * K), -1);
-  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * M, grain_for(A), [&](int64_t begin, int64_t end) {
     TopK<T, true> top(K);
     for (int64_t bm = begin; bm < end; ++bm) {
       if (V[bm] == T(0)) continue;
@@ -167,7 +174,7 @@ void tal_kernel(const at::Tensor& scores_t, const at::Tensor& pred_t, const at::
   int64_t* OL = out_labels.data_ptr<int64_t>();
   T* OB = out_bboxes.data_ptr<T>();
   T* OS = out_scores.data_ptr<T>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B, grain_for(A * (C + M)), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> count(A), owner(A);
     std::vector<T> metric(A), max_metric(M), max_iou(M);
     for (int64_t b = begin; b < end; ++b) {
@@ -231,7 +238,7 @@ void atss_kernel(const at::Tensor& anchors_t, c10::IntArrayRef levels, const at:
   std::vector<int64_t> cand(static_cast<size_t>(B * M * K), -1);
   at::Tensor cand_iou_t = at::zeros({B, M, K}, gtb_t.options());
   T* CI = cand_iou_t.data_ptr<T>();
-  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * M, grain_for(A), [&](int64_t begin, int64_t end) {
     for (int64_t bm = begin; bm < end; ++bm) {
       if (V[bm] == T(0)) continue;
       const int64_t b = bm / M, m = bm % M;
@@ -259,7 +266,7 @@ void atss_kernel(const at::Tensor& anchors_t, c10::IntArrayRef levels, const at:
   const at::Tensor thr_t = (cand_iou_t.mean(-1) + cand_iou_t.std(-1)).contiguous();  // [B, M]
   const T* TH = thr_t.const_data_ptr<T>();
   // Stage 1c: keep candidates above the threshold whose centre lies inside the GT.
-  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * M, grain_for(K * 64), [&](int64_t begin, int64_t end) {
     for (int64_t bm = begin; bm < end; ++bm) {
       if (V[bm] == T(0)) continue;
       const T* g = G + bm * 4;
@@ -274,7 +281,7 @@ void atss_kernel(const at::Tensor& anchors_t, c10::IntArrayRef levels, const at:
   int64_t* OL = out_labels.data_ptr<int64_t>();
   T* OB = out_bboxes.data_ptr<T>();
   T* OS = out_scores.data_ptr<T>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B, grain_for(A * (C + M)), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> count(A), owner(A);
     for (int64_t b = begin; b < end; ++b) {
       resolve_image(cand.data() + b * M * K, M, K, A,

@@ -7,19 +7,39 @@
 #include <algorithm>
 #include <vector>
 
-#include "box_math.h"
 #include "ops.h"
 
 namespace fastdet {
 namespace {
 
-constexpr int64_t kGrain = 32768;
+// Elements per parallel task: large, so that a small update stays on one thread (an
+// OpenMP region costs more than a few thousand lerps, and much more on a busy machine).
+constexpr int64_t kGrain = 1 << 18;
 
 struct Job {
   void* ema;
   const void* src;
   int64_t numel;
 };
+
+// e[k] = lerp(e[k], s[k], w) over [lo, hi): torch's two-sided formula, with the side
+// chosen once (w is the same for every element) so the loop vectorises.
+template <typename scalar_t, typename acc_t>
+void lerp_range(scalar_t* __restrict e, const scalar_t* __restrict s, int64_t lo, int64_t hi, acc_t w) {
+  const acc_t aw = w < acc_t(0) ? -w : w;
+  if (aw < acc_t(0.5)) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const acc_t x = static_cast<acc_t>(e[k]);
+      e[k] = static_cast<scalar_t>(x + w * (static_cast<acc_t>(s[k]) - x));
+    }
+  } else {
+    const acc_t w1 = acc_t(1) - w;
+    for (int64_t k = lo; k < hi; ++k) {
+      const acc_t y = static_cast<acc_t>(s[k]);
+      e[k] = static_cast<scalar_t>(y - (y - static_cast<acc_t>(e[k])) * w1);
+    }
+  }
+}
 
 // lerp every job of one dtype, the element range [0, total) split across threads.
 template <typename scalar_t>
@@ -33,11 +53,7 @@ void lerp_jobs(const std::vector<Job>& jobs, double w) {
     for (int64_t pos = begin; pos < end; ++j) {
       const int64_t lo = pos - start[j];
       const int64_t hi = std::min(end, start[j + 1]) - start[j];
-      scalar_t* e = static_cast<scalar_t*>(jobs[j].ema);
-      const scalar_t* s = static_cast<const scalar_t*>(jobs[j].src);
-      for (int64_t k = lo; k < hi; ++k) {
-        e[k] = static_cast<scalar_t>(lerp_<acc_t>(e[k], s[k], wa));
-      }
+      lerp_range(static_cast<scalar_t*>(jobs[j].ema), static_cast<const scalar_t*>(jobs[j].src), lo, hi, wa);
       pos = start[j] + hi;
     }
   });

@@ -11,7 +11,7 @@ namespace fastdet {
 namespace {
 
 // Roughly how many output elements one parallel task should own.
-constexpr int64_t kGrain = 16384;
+constexpr int64_t kGrain = 1 << 17;
 
 // One output row: box `a` (4 values) against M boxes of b given as structure-of-arrays
 // (x1, y1, x2, y2, area; each [M]) so the loop over M vectorises.

@@ -99,13 +99,15 @@ def test_compiled_update_does_not_recompile():
     ema = ModelEMA(model, decay=0.9998, kind="ramp")
     ref = ModelEMA(model, decay=0.9998, kind="ramp")
     update = torch.compile(ema.update, fullgraph=True, backend="aot_eager")
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(3):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         update(model)
         ref.update(model)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # One graph for three different decays: the decay is a tensor, never a recompile.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
     for a, b in zip(ema.module.state_dict().values(), ref.module.state_dict().values()):
         torch.testing.assert_close(a, b)
 

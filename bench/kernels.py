@@ -1,0 +1,412 @@
+"""Benchmarks of the fastdet.ops kernels against the best library equivalent and against
+the same torch reference compiled by inductor.
+
+    python bench/kernels.py --device cpu            # C++ kernels, a few minutes on 2 cores
+    python bench/kernels.py --device cuda --json bench/results/kernels_h200.json
+    python bench/kernels.py --quick                 # small sizes, for a smoke run
+
+For each op it times (median of timed repetitions after a warm-up; compilation is part
+of the warm-up) the library baseline, the torch reference in eager mode, the reference
+compiled by inductor (``torch.compile(fullgraph=True)``; foreach updates become combo
+kernels), and every fastdet kernel back end that runs on the device (``cpp`` on the CPU,
+``triton`` and ``cuda`` on a GPU). It reports milliseconds, achieved GB/s (from the bytes
+the op must read and write at least), the speed-up over the library baseline and over
+the compiled reference, and for the assigners the peak memory of a call. The verdict of
+each op says which variant is fastest and whether a custom kernel loses to the compiled
+reference, in which case that reference is the faster path the dispatch should default
+to (``fastdet.ops.dispatch.DEFAULTS``).
+
+Sizes (production: B=64 images, M=100 GT slots, A=8400 anchors at 640 px, C=80 classes;
+EMA over PP-YOLOE-s, ~8.1 M values in ~500 tensors): ``production`` on CUDA,
+``cpu`` (B=8 for the assigners and IoU) on the CPU, ``quick`` with ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from fastdet.ops import _ext, assigners, dispatch, reference  # noqa: E402
+from fastdet.ops.synthetic import assign_inputs, ema_tensor_shapes, random_boxes  # noqa: E402
+
+SIZES = {
+    "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80)),
+    "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80)),
+    "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80)),
+}
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int, budget_s: float) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` calls (fewer if ``budget_s`` runs out)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() - start > budget_s and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def peak_mb(fn: Callable[[], Any], device: torch.device) -> Optional[float]:
+    """Peak memory of one call above what was allocated before it.
+
+    CUDA: the caching allocator's peak. CPU: the growth of the process's peak resident set
+    (VmHWM, reset through /proc/self/clear_refs); None where that is not available.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _rss_mb("VmRSS")
+        fn()
+        return _rss_mb("VmHWM") - base
+    except OSError:
+        return None
+
+
+def _rss_mb(field_name: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) / 1024.0
+    raise OSError(f"no {field_name} in /proc/self/status")
+
+
+# ----------------------------------------------------------------------------- benches
+
+
+@dataclass
+class Variant:
+    name: str
+    fn: Callable[[], Any]
+    kind: str  # "library" | "reference" | "compiled" | "kernel"
+    peak: bool = False
+
+
+@dataclass
+class Bench:
+    op: str
+    shape: str
+    bytes: int  # what the op must read and write at least
+    variants: list[Variant] = field(default_factory=list)
+
+
+def kernel_backends(device: torch.device) -> list[str]:
+    names = []
+    for name in ("cpp",) if device.type == "cpu" else ("triton", "cuda"):
+        if dispatch.available(name, device.type):
+            names.append(name)
+    return names
+
+
+def _ns(backend: str):
+    return torch.ops.fastdet_triton if backend == "triton" else torch.ops.fastdet
+
+
+def _compiled(fn):
+    return torch.compile(fn, fullgraph=True)
+
+
+def bench_iou(device, size) -> list[Bench]:
+    import torchvision
+
+    B, N, M = size
+    a, b = random_boxes(B, N, seed=1, device=device), random_boxes(B, M, seed=2, device=device)
+    nbytes = (a.numel() + b.numel() + B * N * M) * 4
+    out = []
+    for op, tv in (("box_iou", torchvision.ops.box_iou), ("generalized_box_iou", torchvision.ops.generalized_box_iou)):
+        ref = getattr(reference, op)
+        bench = Bench(op, f"[{B},{N},4] x [{B},{M},4]", nbytes)
+        bench.variants.append(Variant("torchvision (vmap)", lambda tv=tv: torch.vmap(tv)(a, b), "library"))
+        bench.variants.append(Variant("reference", lambda ref=ref: ref(a, b), "reference"))
+        cref = _compiled(ref)
+        bench.variants.append(Variant("reference compiled", lambda cref=cref: cref(a, b), "compiled"))
+        for be in kernel_backends(device):
+            kop = getattr(_ns(be), op)
+            bench.variants.append(Variant(f"fastdet {be}", lambda kop=kop: kop(a, b, 1e-9), "kernel"))
+        out.append(bench)
+    return out
+
+
+def bench_giou_loss(device, size) -> list[Bench]:
+    B, A = size
+    p = random_boxes(B, A, seed=3, device=device).requires_grad_()
+    t = random_boxes(B, A, seed=4, device=device)
+    n = B * A
+    # forward reads 2 x 16 B and writes 4 B per pair; backward reads 2 x 16 + 4, writes 2 x 16
+    nbytes = n * (36 + 68)
+    bench = Bench("giou_loss fwd+bwd", f"[{B},{A},4] pairs", nbytes)
+    grad = torch.ones(B, A, device=device)
+
+    def run(fn):
+        def go():
+            loss = fn(p, t)
+            (gp,) = torch.autograd.grad(loss, p, grad)
+            return gp
+        return go
+
+    bench.variants.append(Variant("reference (autograd)", run(reference.giou_loss), "library"))
+    bench.variants.append(Variant("reference compiled", run(_compiled(reference.giou_loss)), "compiled"))
+    for be in kernel_backends(device):
+        kop = _ns(be).giou_loss
+        bench.variants.append(Variant(f"fastdet {be}", run(lambda x, y, kop=kop: kop(x, y, 1e-10)), "kernel"))
+    return [bench]
+
+
+def ema_tensors(device) -> tuple[list[torch.Tensor], list[torch.Tensor], str]:
+    """PP-YOLOE-s parameters + buffers (the model itself if it builds, else its shapes)."""
+    try:
+        from fastdet.models import build_model
+
+        model = build_model("ppyoloe", "s", 80).to(device)
+        src = [p.detach() for p in model.parameters()] + list(model.buffers())
+        what = "PP-YOLOE-s model"
+    except Exception as e:  # noqa: BLE001 - any failure: fall back to the shapes
+        print(f"(PP-YOLOE-s did not build: {type(e).__name__}; using its tensor shapes)", file=sys.stderr)
+        src = [torch.randn(s, device=device) if s else torch.tensor(3, device=device) for s in ema_tensor_shapes()]
+        what = "PP-YOLOE-s shapes"
+    src = [s.clone() for s in src]
+    ema = [s.clone() for s in src]
+    return ema, src, what
+
+
+def bench_ema(device) -> list[Bench]:
+    ema, src, what = ema_tensors(device)
+    fe = [e for e in ema if e.is_floating_point()]
+    fs = [s for e, s in zip(ema, src) if e.is_floating_point()]
+    ie = [e for e in ema if not e.is_floating_point()]
+    is_ = [s for e, s in zip(ema, src) if not e.is_floating_point()]
+    values = sum(e.numel() for e in fe)
+    nbytes = 3 * sum(e.numel() * e.element_size() for e in fe) + 2 * sum(e.numel() * e.element_size() for e in ie)
+    decay = torch.tensor(0.9998, device=device)
+    bench = Bench("ema_update_", f"{what}: {values / 1e6:.2f} M values in {len(ema)} tensors", nbytes)
+    flat_src = torch.randn(nbytes // 8, device=device)
+    flat_dst = torch.empty_like(flat_src)
+    # Copy bandwidth: one contiguous copy of as many bytes as the update moves.
+    bench.variants.append(Variant("copy (bandwidth ceiling)", lambda: flat_dst.copy_(flat_src), "ceiling"))
+
+    def foreach():
+        torch._foreach_lerp_(fe, fs, 1 - 0.9998)
+        if ie:
+            torch._foreach_copy_(ie, is_)
+
+    bench.variants.append(Variant("torch._foreach_lerp_", foreach, "library"))
+    bench.variants.append(Variant("reference (per tensor)", lambda: reference.ema_update_(ema, src, decay), "reference"))
+    cref = _compiled(reference.ema_update_)
+    bench.variants.append(Variant("reference compiled", lambda: cref(ema, src, decay), "compiled"))
+    for be in kernel_backends(device):
+        kop = _ns(be).ema_update_
+        bench.variants.append(Variant(f"fastdet {be}", lambda kop=kop: kop(ema, src, decay), "kernel"))
+    return [bench]
+
+
+def bench_assign(device, size) -> list[Bench]:
+    B, M, img, C = size
+    x = assign_inputs(B, M, C, img, seed=0, device=device)
+    A = x.anchor_points.shape[0]
+    # Outputs (labels, boxes, scores) plus the predictions read: the least an assigner moves.
+    nbytes = B * A * (8 + 16 + 4 * C) + B * A * (16 + 4 * C)
+    shape = f"B={B} M={M} A={A} C={C} ({int(x.pad_gt_mask.sum())} real GTs)"
+    out = []
+    tal_args = x.tal_args()
+    atss_args = (*x.atss_args(), 9, x.pred_bboxes)
+    for op, ref, args in (("task_aligned_assign", assigners.task_aligned_assign, tal_args),
+                          ("atss_assign", assigners.atss_assign, atss_args)):
+        bench = Bench(op, shape, nbytes)
+        bench.variants.append(Variant("reference", lambda ref=ref, args=args: ref(*args), "library", peak=True))
+        cref = _compiled(ref)
+        bench.variants.append(Variant("reference compiled", lambda cref=cref, args=args: cref(*args), "compiled",
+                                      peak=True))
+        for be in kernel_backends(device):
+            kop = getattr(_ns(be), op)
+            if op == "task_aligned_assign":
+                call = lambda kop=kop: kop(*tal_args[:6], C, 13, 1.0, 6.0, 1e-9)  # noqa: E731
+            else:
+                call = lambda kop=kop: kop(x.anchors, x.num_anchors_list, x.gt_labels, x.gt_bboxes,  # noqa: E731
+                                           x.pad_gt_mask, x.pred_bboxes, C, C, 9, 1e-9)
+            bench.variants.append(Variant(f"fastdet {be}", call, "kernel", peak=True))
+        out.append(bench)
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run_bench(bench: Bench, device: torch.device, warmup: int, reps: int, budget_s: float) -> dict[str, Any]:
+    rows = []
+    for v in bench.variants:
+        try:
+            t0 = time.perf_counter()
+            v.fn()  # first call: compiles (compiled variants) / builds tables; not timed
+            _sync(device)
+            first_s = time.perf_counter() - t0
+            ms = time_fn(v.fn, device, warmup, reps, budget_s)
+            row = {"variant": v.name, "kind": v.kind, "ms": ms, "gbps": bench.bytes / ms / 1e6,
+                   "first_call_s": first_s}
+            if v.peak:
+                row["peak_mb"] = peak_mb(v.fn, device)
+        except Exception as e:  # noqa: BLE001 - report and carry on with the other variants
+            row = {"variant": v.name, "kind": v.kind, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        rows.append(row)
+        gc.collect()
+    timed = [r for r in rows if "ms" in r]
+    lib = next((r for r in timed if r["kind"] == "library"), None)
+    comp = next((r for r in timed if r["kind"] == "compiled"), None)
+    ceiling = next((r for r in timed if r["kind"] == "ceiling"), None)
+    for r in timed:
+        if lib:
+            r["x_library"] = lib["ms"] / r["ms"]
+        if comp:
+            r["x_compiled"] = comp["ms"] / r["ms"]
+        if ceiling:
+            r["pct_copy_bw"] = 100.0 * r["gbps"] / ceiling["gbps"]
+    candidates = [r for r in timed if r["kind"] in ("kernel", "compiled", "reference", "library")]
+    best = min(candidates, key=lambda r: r["ms"]) if candidates else None
+    kernels = [r for r in timed if r["kind"] == "kernel"]
+    verdict = None
+    if best is not None:
+        verdict = f"fastest: {best['variant']}"
+        if kernels and comp:
+            k = min(kernels, key=lambda r: r["ms"])
+            if k["ms"] > comp["ms"]:
+                verdict += f"; {k['variant']} LOSES to the compiled reference ({comp['ms'] / k['ms']:.2f}x)"
+            else:
+                verdict += f"; {k['variant']} is {comp['ms'] / k['ms']:.2f}x the compiled reference"
+    return {"op": bench.op, "shape": bench.shape, "bytes": bench.bytes, "rows": rows, "verdict": verdict}
+
+
+def print_result(res: dict[str, Any]) -> None:
+    print(f"\n{res['op']}  {res['shape']}  ({res['bytes'] / 1e6:.1f} MB moved at least)")
+    print(f"  {'variant':<26}{'ms':>10}{'GB/s':>9}{'x lib':>8}{'x comp':>8}{'peak MB':>9}{'%copy':>7}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"  {r['variant']:<26}  error: {r['error']}")
+            continue
+        peak = r.get("peak_mb")
+        print(f"  {r['variant']:<26}{r['ms']:>10.3f}{r['gbps']:>9.1f}{r.get('x_library', math.nan):>8.2f}"
+              f"{r.get('x_compiled', math.nan):>8.2f}{(peak if peak is not None else math.nan):>9.1f}"
+              f"{r.get('pct_copy_bw', math.nan):>7.1f}")
+    if res["verdict"]:
+        print(f"  -> {res['verdict']}")
+
+
+def env_info(device: torch.device) -> dict[str, Any]:
+    import triton
+    import torchvision
+
+    info = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "torchvision": torchvision.__version__,
+        "threads": torch.get_num_threads(),
+        "extension": _ext.variant(),
+    }
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30)}
+    else:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return info
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign"),
+                        help="run only these benches")
+    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (at most)")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds of timing per variant (at most)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    preset = "quick" if args.quick else ("production" if device.type == "cuda" else "cpu")
+    sizes = SIZES[preset]
+    only = set(args.only or ("iou", "giou", "ema", "assign"))
+    _ext.load()
+    print(f"fastdet kernel benchmarks on {device} ({preset} sizes); extension: {_ext.variant() or _ext.error()}")
+    warmup = 3 if device.type == "cuda" else 1
+    results = []
+    groups = [("iou", lambda: bench_iou(device, sizes["iou"])), ("giou", lambda: bench_giou_loss(device, sizes["giou"])),
+              ("ema", lambda: bench_ema(device)), ("assign", lambda: bench_assign(device, sizes["assign"]))]
+    for key, make in groups:
+        if key not in only:
+            continue
+        for bench in make():
+            res = run_bench(bench, device, warmup, args.reps, args.budget)
+            print_result(res)
+            results.append(res)
+        torch._dynamo.reset()
+    report = {
+        "schema": "fastdet.bench.kernels/1",
+        "device": device.type,
+        "preset": preset,
+        "sizes": sizes,
+        "env": env_info(device),
+        "dispatch": {"eager": dispatch.describe(device.type),
+                     "compiled": {op: dispatch.backend_for(op, device.type, True) for op in dispatch.OPS}},
+        "results": results,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
