@@ -195,9 +195,11 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def _git() -> dict[str, Any]:
+    """The checkout's commit; where the tree is a copy without ``.git`` (a lent GPU
+    machine), ``$FASTDET_GIT_COMMIT`` as the caller passed it."""
     commit = _run(["git", "rev-parse", "HEAD"], REPO)
     if commit is None:
-        return {"commit": None, "dirty": None}
+        return {"commit": os.environ.get("FASTDET_GIT_COMMIT"), "dirty": None}
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO)
     return {"commit": commit, "dirty": bool(status)}
 
@@ -232,8 +234,9 @@ def ops_backends(device: torch.device) -> dict[str, Any]:
     }
 
 
-def env_info(device: torch.device) -> dict[str, Any]:
-    """The environment a figure was measured in (goes into every JSON result)."""
+def env_info(device: torch.device, with_ops: bool = True) -> dict[str, Any]:
+    """The environment a figure was measured in (goes into every JSON result).
+    ``with_ops=False`` leaves out :func:`ops_backends` (which may build the extension)."""
     import fastdet
 
     cudnn = torch.backends.cudnn
@@ -263,19 +266,19 @@ def env_info(device: torch.device) -> dict[str, Any]:
         "cpu": {"model": _cpu_model(), "cores_usable": threads, "torch_threads": torch.get_num_threads()},
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": cudnn.allow_tf32},
         "cudnn_benchmark": cudnn.benchmark,
-        "ops_backends": ops_backends(device),
+        "ops_backends": ops_backends(device) if with_ops else None,
         "env_vars": env_vars,
     }
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.+]+", "-", text.lower()).strip("-")
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")
 
 
 def result_stem(env: dict[str, Any], what: str) -> str:
     """``<date>_<device>_torch-<version>_<what>``, the name a result file is stored under
     in ``bench/results/`` (see its README), e.g.
-    ``2026-12-02_nvidia-h200_torch-2.11.0+cu130_throughput``."""
+    ``2026-12-02_nvidia-h200_torch-2.11.0-cu130_throughput`` (only ``[a-z0-9._-]``)."""
     date = env["date"][:10]
     dev = env["gpu"]["name"] if env.get("gpu") else f"cpu-{env['cpu']['model']}"
     return f"{date}_{_slug(dev)}_torch-{_slug(env['torch'])}_{_slug(what)}"

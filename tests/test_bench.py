@@ -138,7 +138,7 @@ def test_summary_table_and_result_name():
     env = {"date": "2026-12-02T10:00:00+00:00", "torch": "2.11.0+cu130",
            "gpu": {"name": "NVIDIA H200"}, "cpu": {"model": "x"}}
     assert common.result_stem(env, "throughput step") == \
-        "2026-12-02_nvidia-h200_torch-2.11.0+cu130_throughput-step"
+        "2026-12-02_nvidia-h200_torch-2.11.0-cu130_throughput-step"
 
 
 def test_peak_memory_sees_an_allocation():

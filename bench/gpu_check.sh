@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# The GPU check: one command for a GPU machine, no network needed.
+#
+#   bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-check-<UTC time>
+#
+# Parts, most valuable first, each with its own timeout inside one overall budget (a
+# part that no longer fits is skipped and says so), each writing its log and JSON
+# under OUT_DIR as it goes, so a run cut short still leaves what it measured:
+#
+#   env       GPU, driver, versions; which optional packages (DALI, pycocotools) are missing
+#   install   `pip install -e .` without network or dependencies when fastdet is not
+#             importable as installed (the csrc/ and pipelines/ package data need it)
+#   build     the C++/CUDA extension (python -m fastdet.ops.build)
+#   step      bench/throughput.py --modes step: PPYOLOE-s, 640, bf16, batch 64, eager fp32 /
+#             eager bf16 / compiled / compiled + CUDA graphs
+#   tests     pytest -m gpu: kernels against their references on CUDA, the captured and
+#             compiled CUDA-graph steps against eager, the sync-free step (tests/test_gpu_step.py)
+#   kernels   bench/kernels.py at production sizes
+#   data_e2e  bench/throughput.py --modes data,e2e on a 4096-image demo set (generated in
+#             the background while the GPU parts run); DALI rows say "unavailable" without DALI
+#
+# Environment:
+#   GPU_CHECK_BUDGET_S   overall seconds (default 540: the run ends inside 10 minutes)
+#   GPU_CHECK_PARTS      comma list of the parts above (default: all, in the order above)
+#   PYTHON               the interpreter holding torch (default python3)
+#   FASTDET_GIT_COMMIT   the commit of this tree, recorded where the copy has no .git
+#   GPU_CHECK_DEVICE     cuda (default); cpu rehearses the script on a machine without a
+#                        GPU (benchmarks in their --quick configuration, GPU tests skip)
+#
+# Outputs (OUT_DIR): <stem>_<part>.json (stem = date_gpu_torch-version, the name they
+# take in bench/results/, see bench/results/README.md), <part>.log, pytest_gpu.xml,
+# env.json, <stem>_gpu-check.json (each part's status, exit code and seconds), summary.txt.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+[[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # parts cd elsewhere
+OUT_DIR=${1:-${OUT:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+PARTS=${GPU_CHECK_PARTS:-env,install,build,step,tests,kernels,data_e2e}
+DEMO_IMAGES=4096
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+BENCH_ARGS=(--device "$DEVICE")
+[[ "$DEVICE" == cpu ]] && BENCH_ARGS+=(--quick) && DEMO_IMAGES=400
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+START=$(date +%s)
+STATUS="$OUT_DIR/.parts.tsv"
+: > "$STATUS"
+
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# Kept out of OUT_DIR (large files), shared by all parts so a graph compiled by `step`
+# is loaded from inductor's cache by `tests` and `data_e2e`.
+export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-/tmp/fastdet-gpu-check/ext}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdet-gpu-check/inductor}
+mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+
+elapsed() { echo $(( $(date +%s) - START )); }
+wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
+note() { echo "[gpu_check $(elapsed)s] $*" | tee -a "$OUT_DIR/summary.txt"; }
+
+# part NAME TIMEOUT_S CMD...: run CMD with min(TIMEOUT_S, what is left of the budget).
+part() {
+    local name=$1 limit=$2
+    shift 2
+    if ! wanted "$name"; then
+        return 0
+    fi
+    local left=$(( BUDGET - $(elapsed) - 5 ))
+    (( left < limit )) && limit=$left
+    if (( limit < 20 )); then
+        note "$name: skipped, the budget of ${BUDGET}s is spent"
+        printf '%s\tskipped\t\t0\n' "$name" >> "$STATUS"
+        return 0
+    fi
+    note "$name: start (limit ${limit}s): $*"
+    local t0 rc status
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    status=ok
+    (( rc == 124 || rc == 137 )) && status=timeout
+    (( rc != 0 && rc != 124 && rc != 137 )) && status=failed
+    note "$name: $status (exit $rc, $(( $(date +%s) - t0 ))s); log $name.log"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" >> "$STATUS"
+    tail -n 25 "$OUT_DIR/$name.log" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
+    return 0
+}
+
+note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, parts $PARTS"
+
+# --- env: what this machine is; the stem of every result file.
+if wanted env; then
+    { nvidia-smi || echo "nvidia-smi failed"; } > "$OUT_DIR/nvidia-smi.txt" 2>&1
+fi
+STEM=$("$PY" - "$OUT_DIR/env.json" <<'EOF' 2>"$OUT_DIR/env.err"
+import sys, torch
+sys.path.insert(0, ".")
+from bench.common import env_info, result_stem, write_json
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+env = env_info(dev, with_ops=False)  # the ops' back ends are recorded by each benchmark, after the build
+write_json(sys.argv[1], env)
+print(result_stem(env, "x")[:-2])
+EOF
+)
+[[ -z "$STEM" ]] && STEM="$(date -u +%Y-%m-%d)_unknown"
+note "result stem: $STEM"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+for mod in nvidia.dali pycocotools triton; do
+    if "$PY" -c "import $mod" > /dev/null 2>&1; then
+        note "$mod: installed"
+    else
+        note "$mod: NOT installed here (the parts that need it skip with a note)"
+    fi
+done
+
+# --- install: make fastdet (with its package data) importable.
+if wanted install; then
+    if (cd /tmp && "$PY" -c "import fastdet._csrc, fastdet.ops" > /dev/null 2>&1); then
+        note "install: fastdet already importable"
+    else
+        part install 120 "$PY" -m pip install --no-deps --no-index --no-build-isolation -q -e "$REPO"
+        if ! (cd /tmp && "$PY" -c "import fastdet._csrc" > /dev/null 2>&1); then
+            note "install: fastdet is not installed; using PYTHONPATH=$REPO (the extension may not find csrc/)"
+            export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+        fi
+    fi
+fi
+
+# The data set of data_e2e, generated on the CPU while the GPU parts run.
+PREP_PID=
+if wanted data_e2e; then
+    "$PY" bench/throughput.py --prepare-data --device cpu --demo-images "$DEMO_IMAGES" \
+        > "$OUT_DIR/prepare_data.log" 2>&1 &
+    PREP_PID=$!
+fi
+
+part build 240 "$PY" -m fastdet.ops.build
+part step 300 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes step \
+    --json "$OUT_DIR/${STEM}_throughput-step.json"
+part tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+    -o addopts="" -ra --junitxml="$OUT_DIR/pytest_gpu.xml" tests
+part kernels 150 "$PY" bench/kernels.py "${BENCH_ARGS[@]}" --reps 20 --budget 3 \
+    --json "$OUT_DIR/${STEM}_kernels.json"
+if [[ -n "$PREP_PID" ]]; then
+    wait "$PREP_PID" || note "prepare data: failed (see prepare_data.log)"
+fi
+part data_e2e 240 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes data,e2e --demo-images "$DEMO_IMAGES" \
+    --json "$OUT_DIR/${STEM}_throughput-data-e2e.json"
+
+# --- the record of this run.
+"$PY" - "$STATUS" "$OUT_DIR/${STEM}_gpu-check.json" "$BUDGET" "$(elapsed)" "$STEM" <<'EOF'
+import json, sys
+status, out, budget, elapsed, stem = sys.argv[1:]
+parts = []
+for line in open(status):
+    name, st, rc, secs = line.rstrip("\n").split("\t")
+    parts.append({"part": name, "status": st, "exit": int(rc) if rc else None, "seconds": int(secs)})
+json.dump({"schema": "fastdet.bench/1", "kind": "gpu_check", "stem": stem, "budget_s": int(budget),
+           "elapsed_s": int(elapsed), "parts": parts}, open(out, "w"), indent=1)
+EOF
+rm -f "$STATUS"
+note "done in $(elapsed)s; results in $OUT_DIR"
