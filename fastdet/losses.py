@@ -45,7 +45,10 @@ def distribution_focal_loss(pred_dist: Tensor, target: Tensor) -> Tensor:
     Returns:
         [...] loss per distance.
     """
-    left = target.floor().long()
+    n_bins = pred_dist.shape[-1]
+    # A non-finite target (a diverged model) must give a non-finite loss, which the trainer
+    # reports, not an out-of-range gather index (a crash on the CPU, a device assert on CUDA).
+    left = torch.nan_to_num(target.floor(), nan=0.0).clamp(0, n_bins - 2).long()
     right = left + 1
     w_left = right.to(target.dtype) - target
     w_right = 1.0 - w_left
