@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from fastdet.ops.triton._common import NAMESPACE, _div, check_device, interpreting, paddle_iou, point_inside, \
     score_column
@@ -36,7 +37,7 @@ _BLOCK_A = 256  # anchors per program in the per-anchor kernels
 @triton.jit
 def _pow(x, p, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
-        return tl.extra.cuda.libdevice.pow(x, p)
+        return libdevice.pow(x, p)
     else:
         # The interpreter has no libdevice: x^p = 2^(p log2 x), with pow's 0^p conventions.
         r = tl.exp2(p * tl.log2(tl.maximum(x, 1e-38)))
