@@ -399,8 +399,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="run only these benches")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (at most)")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timing per variant (at most)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")

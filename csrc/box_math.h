@@ -13,6 +13,15 @@
 #define FD_HD inline
 #endif
 
+// CPU hot loops are compiled twice, for AVX2 and for the x86-64 baseline, and the loader
+// picks one at run time (GCC function multi-versioning), so the cached build still runs
+// on any x86-64 machine. AVX2 without FMA: every lane rounds as the scalar code does.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define FD_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FD_CPU_CLONES
+#endif
+
 namespace fastdet {
 
 template <typename T>

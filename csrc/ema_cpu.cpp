@@ -5,7 +5,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
+
+#include "box_math.h"
 
 #include "ops.h"
 
@@ -25,7 +28,7 @@ struct Job {
 // e[k] = lerp(e[k], s[k], w) over [lo, hi): torch's two-sided formula, with the side
 // chosen once (w is the same for every element) so the loop vectorises.
 template <typename scalar_t, typename acc_t>
-void lerp_range(scalar_t* __restrict e, const scalar_t* __restrict s, int64_t lo, int64_t hi, acc_t w) {
+inline void lerp_range(scalar_t* __restrict e, const scalar_t* __restrict s, int64_t lo, int64_t hi, acc_t w) {
   const acc_t aw = w < acc_t(0) ? -w : w;
   if (aw < acc_t(0.5)) {
     for (int64_t k = lo; k < hi; ++k) {
@@ -41,6 +44,26 @@ void lerp_range(scalar_t* __restrict e, const scalar_t* __restrict s, int64_t lo
   }
 }
 
+// The float and double loops, multi-versioned (see FD_CPU_CLONES).
+FD_CPU_CLONES void lerp_range_f32(float* __restrict e, const float* __restrict s, int64_t lo, int64_t hi, float w) {
+  lerp_range<float, float>(e, s, lo, hi, w);
+}
+
+FD_CPU_CLONES void lerp_range_f64(double* __restrict e, const double* __restrict s, int64_t lo, int64_t hi, double w) {
+  lerp_range<double, double>(e, s, lo, hi, w);
+}
+
+template <typename scalar_t, typename acc_t>
+void lerp_dispatch(scalar_t* e, const scalar_t* s, int64_t lo, int64_t hi, acc_t w) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    lerp_range_f32(e, s, lo, hi, w);
+  } else if constexpr (std::is_same_v<scalar_t, double>) {
+    lerp_range_f64(e, s, lo, hi, w);
+  } else {
+    lerp_range<scalar_t, acc_t>(e, s, lo, hi, w);
+  }
+}
+
 // lerp every job of one dtype, the element range [0, total) split across threads.
 template <typename scalar_t>
 void lerp_jobs(const std::vector<Job>& jobs, double w) {
@@ -53,7 +76,7 @@ void lerp_jobs(const std::vector<Job>& jobs, double w) {
     for (int64_t pos = begin; pos < end; ++j) {
       const int64_t lo = pos - start[j];
       const int64_t hi = std::min(end, start[j + 1]) - start[j];
-      lerp_range(static_cast<scalar_t*>(jobs[j].ema), static_cast<const scalar_t*>(jobs[j].src), lo, hi, wa);
+      lerp_dispatch(static_cast<scalar_t*>(jobs[j].ema), static_cast<const scalar_t*>(jobs[j].src), lo, hi, wa);
       pos = start[j] + hi;
     }
   });

@@ -4,6 +4,8 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <type_traits>
+
 #include "box_math.h"
 #include "ops.h"
 
@@ -16,7 +18,7 @@ constexpr int64_t kGrain = 1 << 17;
 // One output row: box `a` (4 values) against M boxes of b given as structure-of-arrays
 // (x1, y1, x2, y2, area; each [M]) so the loop over M vectorises.
 template <typename scalar_t, typename acc_t, bool kGiou>
-void pairwise_row(const scalar_t* a, const acc_t* bx1, const acc_t* by1, const acc_t* bx2,
+inline void pairwise_row(const scalar_t* a, const acc_t* bx1, const acc_t* by1, const acc_t* bx2,
                   const acc_t* by2, const acc_t* barea, int64_t M, acc_t eps, scalar_t* out) {
   const acc_t ax1 = a[0], ay1 = a[1], ax2 = a[2], ay2 = a[3];
   const acc_t area_a = clamped_area(ax1, ay1, ax2, ay2);
@@ -24,6 +26,27 @@ void pairwise_row(const scalar_t* a, const acc_t* bx1, const acc_t* by1, const a
     const acc_t v = kGiou ? pair_giou(ax1, ay1, ax2, ay2, area_a, bx1[j], by1[j], bx2[j], by2[j], barea[j], eps)
                           : pair_iou(ax1, ay1, ax2, ay2, area_a, bx1[j], by1[j], bx2[j], by2[j], barea[j], eps);
     out[j] = static_cast<scalar_t>(v);
+  }
+}
+
+// The float rows, multi-versioned (see FD_CPU_CLONES).
+FD_CPU_CLONES void iou_row_f32(const float* a, const float* bx1, const float* by1, const float* bx2,
+                               const float* by2, const float* barea, int64_t M, float eps, float* out) {
+  pairwise_row<float, float, false>(a, bx1, by1, bx2, by2, barea, M, eps, out);
+}
+
+FD_CPU_CLONES void giou_row_f32(const float* a, const float* bx1, const float* by1, const float* bx2,
+                                const float* by2, const float* barea, int64_t M, float eps, float* out) {
+  pairwise_row<float, float, true>(a, bx1, by1, bx2, by2, barea, M, eps, out);
+}
+
+template <typename scalar_t, typename acc_t, bool kGiou>
+void row(const scalar_t* a, const acc_t* bx1, const acc_t* by1, const acc_t* bx2, const acc_t* by2,
+         const acc_t* barea, int64_t M, acc_t eps, scalar_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    (kGiou ? giou_row_f32 : iou_row_f32)(a, bx1, by1, bx2, by2, barea, M, eps, out);
+  } else {
+    pairwise_row<scalar_t, acc_t, kGiou>(a, bx1, by1, bx2, by2, barea, M, eps, out);
   }
 }
 
@@ -58,8 +81,8 @@ at::Tensor pairwise(const at::Tensor& a_in, const at::Tensor& b_in, double eps, 
     at::parallel_for(0, B * N, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const acc_t* plane = soa.data() + (r / N) * 5 * M;
-        pairwise_row<scalar_t, acc_t, kGiou>(ap + 4 * r, plane, plane + M, plane + 2 * M, plane + 3 * M,
-                                             plane + 4 * M, M, e, op_ + r * M);
+        row<scalar_t, acc_t, kGiou>(ap + 4 * r, plane, plane + M, plane + 2 * M, plane + 3 * M, plane + 4 * M, M, e,
+                                    op_ + r * M);
       }
     });
   });
