@@ -123,8 +123,17 @@ if wanted install; then
     else
         part install 120 "$PY" -m pip install --no-deps --no-index --no-build-isolation -q -e "$REPO"
         if ! (cd /tmp && "$PY" -c "import fastdet._csrc" > /dev/null 2>&1); then
-            note "install: fastdet is not installed; using PYTHONPATH=$REPO (the extension may not find csrc/)"
+            # No install possible: lay the tree out as installed (fastdet._csrc = csrc/,
+            # fastdet.pipelines = pipelines/, as pyproject maps them) for this run only.
+            LINKS=()
+            for pair in _csrc:csrc pipelines:pipelines; do
+                if [[ ! -e "$REPO/fastdet/${pair%%:*}" ]]; then
+                    ln -s "../${pair#*:}" "$REPO/fastdet/${pair%%:*}" && LINKS+=("$REPO/fastdet/${pair%%:*}")
+                fi
+            done
+            trap 'rm -f "${LINKS[@]}"' EXIT
             export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+            note "install: pip could not install fastdet; using PYTHONPATH=$REPO with links ${LINKS[*]:-none} (removed at exit)"
         fi
     fi
 fi

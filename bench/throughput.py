@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "trainer's; 'aot_eager' or 'eager' only check that the modes run)")
     p.add_argument("--data", default="demo", metavar="demo|COCO_ROOT",
                    help="dataset of the data and e2e modes (default: the built-in demo set)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the demo set and image-check caches go (default: data.cache_dir, "
+                        "~/.cache/fastdet)")
     p.add_argument("--demo-images", type=int,
                    help="training images of the demo set (default 400; generated once into the cache)")
     p.add_argument("--workers", type=int,
@@ -195,6 +198,8 @@ class Bench:
         self.device = torch.device(args.device)
         self.amp_dtype = resolve_amp(args.amp, self.device)
         cfg = get_preset(args.arch, args.size)
+        if args.cache_dir is not None:
+            cfg = apply_overrides(cfg, {"data.cache_dir": args.cache_dir})
         self.cfg = apply_overrides(cfg, {
             "model.num_classes": args.num_classes,
             "data.data": args.data,
@@ -598,6 +603,8 @@ COLUMNS = (
 def describe(row: dict[str, Any]) -> str:
     if row["group"] == "data":
         return f"loader {row.get('loader')}"
+    if row["status"] == "skipped" and row["group"] == "step":
+        return row["mode"].removeprefix("step_")
     parts = []
     if row["group"] == "e2e":
         parts.append(f"{row.get('loader')} +")

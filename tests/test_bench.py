@@ -35,10 +35,13 @@ HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
 
 @pytest.fixture(scope="module")
 def quick_run(demo_small, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "throughput.json"
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "throughput.json"
     cmd = [sys.executable, str(REPO / "bench" / "throughput.py"), "--quick", "--device", "cpu",
            "--img-size", "64", "--windows", "2", "--iters", "1", "--warmup", "0",
-           "--compile-backend", "eager", "--data", str(demo_small), "--json", str(out)]
+           "--compile-backend", "eager", "--workers", "1", "--data", str(demo_small),
+           "--cache-dir", str(tmp / "cache"),
+           "--json", str(out)]
     env = {**os.environ, "FASTDET_OPS_BACKEND": "torch", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
