@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "fastdet"
 CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp")
 CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu")
-HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h")
+HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h")  # ninja tracks them through -MMD
 # Hopper (H100/H200) unless the caller says otherwise; only used when no GPU is visible
 # (with a GPU, torch builds for the GPU it sees).
 DEFAULT_CUDA_ARCH = "9.0"
@@ -122,6 +122,9 @@ def build(variant: str | None = None, verbose: bool = False) -> Path:
     if cuda_home is not None:
         cpp_extension.CUDA_HOME = cuda_home
     src = source_dir()
+    missing = [n for n in (*CPU_SOURCES, *CUDA_SOURCES, *HEADERS) if not (src / n).is_file()]
+    if missing:
+        raise ExtensionUnavailable(f"the package data fastdet._csrc lacks {', '.join(missing)} (looked in {src})")
     sources = [str(src / s) for s in CPU_SOURCES]
     kwargs: dict[str, object] = {}
     if variant == "cuda":
