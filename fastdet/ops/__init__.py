@@ -107,11 +107,11 @@ def ema_update_(ema_tensors: Sequence[Tensor], tensors: Sequence[Tensor], decay:
     if not isinstance(decay, Tensor):
         decay = torch.tensor(float(decay), dtype=torch.float32, device=device)
     backend = _backend("ema_update_", ema_tensors[0])
-    with torch.no_grad():
+    with torch.no_grad():  # no autograd graph: model parameters may require grad
         if backend == "torch":
             _reference.ema_update_(ema_tensors, tensors, decay)
         else:
-            _ns(backend).ema_update_(ema_tensors, [t.detach() for t in tensors], decay.detach())
+            _ns(backend).ema_update_(ema_tensors, tensors, decay)
 
 
 def task_aligned_assign(
