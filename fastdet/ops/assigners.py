@@ -71,7 +71,7 @@ def _resolve_and_gather(
     gt_labels: Tensor,
     gt_bboxes: Tensor,
     bg_index: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Give each anchor at most one GT and gather its label and box.
 
     Args:
@@ -83,8 +83,8 @@ def _resolve_and_gather(
             slots unmatched whatever their boxes hold.
         pad_gt_mask: [B, M, 1].
     Returns:
-        mask_positive [B, M, A] (one 1 per positive column), fg [B, A] bool,
-        assigned_labels [B, A] int64, assigned_bboxes [B, A, 4].
+        mask_positive [B, M, A] (one 1 per positive column), assigned_labels [B, A]
+        int64 (``bg_index`` where no GT), assigned_bboxes [B, A, 4].
     """
     multiple = mask_positive.sum(dim=-2, keepdim=True) > 1  # [B, 1, A]
     mask_positive = torch.where(multiple, _max_iou_gt_onehot(ious * pad_gt_mask), mask_positive)
@@ -93,7 +93,7 @@ def _resolve_and_gather(
     labels = torch.gather(gt_labels.squeeze(-1).long(), 1, gt_index)  # [B, A]
     labels = torch.where(fg, labels, torch.full_like(labels, bg_index))
     bboxes = torch.gather(gt_bboxes, 1, gt_index[..., None].expand(-1, -1, 4))  # [B, A, 4]
-    return mask_positive, fg, labels, bboxes
+    return mask_positive, labels, bboxes
 
 
 def _one_hot_without_bg(labels: Tensor, num_classes: int, bg_index: int, dtype: torch.dtype) -> Tensor:
@@ -170,7 +170,7 @@ def atss_assign(
     is_in_gts = points_inside_boxes(anchor_centers, gt_bboxes)
     mask_positive = is_in_topk * is_in_gts * pad_gt_mask  # [B, M, A]
 
-    mask_positive, fg, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
+    mask_positive, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
     scores = _one_hot_without_bg(labels, num_classes, bg_index, dtype)  # [B, A, C]
     if pred_bboxes is not None:
         pred_ious = pairwise_iou(gt_bboxes, pred_bboxes.to(dtype)) * mask_positive  # [B, M, A]
@@ -225,7 +225,7 @@ def task_aligned_assign(
     is_in_topk = torch.zeros_like(metrics).scatter_(-1, idx, 1.0) * pad_gt_mask
     mask_positive = is_in_topk * is_in_gts * pad_gt_mask  # [B, M, A]
 
-    mask_positive, fg, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
+    mask_positive, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
     scores = _one_hot_without_bg(labels, C, bg_index, dtype)  # [B, A, C]
 
     metrics = metrics * mask_positive
