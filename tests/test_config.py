@@ -128,5 +128,5 @@ def test_load_rejects_unknown_and_mistyped_fields(tmp_path):
 def test_demo_overrides_apply_to_every_preset():
     for name, preset in PRESETS.items():
         cfg = apply_overrides(preset, DEMO_OVERRIDES)
-        assert cfg.data.img_size == 320 and cfg.data.max_boxes == 32, name
+        assert cfg.data.img_size == 192 and cfg.data.max_boxes == 32, name
         assert max(cfg.data.train_sizes) <= cfg.data.img_size

@@ -139,6 +139,9 @@ class Trainer:
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
         if self.dist.is_main:
             cfg.dump(self.out / "config.yaml")
+            if not cfg.run.resume:  # a fresh run in an old directory starts its logs anew
+                for name in ("metrics.jsonl", "eval.jsonl"):
+                    (self.out / name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ set-up helpers
     def _wrap_ddp(self) -> nn.Module:
