@@ -18,16 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP and ``torch.compile`` wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
+from fastdet.ops.ema import unwrap_model as unwrap  # the plain module under DDP / compile
 
 
 def rng_state() -> dict[str, Any]:

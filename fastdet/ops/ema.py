@@ -44,7 +44,7 @@ def ramp_decay(n: Tensor, decay: float, tau: float = 2000.0) -> Tensor:
     return decay * (1.0 - torch.exp(-n.to(torch.float64) / tau))
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The plain module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -77,7 +77,7 @@ class ModelEMA:
         self.decay = float(decay)
         self.kind = kind
         self.tau = float(tau)
-        src = _unwrap(model)
+        src = unwrap_model(model)
         self.module = copy.deepcopy(src).eval()
         self.module.requires_grad_(False)
         device = next((t.device for t in src.parameters()), torch.device("cpu"))
@@ -101,7 +101,7 @@ class ModelEMA:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """Fold the model's current weights into the average (one fused kernel)."""
-        src = self._tensors(_unwrap(model))
+        src = self._tensors(unwrap_model(model))
         if len(src) != len(self._ema_tensors):
             raise ValueError(f"ModelEMA.update: the model has {len(src)} parameters and buffers, the EMA "
                              f"{len(self._ema_tensors)}: pass the model the EMA was made from")
@@ -115,7 +115,7 @@ class ModelEMA:
     @torch.no_grad()
     def reset(self, model: nn.Module) -> None:
         """Restart the average from the model's current weights (e.g. after loading weights)."""
-        for e, s in zip(self._ema_tensors, self._tensors(_unwrap(model))):
+        for e, s in zip(self._ema_tensors, self._tensors(unwrap_model(model))):
             e.copy_(s)
         self.updates.zero_()
 
