@@ -235,10 +235,9 @@ class Bench:
         """Model, optimizer, EMA and TrainStep as the trainer builds them.
 
         Returns (model, step, lr_schedule, loss_kwargs)."""
-        from fastdet.engine.optim import CapturableSGD, LRSchedule, build_param_groups
+        from fastdet.engine.optim import LRSchedule
         from fastdet.engine.step import TrainStep
-        from fastdet.engine.trainer import build_detector
-        from fastdet.ops.ema import ModelEMA
+        from fastdet.engine.trainer import build_detector, build_optimizer_and_ema
 
         cfg, dev = self.cfg, self.device
         torch.manual_seed(self.args.seed)
@@ -246,10 +245,7 @@ class Bench:
         if cfg.data.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model.train()
-        base_lr = cfg.optim.base_lr * cfg.data.batch_size / cfg.optim.ref_batch
-        opt = CapturableSGD(build_param_groups(model, cfg.optim.weight_decay), lr=base_lr,
-                            momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov, device=dev)
-        ema = ModelEMA(model, decay=cfg.optim.ema_decay, kind=cfg.optim.ema_type) if cfg.optim.ema else None
+        opt, ema, base_lr = build_optimizer_and_ema(cfg, model, cfg.data.batch_size, dev)
         net, compile_flag = model, v.compile
         if v.compile and self.args.compile_backend != "inductor":
             # Same call as TrainStep's, with another backend (a quick check that the mode runs).

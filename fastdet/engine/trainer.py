@@ -62,6 +62,17 @@ def predict_kwargs(cfg: Config) -> dict[str, Any]:
                 pre_nms_topk=m.pre_nms_topk)
 
 
+def build_optimizer_and_ema(cfg: Config, model: nn.Module, world_batch: int, device: torch.device
+                            ) -> tuple[CapturableSGD, ModelEMA | None, float]:
+    """The optimizer (LR scaled linearly by the global batch), the EMA, and that base LR."""
+    base_lr = cfg.optim.base_lr * world_batch / cfg.optim.ref_batch
+    optimizer = CapturableSGD(build_param_groups(model, cfg.optim.weight_decay), lr=base_lr,
+                              momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov, device=device)
+    ema = (ModelEMA(model, decay=cfg.optim.ema_decay, kind=cfg.optim.ema_type)
+           if cfg.optim.ema else None)
+    return optimizer, ema, base_lr
+
+
 def freeze_bn_stats(model: nn.Module) -> None:
     """Put every BatchNorm in eval mode (running statistics fixed, affine still trained)."""
     for mod in model.modules():
@@ -102,12 +113,8 @@ class Trainer:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)
         world_batch = cfg.data.batch_size * self.dist.world_size
-        self.base_lr = cfg.optim.base_lr * world_batch / cfg.optim.ref_batch
-        self.optimizer = CapturableSGD(
-            build_param_groups(self.model, cfg.optim.weight_decay), lr=self.base_lr,
-            momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov, device=self.device)
-        self.ema = (ModelEMA(self.model, decay=cfg.optim.ema_decay, kind=cfg.optim.ema_type)
-                    if cfg.optim.ema else None)
+        self.optimizer, self.ema, self.base_lr = build_optimizer_and_ema(
+            cfg, self.model, world_batch, self.device)
 
         self.train_loader = build_train_loader(cfg, self.train_set, rank=self.dist.rank,
                                                world_size=self.dist.world_size,
