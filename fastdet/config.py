@@ -74,7 +74,11 @@ class OptimConfig:
     # lr = base_lr * global_batch / ref_batch (PP-YOLOE-s: 0.04 at 8x32).
     base_lr: float = 0.04
     ref_batch: int = 256
+    # "sgd": momentum SGD with coupled L2 (the published recipes); "adamw": decoupled
+    # weight decay, betas (momentum, beta2); for short from-scratch runs such as the demo.
+    optimizer: str = "sgd"
     momentum: float = 0.9
+    beta2: float = 0.999
     nesterov: bool = False
     weight_decay: float = 5e-4  # not applied to norm weights and biases
     epochs: int = 300

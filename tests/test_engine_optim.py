@@ -13,7 +13,7 @@ from torch import nn
 from fastdet.config import OptimConfig
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
                                        save_checkpoint, set_rng_state, unwrap)
-from fastdet.engine.optim import CapturableSGD, LRSchedule, build_param_groups
+from fastdet.engine.optim import CapturableAdamW, CapturableSGD, LRSchedule, build_optimizer, build_param_groups
 
 
 class Net(nn.Module):
@@ -86,6 +86,64 @@ def test_capturable_sgd_state_dict_round_trip_keeps_lr_tensors():
     assert float(lr_tensor) == pytest.approx(0.05)
     for p, p2 in zip(net.parameters(), net2.parameters()):
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
+
+
+def _mlp() -> nn.Module:
+    # No bias before a norm here: such a bias has a ~0 gradient, where Adam's
+    # m / (sqrt(v) + eps) amplifies rounding differences into O(lr) ones.
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_capturable_adamw_matches_torch_adamw():
+    torch.manual_seed(0)
+    a, b = _mlp(), _mlp()
+    b.load_state_dict(a.state_dict())
+    ours = CapturableAdamW(build_param_groups(a, 0.05), lr=0.01, betas=(0.9, 0.99))
+    ref = torch.optim.AdamW(build_param_groups(b, 0.05), lr=0.01, betas=(0.9, 0.99), foreach=False)
+    for step in range(6):
+        lr = 0.01 * (0.7 ** step)
+        ours.set_lr(lr)
+        for g in ref.param_groups:
+            g["lr"] = lr * g["lr_mult"]
+        x = torch.randn(4, 6)
+        for net, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(ours.state[pa]["exp_avg_sq"], ref.state[pb]["exp_avg_sq"])
+
+
+def test_capturable_adamw_resume_keeps_state_tensors_and_continues_identically():
+    torch.manual_seed(1)
+    nets = [Net() for _ in range(3)]
+    for n in nets[1:]:
+        n.load_state_dict(nets[0].state_dict())
+    opts = [build_optimizer(OptimConfig(optimizer="adamw", weight_decay=0.01), n, 0.01, "cpu") for n in nets]
+    xs = [torch.randn(2, 3, 8, 8) for _ in range(4)]
+
+    def run(net, opt, batches):
+        for x in batches:
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+
+    run(nets[0], opts[0], xs)  # uninterrupted
+    run(nets[1], opts[1], xs[:2])  # two steps, then "resume" into nets[2]/opts[2]
+    nets[2].load_state_dict(nets[1].state_dict())
+    exp_avg = opts[2].state[next(nets[2].parameters())]["exp_avg"]
+    opts[2].load_state_dict(opts[1].state_dict())
+    assert opts[2].state[next(nets[2].parameters())]["exp_avg"] is exp_avg
+    run(nets[2], opts[2], xs[2:])
+    for pa, pb in zip(nets[0].parameters(), nets[2].parameters()):
+        torch.testing.assert_close(pa, pb)
+
+
+def test_build_optimizer_rejects_unknown_name():
+    with pytest.raises(ValueError, match="optim.optimizer"):
+        build_optimizer(OptimConfig(optimizer="lamb"), Net(), 0.1, "cpu")
 
 
 def test_cosine_schedule_matches_paddle_formula():

@@ -1,7 +1,7 @@
-"""Parameter groups, a capturable momentum SGD, and the learning-rate schedules.
+"""Parameter groups, capturable momentum SGD and AdamW, and the learning-rate schedules.
 
-The optimizer keeps each group's learning rate as a 0-d tensor on the training device
-and does its update with foreach kernels only, so a step has no host sync and can be
+The optimizers keep each group's learning rate as a 0-d tensor on the training device
+and do their update with foreach kernels only, so a step has no host sync and can be
 replayed inside a CUDA graph: the schedule writes the new value with ``fill_`` before
 each step. ``torch.optim.SGD`` cannot do that: with a tensor LR its eager foreach path
 passes ``alpha=-lr`` to ``_foreach_add_``, which reads the tensor back to the host.
@@ -48,7 +48,43 @@ def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-class CapturableSGD(torch.optim.Optimizer):
+class _DeviceLROptimizer(torch.optim.Optimizer):
+    """Shared by the capturable optimizers: per-group LR tensors and state kept in place.
+
+    ``group["lr"]`` is a 0-d float32 tensor on the training device holding
+    ``base_lr * lr_mult``; :meth:`set_lr` rewrites it without a host sync. All state is
+    allocated in ``__init__`` so that CUDA graphs see fixed addresses, and
+    :meth:`load_state_dict` copies saved values into those same tensors.
+    """
+
+    def _init_lr(self, device: torch.device | str) -> None:
+        for g in self.param_groups:
+            g["lr"] = torch.tensor(float(g["lr"]) * g["lr_mult"], dtype=torch.float32, device=device)
+
+    def set_lr(self, base_lr: float) -> None:
+        """Write ``base_lr * lr_mult`` into each group's LR tensor (no sync)."""
+        for g in self.param_groups:
+            g["lr"].fill_(base_lr * g["lr_mult"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Keep every state tensor (and its address) and copy the saved values into it.
+        lrs = [g["lr"] for g in self.param_groups]
+        saved = [g["lr"] for g in state_dict["param_groups"]]
+        before = {id(p): dict(self.state[p]) for g in self.param_groups for p in g["params"]}
+        super().load_state_dict(state_dict)
+        for g, t, v in zip(self.param_groups, lrs, saved):
+            t.copy_(torch.as_tensor(v, dtype=t.dtype))
+            g["lr"] = t
+        for g in self.param_groups:
+            for p in g["params"]:
+                for k, old in before[id(p)].items():
+                    new = self.state[p].get(k)
+                    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+                        old.copy_(new.to(device=old.device, dtype=old.dtype))
+                        self.state[p][k] = old
+
+
+class CapturableSGD(_DeviceLROptimizer):
     """SGD with momentum (PaddleDetection ``Momentum``: v = mu * v + g; p -= lr * v).
 
     L2 weight decay is added to the gradient (coupled, as Paddle's L2Decay and
@@ -60,8 +96,8 @@ class CapturableSGD(torch.optim.Optimizer):
                  nesterov: bool = False, device: torch.device | str = "cpu"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, lr_mult=1.0)
         super().__init__(param_groups, defaults)
+        self._init_lr(device)
         for g in self.param_groups:
-            g["lr"] = torch.tensor(float(g["lr"]) * g["lr_mult"], dtype=torch.float32, device=device)
             for p in g["params"]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -85,23 +121,69 @@ class CapturableSGD(torch.optim.Optimizer):
             torch._foreach_sub_(params, torch._foreach_mul(update, g["lr"]))
         return None
 
-    def set_lr(self, base_lr: float) -> None:
-        """Write ``base_lr * lr_mult`` into each group's LR tensor (no sync)."""
-        for g in self.param_groups:
-            g["lr"].fill_(base_lr * g["lr_mult"])
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        # Keep the LR tensors (and their addresses) and copy the saved values into them.
-        lrs = [g["lr"] for g in self.param_groups]
-        saved = [g["lr"] for g in state_dict["param_groups"]]
-        super().load_state_dict(state_dict)
-        for g, t, v in zip(self.param_groups, lrs, saved):
-            t.copy_(torch.as_tensor(v, dtype=t.dtype))
-            g["lr"] = t
+class CapturableAdamW(_DeviceLROptimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) as ``torch.optim.AdamW``.
+
+    The step count is a device tensor too, so the bias corrections are computed on
+    the device and the update can be replayed in a CUDA graph. Preferred by short
+    from-scratch schedules (Ultralytics picks it below ~10k iterations), where SGD
+    needs far more steps to get going.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, device: torch.device | str = "cpu"):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, lr_mult=1.0)
+        super().__init__(param_groups, defaults)
+        self._init_lr(device)
         for g in self.param_groups:
             for p in g["params"]:
-                buf = self.state[p]["momentum_buffer"]
-                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype)
+                st = self.state[p]
+                st["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch.optim signature
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.grad is not None]
+            if not params:
+                continue
+            b1, b2 = g["betas"]
+            grads = [p.grad for p in params]
+            states = [self.state[p] for p in params]
+            m = [st["exp_avg"] for st in states]
+            v = [st["exp_avg_sq"] for st in states]
+            # One step counter per group is enough (all its params step together);
+            # each param keeps its own copy so state_dict matches torch's layout.
+            steps = [st["step"] for st in states]
+            torch._foreach_add_(steps, 1.0)
+            t = steps[0]
+            if g["weight_decay"] != 0.0:
+                torch._foreach_mul_(params, 1.0 - g["lr"] * g["weight_decay"])
+            torch._foreach_lerp_(m, grads, 1.0 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)
+            # p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), all on the device.
+            step_size = g["lr"] / (1.0 - torch.pow(b1, t))
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, torch.sqrt(1.0 - torch.pow(b2, t)))
+            torch._foreach_add_(denom, g["eps"])
+            update = torch._foreach_div(m, denom)
+            torch._foreach_mul_(update, step_size)
+            torch._foreach_sub_(params, update)
+        return None
+
+
+def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float,
+                    device: torch.device | str) -> _DeviceLROptimizer:
+    """``cfg.optimizer`` over :func:`build_param_groups` of ``model``."""
+    groups = build_param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return CapturableSGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, device=device)
+    if cfg.optimizer == "adamw":
+        return CapturableAdamW(groups, lr=lr, betas=(cfg.momentum, cfg.beta2), device=device)
+    raise ValueError(f"optim.optimizer: expected 'sgd' or 'adamw', got {cfg.optimizer!r}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, r
                                        save_checkpoint, set_rng_state)
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
-from fastdet.engine.optim import CapturableSGD, LRSchedule, build_param_groups
+from fastdet.engine.optim import LRSchedule, build_optimizer
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
 from fastdet.models import build_model_from_config
@@ -63,11 +63,10 @@ def predict_kwargs(cfg: Config) -> dict[str, Any]:
 
 
 def build_optimizer_and_ema(cfg: Config, model: nn.Module, world_batch: int, device: torch.device
-                            ) -> tuple[CapturableSGD, ModelEMA | None, float]:
+                            ) -> tuple[torch.optim.Optimizer, ModelEMA | None, float]:
     """The optimizer (LR scaled linearly by the global batch), the EMA, and that base LR."""
     base_lr = cfg.optim.base_lr * world_batch / cfg.optim.ref_batch
-    optimizer = CapturableSGD(build_param_groups(model, cfg.optim.weight_decay), lr=base_lr,
-                              momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov, device=device)
+    optimizer = build_optimizer(cfg.optim, model, base_lr, device)
     ema = (ModelEMA(model, decay=cfg.optim.ema_decay, kind=cfg.optim.ema_type)
            if cfg.optim.ema else None)
     return optimizer, ema, base_lr
