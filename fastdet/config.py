@@ -61,6 +61,13 @@ class DataConfig:
     max_boxes: int = 100  # M of the padded ground truth [B, M, 4]
     num_workers: int = 4
     augment: bool = True
+    # PP-YOLOE's training augmentation, stage by stage (used when `augment` is on):
+    # colour distortion, zoom-out onto a mean-filled canvas, IoU-constrained crop, flip.
+    distort_prob: float = 0.5
+    expand_prob: float = 0.5
+    expand_max_ratio: float = 4.0
+    crop: bool = True
+    flip_prob: float = 0.5
     keep_empty_train: bool = False  # train on images without annotations too
     # Image files checked when the annotations are read: "none", "open" (exists, header
     # readable, size matches the JSON) or "decode" (every pixel; cached under cache_dir).

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fastdet.config import Config
-from fastdet.data.augment import PPYOLOE, AugmentSpec, ImageDecodeError, decode_image
+from fastdet.data.augment import AugmentSpec, ImageDecodeError, decode_image, spec_from_config
 from fastdet.data.loader import EvalSchedule, LoaderError, TrainSchedule, empty_batch
 from fastdet.data.records import BATCH_KEYS, ImageRecord
 from fastdet.pipelines.detection import OUTPUTS, detection_pipeline
@@ -180,8 +180,8 @@ class DaliTrainLoader(_DaliLoader):
         rank: int,
         spec: Optional[AugmentSpec] = None,
     ) -> None:
-        # spec: the augmentation (default: PP-YOLOE's when cfg.data.augment, else none).
-        spec = spec if spec is not None else (PPYOLOE if cfg.data.augment else None)
+        # spec: the augmentation (default: the one cfg.data describes; None when it is off).
+        spec = spec if spec is not None else spec_from_config(cfg.data)
         super().__init__(cfg, records, device=device, augment=spec)
         self.schedule = schedule
         self.seed = int(seed)

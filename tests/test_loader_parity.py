@@ -173,6 +173,40 @@ def test_geometry_flip(backend, rect_set, tmp_path):
         np.testing.assert_allclose(s["box"], [s["size"] - x1, y0, s["size"] - x0, y1], atol=1e-3)
 
 
+def test_spec_from_config_stage_by_stage():
+    assert A.spec_from_config(DataConfig(augment=False)) is None
+    assert A.spec_from_config(DataConfig()) == A.PPYOLOE
+    spec = A.spec_from_config(DataConfig(distort_prob=0.0, expand_prob=0.25, expand_max_ratio=1.5,
+                                         crop=False, flip_prob=1.0))
+    assert spec == A.AugmentSpec(distort_prob=0.0, expand_prob=0.25, expand_max_ratio=1.5, crop=False, flip_prob=1.0)
+    with pytest.raises(ValueError, match="data.flip_prob"):
+        A.spec_from_config(DataConfig(flip_prob=1.5))
+    with pytest.raises(ValueError, match="data.expand_max_ratio"):
+        A.spec_from_config(DataConfig(expand_max_ratio=0.5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_config_augmentation_reaches_the_loader(backend, rect_set, tmp_path):
+    # No spec passed: the loader builds it from cfg.data (here: always flip, nothing else).
+    cfg = make_cfg(backend, tmp_path, batch_size=4, train_sizes=(128,), augment=True, distort_prob=0.0,
+                   expand_prob=0.0, crop=False, flip_prob=1.0)
+    sched = TrainSchedule(len(rect_set), 4, rank=0, world_size=1, seed=0, sizes=(128,), random_interp=False)
+    cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
+    kw = dict(seed=0, rank=0) if backend == "dali" else {}
+    loader = cls(cfg, rect_set, sched, device=torch.device("cpu"), **kw)
+    by_id = {r.image_id: r for r in rect_set}
+    checked = 0
+    for batch in loader:
+        for b in range(batch["images"].shape[0]):
+            m = batch["gt_mask"][b]
+            if not bool(m.any()):
+                continue
+            x0, y0, x1, y1 = scaled(by_id[int(batch["image_ids"][b])], 128)
+            np.testing.assert_allclose(batch["gt_boxes"][b][m][0].numpy(), [128 - x1, y0, 128 - x0, y1], atol=1e-3)
+            checked += 1
+    assert checked > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_geometry_expand(backend, rect_set, tmp_path):
     by_id = {r.image_id: r for r in rect_set}

@@ -75,6 +75,20 @@ class AugmentSpec:
 
 PPYOLOE = AugmentSpec()
 
+
+def spec_from_config(data_cfg) -> "AugmentSpec | None":
+    """The training augmentation a :class:`fastdet.config.DataConfig` asks for (None: off)."""
+    if not data_cfg.augment:
+        return None
+    for name in ("distort_prob", "expand_prob", "flip_prob"):
+        if not 0.0 <= getattr(data_cfg, name) <= 1.0:
+            raise ValueError(f"data.{name}: expected a probability in [0, 1], got {getattr(data_cfg, name)}")
+    if data_cfg.expand_max_ratio < 1.0:
+        raise ValueError(f"data.expand_max_ratio: expected >= 1, got {data_cfg.expand_max_ratio}")
+    return AugmentSpec(distort_prob=data_cfg.distort_prob, expand_prob=data_cfg.expand_prob,
+                       expand_max_ratio=data_cfg.expand_max_ratio, crop=data_cfg.crop,
+                       flip_prob=data_cfg.flip_prob)
+
 _MEAN_T = torch.tensor(IMAGENET_MEAN, dtype=torch.float32)
 _INV_STD_T = 1.0 / torch.tensor(IMAGENET_STD, dtype=torch.float32)
 

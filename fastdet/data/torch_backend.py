@@ -258,8 +258,8 @@ class TorchTrainLoader(_TorchLoader):
         spec: Optional[augment.AugmentSpec] = None,
         report: Any = None,
     ) -> None:
-        # spec: the augmentation (default: PP-YOLOE's when cfg.data.augment, else none).
-        spec = spec if spec is not None else (augment.PPYOLOE if cfg.data.augment else None)
+        # spec: the augmentation (default: the one cfg.data describes; None when it is off).
+        spec = spec if spec is not None else augment.spec_from_config(cfg.data)
         sampler = _TrainBatches(schedule, spec is not None)
         super().__init__(
             cfg, records, sampler, device=device, train=True, spec=spec or augment.PPYOLOE, report=report
