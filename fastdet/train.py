@@ -47,6 +47,8 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "--cuda-graphs": ("compile.cuda_graphs", True, "capture the whole step in CUDA graphs (CUDA only)"),
     "--resume": ("run.resume", True, "continue the run in --output-dir from latest.pth"),
     "--nvtx": ("run.nvtx", True, "NVTX ranges around data, forward, backward, optimizer, EMA"),
+    "--channels-last": ("data.channels_last", True,
+                        "model and images in channels-last (NHWC); bench/throughput.py --modes layout measures it"),
     "--no-multiscale": ("data.multiscale", False, "train at --img-size only"),
     "--no-augment": ("data.augment", False, "no data augmentation"),
     "--no-ema": ("optim.ema", False, "train without an EMA of the weights"),

@@ -209,3 +209,36 @@ def test_tolerant_load_skips_a_different_head():
 def test_unwrap_compiled_module():
     net = Net()
     assert unwrap(torch.compile(net)) is net
+
+
+def test_channels_last_step_matches_nchw():
+    """`--channels-last` changes the memory layout only: one PPYOLOE-s train step in NHWC
+    gives the losses and updated weights of the same step in NCHW."""
+    from fastdet.config import apply_overrides, get_preset
+    from fastdet.engine.step import TrainStep, synthetic_batch
+    from fastdet.engine.trainer import build_detector, build_optimizer_and_ema
+    from fastdet.train import build_parser, resolve_config
+
+    assert resolve_config(build_parser().parse_args(["--channels-last"])).data.channels_last is True
+    assert resolve_config(build_parser().parse_args([])).data.channels_last is False
+    cfg = apply_overrides(get_preset("ppyoloe", "s"), {"model.num_classes": 4})
+    cpu = torch.device("cpu")
+    results = []
+    for nhwc in (False, True):
+        torch.manual_seed(0)
+        model = build_detector(cfg, 4)
+        if nhwc:
+            model = model.to(memory_format=torch.channels_last)
+        model.train()
+        opt, ema, _ = build_optimizer_and_ema(cfg, model, 2, cpu)
+        step = TrainStep(model, model, opt, ema, cpu, None, clip_grad_norm=cfg.optim.clip_grad_norm)
+        batch = synthetic_batch(2, 64, 64, 8, cpu, torch.Generator().manual_seed(1), nhwc)
+        assert batch["images"].is_contiguous(memory_format=torch.channels_last) == nhwc
+        step(batch, model.loss_kwargs(0))
+        results.append((step.read_losses(), [p.detach().clone() for p in model.parameters()]))
+    (l0, p0), (l1, p1) = results
+    assert l0.keys() == l1.keys() and l0
+    for k in l0:
+        assert l1[k] == pytest.approx(l0[k], rel=1e-4, abs=1e-5), k
+    for a, b in zip(p0, p1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
