@@ -18,6 +18,9 @@
 #   kernels   bench/kernels.py at production sizes
 #   data_e2e  bench/throughput.py --modes data,e2e on a 4096-image demo set (generated in
 #             the background while the GPU parts run); DALI rows say "unavailable" without DALI
+#   layout    bench/throughput.py --modes layout: eager fp32 and compiled bf16 in NCHW and in
+#             channels-last side by side (what the trainer's --channels-last rests on); last,
+#             so it only spends what the budget has left
 #
 # Environment:
 #   GPU_CHECK_BUDGET_S   overall seconds (default 540: the run ends inside 10 minutes)
@@ -38,7 +41,7 @@ PY=${PYTHON:-python3}
 [[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # parts cd elsewhere
 OUT_DIR=${1:-${OUT:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}}
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-PARTS=${GPU_CHECK_PARTS:-env,install,build,step,tests,kernels,data_e2e}
+PARTS=${GPU_CHECK_PARTS:-env,install,build,step,tests,kernels,data_e2e,layout}
 DEMO_IMAGES=4096
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 BENCH_ARGS=(--device "$DEVICE")
@@ -158,6 +161,8 @@ if [[ -n "$PREP_PID" ]]; then
 fi
 part data_e2e 240 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes data,e2e --demo-images "$DEMO_IMAGES" \
     --json "$OUT_DIR/${STEM}_throughput-data-e2e.json"
+part layout 150 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes layout \
+    --json "$OUT_DIR/${STEM}_throughput-layout.json"
 
 # --- the record of this run.
 "$PY" - "$STATUS" "$OUT_DIR/${STEM}_gpu-check.json" "$BUDGET" "$(elapsed)" "$STEM" <<'EOF'

@@ -5,7 +5,7 @@
     python bench/throughput.py --modes step --json step.json
     python bench/throughput.py --modes data,e2e --data /data/coco --workers 16
 
-Modes (``--modes`` takes names or the groups ``data``, ``step``, ``e2e``, ``all``):
+Modes (``--modes`` takes names or the groups ``data``, ``step``, ``layout``, ``e2e``, ``all``):
 
 data   data_torch            images/s of the torch DataLoader (the seed-style baseline)
        data_dali             images/s of the DALI pipeline; same dataset, augmentation, batch
@@ -14,6 +14,10 @@ step   step_eager_fp32       the train step (forward + loss, backward, SGD, EMA)
        step_eager_amp        eager with autocast (--amp)
        step_compile          torch.compile(fullgraph) with autocast
        step_compile_graphs   compiled and the whole step captured in CUDA graphs (CUDA only)
+layout step_eager_fp32_nhwc  step_eager_fp32 with model and images in channels-last (NHWC)
+       step_compile_nhwc     step_compile in channels-last; each layout row's speedup is over
+                             its NCHW twin in the same run, the figure data.channels_last
+                             (the trainer's --channels-last) rests on
 e2e    e2e_seed              the training loop with the torch loader and the eager fp32 step
        e2e_torch             the training loop with the torch loader and the --e2e-step step
        e2e_dali              the training loop with DALI and the --e2e-step step
@@ -63,6 +67,7 @@ class StepVariant:
     compile: bool
     cuda_graphs: bool
     amp: bool  # autocast with --amp (False: fp32)
+    channels_last: bool = False  # model and images in NHWC whatever --channels-last says
 
 
 STEP_VARIANTS: dict[str, StepVariant] = {
@@ -70,16 +75,21 @@ STEP_VARIANTS: dict[str, StepVariant] = {
     "eager_amp": StepVariant(compile=False, cuda_graphs=False, amp=True),
     "compile": StepVariant(compile=True, cuda_graphs=False, amp=True),
     "compile_graphs": StepVariant(compile=True, cuda_graphs=True, amp=True),
+    "eager_fp32_nhwc": StepVariant(compile=False, cuda_graphs=False, amp=False, channels_last=True),
+    "compile_nhwc": StepVariant(compile=True, cuda_graphs=False, amp=True, channels_last=True),
 }
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "step": ("step_eager_fp32", "step_eager_amp", "step_compile", "step_compile_graphs"),
+    "layout": ("step_eager_fp32_nhwc", "step_compile_nhwc"),
     "data": ("data_torch", "data_dali"),
     "e2e": ("e2e_seed", "e2e_torch", "e2e_dali"),
 }
-ALL_MODES = GROUPS["step"] + GROUPS["data"] + GROUPS["e2e"]
-BASELINES = {"step": "step_eager_fp32", "data": "data_torch", "e2e": "e2e_seed"}
+ALL_MODES = GROUPS["step"] + GROUPS["layout"] + GROUPS["data"] + GROUPS["e2e"]
 GROUP_OF = {m: g for g, ms in GROUPS.items() for m in ms}
+# The row each mode's speedup is over: its group's baseline; a layout row's NCHW twin.
+BASELINE_OF = {m: {"step": "step_eager_fp32", "data": "data_torch", "e2e": "e2e_seed"}.get(g, m.removesuffix("_nhwc"))
+               for m, g in GROUP_OF.items()}
 
 # Production defaults (the issue's targets are stated for these, on one H200) and the
 # small --quick configuration for a CPU.
@@ -175,12 +185,12 @@ def parse_modes(spec: str) -> list[str]:
         for n in names:
             if n not in ALL_MODES:
                 raise ValueError(f"--modes: unknown mode {n!r}; modes are {', '.join(ALL_MODES)} "
-                                 "(or the groups data, step, e2e, all)")
+                                 "(or the groups data, step, layout, e2e, all)")
             if n not in chosen:
                 chosen.append(n)
     if not chosen:
         raise ValueError("--modes: nothing to run")
-    return [m for m in ALL_MODES if m in chosen]  # always step, data, e2e order
+    return [m for m in ALL_MODES if m in chosen]  # always step, layout, data, e2e order
 
 
 def amp_name(dtype: torch.dtype | None) -> str:
@@ -221,6 +231,9 @@ class Bench:
     def variant_dtype(self, v: StepVariant) -> torch.dtype | None:
         return self.amp_dtype if v.amp else None
 
+    def variant_nhwc(self, v: StepVariant) -> bool:
+        return v.channels_last or self.args.channels_last
+
     def skip_reason(self, v: StepVariant) -> str | None:
         if v.cuda_graphs and self.device.type != "cuda":
             return "CUDA graphs need a CUDA device (this run is on the CPU)"
@@ -242,7 +255,7 @@ class Bench:
         cfg, dev = self.cfg, self.device
         torch.manual_seed(self.args.seed)
         model = build_detector(cfg, cfg.model.num_classes).to(dev)
-        if cfg.data.channels_last:
+        if self.variant_nhwc(v):
             model = model.to(memory_format=torch.channels_last)
         model.train()
         opt, ema, base_lr = build_optimizer_and_ema(cfg, model, cfg.data.batch_size, dev)
@@ -258,23 +271,23 @@ class Bench:
         schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
         return model, step, schedule, model.loss_kwargs(self.args.epoch)
 
-    def warm_step(self, step, kw: dict[str, Any]) -> float:
+    def warm_step(self, step, kw: dict[str, Any], nhwc: bool) -> float:
         """Compile / capture the one size bucket (TrainStep.warmup); seconds taken."""
         a = self.args
         t0 = time.perf_counter()
         step.warmup([(a.img_size, a.img_size)], a.batch_size, a.max_boxes, [kw],
-                    channels_last=a.channels_last)
+                    channels_last=nhwc)
         sync(self.device)
         return time.perf_counter() - t0
 
-    def synthetic(self, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    def synthetic(self, nhwc: bool, n: int = 2) -> list[dict[str, torch.Tensor]]:
         """``n`` different random batches on the device (alternated, never all zeros)."""
         from fastdet.engine.step import synthetic_batch
 
         a = self.args
         gen = torch.Generator().manual_seed(a.seed + 1)
         return [synthetic_batch(a.batch_size, a.img_size, a.img_size, a.max_boxes, self.device, gen,
-                                a.channels_last) for _ in range(n)]
+                                nhwc) for _ in range(n)]
 
     def data_paths(self):
         """The training split of ``--data``; a demo set of ``--demo-images`` images other
@@ -304,10 +317,10 @@ class Bench:
                               "classes": ds.num_classes}
         return self.dataset
 
-    def loader_cfg(self, backend: str):
+    def loader_cfg(self, backend: str, nhwc: bool):
         from fastdet.config import apply_overrides
 
-        return apply_overrides(self.cfg, {"data.loader": backend})
+        return apply_overrides(self.cfg, {"data.loader": backend, "data.channels_last": nhwc})
 
     def loader_skip_reason(self, backend: str) -> str | None:
         if backend != "dali":
@@ -319,7 +332,8 @@ class Bench:
     # ------------------------------------------------------------------ modes
     def run_step_mode(self, name: str) -> dict[str, Any]:
         v = STEP_VARIANTS[name.removeprefix("step_")]
-        row = self.new_row(name, dtype=self.variant_dtype(v), compile=v.compile, cuda_graphs=v.cuda_graphs)
+        row = self.new_row(name, dtype=self.variant_dtype(v), compile=v.compile, cuda_graphs=v.cuda_graphs,
+                           channels_last=self.variant_nhwc(v))
         reason = self.skip_reason(v)
         if reason:
             return self.skip(row, reason)
@@ -327,8 +341,8 @@ class Bench:
         with fresh_dynamo(), PeakMemory(self.device) as mem:
             c0 = dynamo_counts()
             model, step, schedule, kw = self.build_step(v)
-            batches = self.synthetic()
-            compile_s = self.warm_step(step, kw)
+            batches = self.synthetic(self.variant_nhwc(v))
+            compile_s = self.warm_step(step, kw, self.variant_nhwc(v))
             k = 0
 
             def run(n: int) -> int:
@@ -383,6 +397,7 @@ class Bench:
                           "e2e_dali": ("dali", self.args.e2e_step)}[name]
         v = STEP_VARIANTS[vname]
         row = self.new_row(name, loader=backend, step=vname, dtype=self.variant_dtype(v),
+                           channels_last=self.variant_nhwc(v),
                            compile=v.compile, cuda_graphs=v.cuda_graphs)
         reason = self.skip_reason(v)
         if reason:
@@ -398,8 +413,8 @@ class Bench:
             c0 = dynamo_counts()
             model, step, schedule, kw = self.build_step(v)
             t0 = time.perf_counter()
-            compile_s = self.warm_step(step, kw) if (v.compile or v.cuda_graphs) else 0.0
-            loader = build_train_loader(self.loader_cfg(backend), ds, rank=0, world_size=1,
+            compile_s = self.warm_step(step, kw, self.variant_nhwc(v)) if (v.compile or v.cuda_graphs) else 0.0
+            loader = build_train_loader(self.loader_cfg(backend, self.variant_nhwc(v)), ds, rank=0, world_size=1,
                                         device=self.device, seed=a.seed)
             stream = EpochStream(loader)
             k, data_wait = 0, 0.0
@@ -432,7 +447,7 @@ class Bench:
             del loader, stream
             # The same (warm) step on a synthetic batch already on the device: what the
             # loop would reach if data were free.
-            batches = self.synthetic()
+            batches = self.synthetic(self.variant_nhwc(v))
 
             def step_only() -> int:
                 nonlocal k
@@ -456,7 +471,7 @@ class Bench:
     def new_row(self, name: str, **what: Any) -> dict[str, Any]:
         if "dtype" in what:
             what["dtype"] = amp_name(what["dtype"])
-        return {"mode": name, "group": GROUP_OF[name], "baseline": BASELINES[GROUP_OF[name]],
+        return {"mode": name, "group": GROUP_OF[name], "baseline": BASELINE_OF[name],
                 "status": None, "reason": None, **what}
 
     @staticmethod
@@ -478,7 +493,8 @@ class Bench:
 
     def run_mode(self, name: str) -> dict[str, Any]:
         runner: Callable[[str], dict[str, Any]] = {
-            "step": self.run_step_mode, "data": self.run_data_mode, "e2e": self.run_e2e_mode,
+            "step": self.run_step_mode, "layout": self.run_step_mode, "data": self.run_data_mode,
+            "e2e": self.run_e2e_mode,
         }[GROUP_OF[name]]
         t0 = time.perf_counter()
         try:
@@ -599,7 +615,7 @@ COLUMNS = (
 def describe(row: dict[str, Any]) -> str:
     if row["group"] == "data":
         return f"loader {row.get('loader')}"
-    if row["status"] == "skipped" and row["group"] == "step":
+    if row["status"] == "skipped" and row["group"] in ("step", "layout"):
         return row["mode"].removeprefix("step_")
     parts = []
     if row["group"] == "e2e":
@@ -609,6 +625,8 @@ def describe(row: dict[str, Any]) -> str:
         parts.append("+graphs")
     if row.get("dtype"):
         parts.append(row["dtype"])
+    if row.get("channels_last"):
+        parts.append("nhwc")
     return " ".join(parts)
 
 

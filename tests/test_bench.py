@@ -67,7 +67,7 @@ def test_every_mode_ran_with_consistent_figures(quick_run):
     assert all(r["status"] != "failed" for r in rows.values())
 
     for m, r in rows.items():
-        assert r["group"] == throughput.GROUP_OF[m] and r["baseline"] == throughput.BASELINES[r["group"]]
+        assert r["group"] == throughput.GROUP_OF[m] and r["baseline"] == throughput.BASELINE_OF[m]
         if r["status"] != "ok":
             assert r["speedup"] is None
             continue
@@ -96,6 +96,11 @@ def test_every_mode_ran_with_consistent_figures(quick_run):
     assert rows["step_eager_fp32"]["speedup"] == 1.0 and rows["e2e_seed"]["speedup"] == 1.0
     assert rows["step_compile"]["dtype"] == "fp32" and rows["step_compile"]["compile"] is True
     assert rows["e2e_seed"]["step"] == "eager_fp32" and rows["e2e_seed"]["loader"] == "torch"
+    # Each layout row is the same step in NHWC, its speedup over its NCHW twin of this run.
+    for m, twin in (("step_eager_fp32_nhwc", "step_eager_fp32"), ("step_compile_nhwc", "step_compile")):
+        assert rows[m]["baseline"] == twin and rows[m]["channels_last"] is True
+        assert rows[twin]["channels_last"] is False
+        assert rows[m]["compile"] == rows[twin]["compile"] and rows[m]["dtype"] == rows[twin]["dtype"]
 
 
 def test_environment_and_config_block(quick_run):
@@ -120,6 +125,7 @@ def test_environment_and_config_block(quick_run):
 def test_mode_selection_and_bad_flags(capsys):
     assert throughput.parse_modes("e2e_dali, step") == [*throughput.GROUPS["step"], "e2e_dali"]
     assert throughput.parse_modes("all") == list(throughput.ALL_MODES)
+    assert throughput.parse_modes("layout,step_eager_fp32") == ["step_eager_fp32", *throughput.GROUPS["layout"]]
     for argv, needle in ((["--modes", "step_warp"], "unknown mode 'step_warp'"),
                          (["--img-size", "100"], "multiple of 32"),
                          (["--windows", "0"], "--windows must be >= 1")):
