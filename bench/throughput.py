@@ -47,7 +47,7 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -88,7 +88,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ALL_MODES = GROUPS["step"] + GROUPS["layout"] + GROUPS["data"] + GROUPS["e2e"]
 GROUP_OF = {m: g for g, ms in GROUPS.items() for m in ms}
 # The row each mode's speedup is over: its group's baseline; a layout row's NCHW twin.
-BASELINE_OF = {m: {"step": "step_eager_fp32", "data": "data_torch", "e2e": "e2e_seed"}.get(g, m.removesuffix("_nhwc"))
+GROUP_BASELINES = {"step": "step_eager_fp32", "data": "data_torch", "e2e": "e2e_seed"}
+BASELINE_OF = {m: GROUP_BASELINES[g] if g in GROUP_BASELINES else m.removesuffix("_nhwc")
                for m, g in GROUP_OF.items()}
 
 # Production defaults (the issue's targets are stated for these, on one H200) and the
@@ -231,8 +232,10 @@ class Bench:
     def variant_dtype(self, v: StepVariant) -> torch.dtype | None:
         return self.amp_dtype if v.amp else None
 
-    def variant_nhwc(self, v: StepVariant) -> bool:
-        return v.channels_last or self.args.channels_last
+    def variant(self, name: str) -> StepVariant:
+        """The step variant ``name`` with ``--channels-last`` applied (a layout mode is NHWC anyway)."""
+        v = STEP_VARIANTS[name]
+        return replace(v, channels_last=v.channels_last or self.args.channels_last)
 
     def skip_reason(self, v: StepVariant) -> str | None:
         if v.cuda_graphs and self.device.type != "cuda":
@@ -255,7 +258,7 @@ class Bench:
         cfg, dev = self.cfg, self.device
         torch.manual_seed(self.args.seed)
         model = build_detector(cfg, cfg.model.num_classes).to(dev)
-        if self.variant_nhwc(v):
+        if v.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model.train()
         opt, ema, base_lr = build_optimizer_and_ema(cfg, model, cfg.data.batch_size, dev)
@@ -271,23 +274,23 @@ class Bench:
         schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
         return model, step, schedule, model.loss_kwargs(self.args.epoch)
 
-    def warm_step(self, step, kw: dict[str, Any], nhwc: bool) -> float:
+    def warm_step(self, step, kw: dict[str, Any], v: StepVariant) -> float:
         """Compile / capture the one size bucket (TrainStep.warmup); seconds taken."""
         a = self.args
         t0 = time.perf_counter()
         step.warmup([(a.img_size, a.img_size)], a.batch_size, a.max_boxes, [kw],
-                    channels_last=nhwc)
+                    channels_last=v.channels_last)
         sync(self.device)
         return time.perf_counter() - t0
 
-    def synthetic(self, nhwc: bool, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    def synthetic(self, v: StepVariant, n: int = 2) -> list[dict[str, torch.Tensor]]:
         """``n`` different random batches on the device (alternated, never all zeros)."""
         from fastdet.engine.step import synthetic_batch
 
         a = self.args
         gen = torch.Generator().manual_seed(a.seed + 1)
         return [synthetic_batch(a.batch_size, a.img_size, a.img_size, a.max_boxes, self.device, gen,
-                                nhwc) for _ in range(n)]
+                                v.channels_last) for _ in range(n)]
 
     def data_paths(self):
         """The training split of ``--data``; a demo set of ``--demo-images`` images other
@@ -317,10 +320,10 @@ class Bench:
                               "classes": ds.num_classes}
         return self.dataset
 
-    def loader_cfg(self, backend: str, nhwc: bool):
+    def loader_cfg(self, backend: str, v: StepVariant):
         from fastdet.config import apply_overrides
 
-        return apply_overrides(self.cfg, {"data.loader": backend, "data.channels_last": nhwc})
+        return apply_overrides(self.cfg, {"data.loader": backend, "data.channels_last": v.channels_last})
 
     def loader_skip_reason(self, backend: str) -> str | None:
         if backend != "dali":
@@ -331,9 +334,9 @@ class Bench:
 
     # ------------------------------------------------------------------ modes
     def run_step_mode(self, name: str) -> dict[str, Any]:
-        v = STEP_VARIANTS[name.removeprefix("step_")]
+        v = self.variant(name.removeprefix("step_"))
         row = self.new_row(name, dtype=self.variant_dtype(v), compile=v.compile, cuda_graphs=v.cuda_graphs,
-                           channels_last=self.variant_nhwc(v))
+                           channels_last=v.channels_last)
         reason = self.skip_reason(v)
         if reason:
             return self.skip(row, reason)
@@ -341,8 +344,8 @@ class Bench:
         with fresh_dynamo(), PeakMemory(self.device) as mem:
             c0 = dynamo_counts()
             model, step, schedule, kw = self.build_step(v)
-            batches = self.synthetic(self.variant_nhwc(v))
-            compile_s = self.warm_step(step, kw, self.variant_nhwc(v))
+            batches = self.synthetic(v)
+            compile_s = self.warm_step(step, kw, v)
             k = 0
 
             def run(n: int) -> int:
@@ -395,9 +398,9 @@ class Bench:
 
         backend, vname = {"e2e_seed": ("torch", "eager_fp32"), "e2e_torch": ("torch", self.args.e2e_step),
                           "e2e_dali": ("dali", self.args.e2e_step)}[name]
-        v = STEP_VARIANTS[vname]
+        v = self.variant(vname)
         row = self.new_row(name, loader=backend, step=vname, dtype=self.variant_dtype(v),
-                           channels_last=self.variant_nhwc(v),
+                           channels_last=v.channels_last,
                            compile=v.compile, cuda_graphs=v.cuda_graphs)
         reason = self.skip_reason(v)
         if reason:
@@ -413,8 +416,8 @@ class Bench:
             c0 = dynamo_counts()
             model, step, schedule, kw = self.build_step(v)
             t0 = time.perf_counter()
-            compile_s = self.warm_step(step, kw, self.variant_nhwc(v)) if (v.compile or v.cuda_graphs) else 0.0
-            loader = build_train_loader(self.loader_cfg(backend, self.variant_nhwc(v)), ds, rank=0, world_size=1,
+            compile_s = self.warm_step(step, kw, v) if (v.compile or v.cuda_graphs) else 0.0
+            loader = build_train_loader(self.loader_cfg(backend, v), ds, rank=0, world_size=1,
                                         device=self.device, seed=a.seed)
             stream = EpochStream(loader)
             k, data_wait = 0, 0.0
@@ -447,7 +450,7 @@ class Bench:
             del loader, stream
             # The same (warm) step on a synthetic batch already on the device: what the
             # loop would reach if data were free.
-            batches = self.synthetic(self.variant_nhwc(v))
+            batches = self.synthetic(v)
 
             def step_only() -> int:
                 nonlocal k
