@@ -237,6 +237,12 @@ class Bench:
         v = STEP_VARIANTS[name]
         return replace(v, channels_last=v.channels_last or self.args.channels_last)
 
+    def repeats_seed_step(self, v: StepVariant) -> bool:
+        """Whether ``v`` runs as e2e_seed's step does (eager fp32, its layout)."""
+        seed = self.variant("eager_fp32")
+        return (self.variant_dtype(v) is None and not (v.compile or v.cuda_graphs)
+                and v.channels_last == seed.channels_last)
+
     def skip_reason(self, v: StepVariant) -> str | None:
         if v.cuda_graphs and self.device.type != "cuda":
             return "CUDA graphs need a CUDA device (this run is on the CPU)"
@@ -405,7 +411,7 @@ class Bench:
         reason = self.skip_reason(v)
         if reason:
             return self.skip(row, reason)
-        if name == "e2e_torch" and self.variant_dtype(v) is None and not (v.compile or v.cuda_graphs):
+        if name == "e2e_torch" and self.repeats_seed_step(v):
             return self.skip(row, f"--e2e-step {vname} at fp32 is e2e_seed's configuration (measured there)")
         reason = self.loader_skip_reason(backend)
         if reason:

@@ -135,6 +135,20 @@ def test_mode_selection_and_bad_flags(capsys):
         assert needle in capsys.readouterr().err
 
 
+def test_e2e_torch_is_skipped_only_when_it_repeats_the_seed_step():
+    def bench(*argv):
+        return throughput.Bench(throughput.parse_args(["--device", "cpu", *argv]))
+
+    b = bench()
+    assert b.repeats_seed_step(b.variant("eager_fp32"))
+    assert b.repeats_seed_step(b.variant("eager_amp"))  # --amp auto is fp32 on the CPU
+    assert not b.repeats_seed_step(b.variant("compile"))
+    assert not b.repeats_seed_step(b.variant("eager_fp32_nhwc"))  # another layout than e2e_seed's
+    assert not bench("--amp", "bf16").repeats_seed_step(b.variant("eager_amp"))
+    nhwc = bench("--channels-last")  # e2e_seed is NHWC too: the same step again
+    assert nhwc.repeats_seed_step(nhwc.variant("eager_fp32_nhwc"))
+
+
 def test_summary_table_and_result_name():
     s = common.summarize([4.0, 1.0, 10.0, 2.0])
     assert (s["median"], s["min"], s["max"]) == (3.0, 1.0, 10.0)
