@@ -14,6 +14,8 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
+from fastdet.data.preprocess import Preprocess
+
 TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
 
 
@@ -23,12 +25,14 @@ class ArchFamily:
 
     ``build(size, num_classes, **options) -> Detector``; ``config_fields`` names the
     ``ModelConfig`` fields the family reads as options (see
-    ``fastdet.models.build_model_from_config``).
+    ``fastdet.models.build_model_from_config``); ``preprocess`` is how evaluation,
+    prediction and export feed the network (``fastdet.data.preprocess``).
     """
 
     build: Callable[..., "Detector"]
     sizes: tuple[str, ...]
     config_fields: tuple[str, ...] = field(default_factory=tuple)
+    preprocess: Preprocess = field(default_factory=Preprocess)
 
 
 class Detector(nn.Module):

@@ -1,0 +1,126 @@
+"""How a family's network sees an image at evaluation and prediction time.
+
+A family declares one :class:`Preprocess` (resize mode, canvas fill, normalisation);
+evaluation, ``fastdet.predict`` and ``fastdet.export`` all read it, so a detector is
+always fed the way its recipe trains and evaluates it. Three resize modes exist:
+
+- ``"stretch"`` (PP-YOLOE, PP-YOLO): every image to the (H, W) input, aspect not kept;
+- ``"letterbox"`` (YOLOX): scaled by ``r = min(H / h, W / w)`` and pasted at the
+  top-left corner of an (H, W) canvas filled with ``pad_value``;
+- ``"keep_ratio"`` (FCOS): scaled by ``r = min(short / min(h, w), max_long / max(h, w))``
+  (the short side to ``short``, the long side at most ``max_long``), pasted at the
+  top-left of the (H, W) canvas it fits in.
+
+In every mode a network-input pixel ``p`` maps back to the original image as
+``p / scale`` with ``scale = (sx, sy)`` per image (top-left placement: no offset).
+Batches carry it as ``scale_factors [B, 2]`` (x, y); :func:`boxes_to_original` applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
+
+RESIZE_MODES = ("stretch", "letterbox", "keep_ratio")
+_TORCH_INTERP = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """The evaluation-time preprocessing of a family.
+
+    Attributes:
+        resize: one of ``RESIZE_MODES``.
+        pad_value: canvas fill on 0..255 pixels (letterbox and keep_ratio; YOLOX: 114).
+        mean, std: per-channel RGB statistics on 0..255 values; ``None``: raw 0..255
+            pixels fed as float (YOLOX since 2021/08).
+        interp: ``"nearest" | "linear" | "cubic"`` of the evaluation resize.
+        short, max_long: keep_ratio's limits in px at the recipe's evaluation scale
+            (FCOS: 800 / 1333); for another input size they scale with it.
+    """
+
+    resize: str = "stretch"
+    pad_value: float = 0.0
+    mean: Optional[tuple[float, float, float]] = IMAGENET_MEAN
+    std: Optional[tuple[float, float, float]] = IMAGENET_STD
+    interp: str = "cubic"
+    short: int = 800
+    max_long: int = 1333
+
+    def __post_init__(self) -> None:
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(f"Preprocess.resize: expected one of {', '.join(RESIZE_MODES)}, got {self.resize!r}")
+        if self.interp not in _TORCH_INTERP:
+            raise ValueError(f"Preprocess.interp: expected nearest, linear or cubic, got {self.interp!r}")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("Preprocess: mean and std are both set or both None")
+
+    def scale(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[float, float]:
+        """``(sx, sy)``: input px per original px for an ``h`` x ``w`` image on ``canvas_hw``."""
+        ch, cw = int(canvas_hw[0]), int(canvas_hw[1])
+        if self.resize == "stretch":
+            return cw / w, ch / h
+        if self.resize == "letterbox":
+            r = min(ch / h, cw / w)
+        else:
+            r = min(self.short / min(h, w), self.max_long / max(h, w))
+            r = min(r, ch / h, cw / w)  # never larger than the canvas
+        return r, r
+
+    def resized_hw(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[int, int]:
+        """The (height, width) the image content occupies on the canvas."""
+        sx, sy = self.scale(h, w, canvas_hw)
+        if self.resize == "stretch":
+            return int(canvas_hw[0]), int(canvas_hw[1])
+        return (max(1, min(int(canvas_hw[0]), int(round(h * sy)))),
+                max(1, min(int(canvas_hw[1]), int(round(w * sx)))))
+
+    def normalize_(self, x: Tensor) -> Tensor:
+        """float [..., 3, H, W] on 0..255 → the network's input values (in place)."""
+        if self.mean is None:
+            return x
+        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(3, 1, 1)
+        inv_std = 1.0 / torch.tensor(self.std, dtype=x.dtype, device=x.device).view(3, 1, 1)
+        return x.sub_(mean).mul_(inv_std)
+
+    def __call__(self, img: np.ndarray | Tensor, canvas_hw: Sequence[int]) -> tuple[Tensor, tuple[float, float]]:
+        """One RGB uint8 image ``[H0, W0, 3]`` → ``(float32 [3, H, W] network input, (sx, sy))``."""
+        x = torch.as_tensor(np.ascontiguousarray(img)) if isinstance(img, np.ndarray) else img
+        if x.dim() != 3 or x.shape[-1] != 3:
+            raise ValueError(f"Preprocess: expected an RGB image [H, W, 3], got {tuple(x.shape)}")
+        h, w = int(x.shape[0]), int(x.shape[1])
+        ch, cw = int(canvas_hw[0]), int(canvas_hw[1])
+        rh, rw = self.resized_hw(h, w, canvas_hw)
+        src = x.permute(2, 0, 1)[None]  # [1, 3, H0, W0]
+        mode = _TORCH_INTERP[self.interp]
+        kw = {} if mode == "nearest-exact" else {"align_corners": False, "antialias": False}
+        if (rh, rw) != (h, w):
+            src = F.interpolate(src, size=(rh, rw), mode=mode, **kw)  # uint8 in, uint8 out
+        out = torch.full((3, ch, cw), float(self.pad_value), dtype=torch.float32)
+        out[:, :rh, :rw] = src[0].float()
+        sx, sy = self.scale(h, w, canvas_hw)
+        if self.resize != "stretch":  # the pasted extent is rounded: report the true factor
+            sx, sy = rw / w, rh / h
+        return self.normalize_(out), (sx, sy)
+
+
+def boxes_to_original(boxes: Tensor, scale_xy: Sequence[float] | Tensor, orig_hw: Sequence[int] | Tensor) -> Tensor:
+    """Map ``[K, 4]`` xyxy boxes from the network input to the original image, clipped.
+
+    Args:
+        scale_xy: ``(sx, sy)`` input px per original px (a batch's ``scale_factors`` row).
+        orig_hw: ``(height, width)`` of the original image (a batch's ``orig_sizes`` row).
+    """
+    sx, sy = (float(v) for v in scale_xy)
+    o_h, o_w = (float(v) for v in orig_hw)
+    out = boxes / boxes.new_tensor([sx, sy, sx, sy])
+    out[:, 0::2] = out[:, 0::2].clamp(0, o_w)
+    out[:, 1::2] = out[:, 1::2].clamp(0, o_h)
+    return out
