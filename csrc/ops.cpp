@@ -65,6 +65,9 @@ TORCH_LIBRARY(fastdet, m) {
       "atss_assign(Tensor anchors, int[] num_anchors_list, Tensor gt_labels, Tensor gt_bboxes, "
       "Tensor pad_gt_mask, Tensor? pred_bboxes, int bg_index, int num_classes, int topk, "
       "float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "yolo_targets(Tensor gt_boxes, Tensor gt_labels, Tensor gt_mask, Tensor gt_scores, float[] anchors, "
+      "int[] anchor_level, int[] anchor_slot, int[] strides, int img_h, int img_w, int num_classes) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(fastdet, CPU, m) {
@@ -75,4 +78,5 @@ TORCH_LIBRARY_IMPL(fastdet, CPU, m) {
   m.impl("ema_update_", &fastdet::ema_update_cpu);
   m.impl("task_aligned_assign", &fastdet::task_aligned_assign_cpu);
   m.impl("atss_assign", &fastdet::atss_assign_cpu);
+  m.impl("yolo_targets", &fastdet::yolo_targets_cpu);
 }

@@ -30,6 +30,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> atss_assign_cpu(
     const at::Tensor& anchors, c10::IntArrayRef num_anchors_list, const at::Tensor& gt_labels,
     const at::Tensor& gt_bboxes, const at::Tensor& pad_gt_mask, const std::optional<at::Tensor>& pred_bboxes,
     int64_t bg_index, int64_t num_classes, int64_t topk, double eps);
+// YOLOv3 grid targets (PaddleDetection Gt2YoloTarget): one [B, slots, 6 + C, H/s, W/s]
+// tensor per level; see yolo_targets_cpu.cpp and yolo_targets.cu.
+std::vector<at::Tensor> yolo_targets_cpu(const at::Tensor& gt_boxes, const at::Tensor& gt_labels,
+                                         const at::Tensor& gt_mask, const at::Tensor& gt_scores,
+                                         c10::ArrayRef<double> anchors, c10::IntArrayRef anchor_level,
+                                         c10::IntArrayRef anchor_slot, c10::IntArrayRef strides, int64_t img_h,
+                                         int64_t img_w, int64_t num_classes);
+std::vector<at::Tensor> yolo_targets_cuda(const at::Tensor& gt_boxes, const at::Tensor& gt_labels,
+                                          const at::Tensor& gt_mask, const at::Tensor& gt_scores,
+                                          c10::ArrayRef<double> anchors, c10::IntArrayRef anchor_level,
+                                          c10::IntArrayRef anchor_slot, c10::IntArrayRef strides, int64_t img_h,
+                                          int64_t img_w, int64_t num_classes);
 
 // Shared argument checks (ops.cpp); each throws a one-line error naming the op and argument.
 void check_boxes(const at::Tensor& t, const char* op, const char* name);

@@ -277,4 +277,5 @@ TORCH_LIBRARY_IMPL(fastdet, CUDA, m) {
   m.impl("ema_update_", &fastdet::ema_update_cuda);
   m.impl("task_aligned_assign", &fastdet::task_aligned_assign_cuda);
   m.impl("atss_assign", &fastdet::atss_assign_cuda);
+  m.impl("yolo_targets", &fastdet::yolo_targets_cuda);
 }

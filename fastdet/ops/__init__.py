@@ -21,6 +21,7 @@ from torch import Tensor
 from fastdet.ops import assigners as _assigners
 from fastdet.ops import reference as _reference
 from fastdet.ops.dispatch import backend_for, set_backend, use_backend
+from fastdet.ops.yolo import yolo_targets
 
 __all__ = [
     "box_iou",
@@ -29,6 +30,7 @@ __all__ = [
     "ema_update_",
     "task_aligned_assign",
     "atss_assign",
+    "yolo_targets",
     "backend_for",
     "set_backend",
     "use_backend",

@@ -37,9 +37,9 @@ import torch
 log = logging.getLogger(__name__)
 
 NAMESPACE = "fastdet"
-CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp")
-CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu")
-HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h")  # ninja tracks them through -MMD
+CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp", "yolo_targets_cpu.cpp")
+CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu", "yolo_targets_cuda.cpp", "yolo_targets.cu")
+HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h", "yolo_targets.h", "yolo_targets_cuda.h")  # ninja tracks them through -MMD
 # Hopper (H100/H200) unless the caller says otherwise; only used when no GPU is visible
 # (with a GPU, torch builds for the GPU it sees).
 DEFAULT_CUDA_ARCH = "9.0"
@@ -251,6 +251,13 @@ def _atss_fake(anchors, num_anchors_list, gt_labels, gt_bboxes, pad_gt_mask, pre
             gt_bboxes.new_empty((B, A, num_classes)))
 
 
+def _yolo_targets_fake(gt_boxes, gt_labels, gt_mask, gt_scores, anchors, anchor_level, anchor_slot, strides, img_h,
+                       img_w, num_classes):
+    B = gt_boxes.shape[0]
+    return [gt_boxes.new_empty((B, sum(1 for a in anchor_level if a == lvl), 6 + num_classes, img_h // s, img_w // s))
+            for lvl, s in enumerate(strides)]
+
+
 def _giou_setup_context(ctx, inputs, output):
     pred, target, eps = inputs
     ctx.save_for_backward(pred, target)
@@ -272,4 +279,5 @@ def _register_python_side() -> None:
     torch.library.register_fake(f"{ns}::ema_update_")(_ema_fake)
     torch.library.register_fake(f"{ns}::task_aligned_assign")(_tal_fake)
     torch.library.register_fake(f"{ns}::atss_assign")(_atss_fake)
+    torch.library.register_fake(f"{ns}::yolo_targets")(_yolo_targets_fake)
     torch.library.register_autograd(f"{ns}::giou_loss", _giou_backward, setup_context=_giou_setup_context)

@@ -35,7 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "cuda", "cpp", "torch")
-OPS = ("box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_aligned_assign", "atss_assign")
+OPS = ("box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_aligned_assign", "atss_assign",
+       "yolo_targets")
 
 # Which back ends can run tensors of each device type, in fallback order.
 _SERVES = {"cpu": ("cpp", "triton", "torch"), "cuda": ("triton", "cuda", "torch")}
@@ -54,6 +55,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "ema_update_": "cpp",
         "task_aligned_assign": "cpp",
         "atss_assign": "cpp",
+        "yolo_targets": "cpp",
     },
     ("cpu", True): {
         "box_iou": "cpp",
@@ -62,6 +64,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "ema_update_": "cpp",
         "task_aligned_assign": "cpp",
         "atss_assign": "cpp",
+        "yolo_targets": "cpp",
     },
     # Not measured yet (no GPU was lent when these were set): the GPU kernels are the
     # default until ``bench/kernels.py --device cuda`` says otherwise. The CUDA EMA needs
@@ -74,6 +77,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "ema_update_": "cuda",
         "task_aligned_assign": "cuda",
         "atss_assign": "cuda",
+        "yolo_targets": "cuda",
     },
     ("cuda", True): {
         "box_iou": "triton",
@@ -82,6 +86,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "ema_update_": "cuda",
         "task_aligned_assign": "cuda",
         "atss_assign": "cuda",
+        "yolo_targets": "cuda",
     },
 }
 
