@@ -1,5 +1,6 @@
-"""ModelEMA: the two decay schedules against their published formulas, the averaged
-weights against a hand-rolled EMA, state round trips, and a compiled update."""
+"""ModelEMA: the flavours' decays against their published formulas, the averaged
+weights against a hand-rolled EMA (PaddleDetection's zero-initialised, bias-corrected one
+included), state round trips, and a compiled update."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import fastdet.ops as ops
-from fastdet.ops.ema import ModelEMA, ramp_decay, threshold_decay
+from fastdet.ops.ema import EMA_FLAVOURS, ModelEMA, ramp_decay, threshold_decay
 
 
 def _model():
@@ -48,6 +49,51 @@ def test_update_matches_hand_rolled_ema(kind):
     assert got["1.num_batches_tracked"].item() == 4
     assert int(ema.updates) == 4
     assert not any(p.requires_grad for p in ema.module.parameters()) and not ema.module.training
+
+
+def test_flavour_registry():
+    assert set(EMA_FLAVOURS) == {"threshold", "paddle", "ramp"}
+    for n in (0, 3, 1999, 50_000):
+        t = torch.tensor(n)
+        # YOLOX: 0.9998 * (1 - exp(-updates / 2000)) with updates counted after the +1.
+        assert EMA_FLAVOURS["ramp"].decay(t, 0.9998, 2000.0).item() == pytest.approx(
+            0.9998 * (1 - math.exp(-(n + 1) / 2000)))
+        for kind in ("threshold", "paddle"):
+            assert EMA_FLAVOURS[kind].decay(t, 0.9998, 2000.0).item() == pytest.approx(min(0.9998, (1 + n) / (10 + n)))
+
+
+def test_paddle_flavour_matches_paddledetection_model_ema():
+    """ppdet/optimizer/ema.py ModelEMA (threshold) restated: zeros, v = d v + (1 - d) p with
+    d = min(decay, (1 + step) / (10 + step)), and apply() = v / (1 - d_last ** step)."""
+    model = _model()
+    ema = ModelEMA(model, decay=0.9, kind="paddle")
+    assert all(float(t.abs().sum()) == 0 for t in ema.module.parameters())  # zero-initialised
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items() if v.is_floating_point()}
+    for step in range(30):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model(torch.randn(2, 3, 6, 6))
+        d = min(0.9, (1 + step) / (10 + step))
+        ema.update(model)
+        for k in state:
+            state[k] = d * state[k] + (1 - d) * model.state_dict()[k]
+        last_d = d
+    read = ema.averaged().state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(read[k], v / (1 - last_d ** 30), rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(ema.module.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    # The checkpoint holds the weights as read (for evaluation, fine-tuning) and the raw
+    # average (for resuming); a resumed EMA reads the same.
+    sd = copy.deepcopy(ema.state_dict())
+    other = ModelEMA(_model(), decay=0.9, kind="paddle")
+    other.load_state_dict(sd)
+    for k, v in other.averaged().state_dict().items():
+        torch.testing.assert_close(v, read[k], msg=k)
+    with pytest.raises(ValueError, match="optim.ema_type is 'threshold'"):
+        ModelEMA(_model(), decay=0.9).load_state_dict(sd)
+    other.reset(model)
+    assert int(other.updates) == 0 and float(other.module[0].weight.abs().sum()) == 0
 
 
 def test_state_dict_round_trip_and_reset():

@@ -1,20 +1,24 @@
-"""Model EMA for the trainer: decay schedules as device tensors and one fused update.
+"""Model EMA for the trainer: a registry of decay flavours as device tensors, one fused update.
 
-Two flavours (``OptimConfig.ema_type``):
+Flavours (``OptimConfig.ema_type``, :data:`EMA_FLAVOURS`), each a decay function of the
+number ``n`` of updates done before this one, plus how the average starts and is read:
 
-- ``"threshold"`` (PaddleDetection ``ModelEMA``, ``ema_decay_type='threshold'``):
-  ``d_n = min(decay, (1 + n) / (10 + n))`` with ``n`` the number of updates done before
-  this one (the first update uses ``n = 0``);
-- ``"ramp"`` (YOLOX ``ModelEMA``): ``d_n = decay * (1 - exp(-n / tau))`` with ``n`` the
-  update count including this one (``tau = 2000``).
+- ``"threshold"``: PaddleDetection's decay ``d_n = min(decay, (1 + n) / (10 + n))``,
+  the average started from the model's weights and read as is (PP-YOLOE here);
+- ``"paddle"``: PaddleDetection ``ModelEMA`` exactly: the same decay, the average
+  started from zeros and read divided by ``1 - d_last^n`` (``d_last`` the decay of the
+  last update: ppdet/optimizer/ema.py ``apply``). This is not the exact debiasing
+  ``1 - prod d_k``: with the threshold decay ``prod d_k`` is ~0 after a few updates
+  while ``d_last^n`` stays large for thousands of steps, so the read weights are scaled
+  up (by 1 / (1 - 0.9998^n): 1.58 at n = 5000); kept as Paddle does it;
+- ``"ramp"``: YOLOX ``ModelEMA``, ``d_n = decay * (1 - exp(-(n + 1) / tau))`` (``tau``
+  2000), started from the model.
 
 The decay is computed from a device counter with tensor ops, so an update has no host
 sync and can be captured in a CUDA graph or traced by ``torch.compile`` (a Python float
-decay would be specialised: one recompile per value). The EMA weights live in a copy of
-the model (``ema.module``, ``requires_grad`` off, eval mode), initialised from the model:
-PaddleDetection starts from zeros and divides by ``1 - d^n`` when applying; under the
-threshold schedule the initial weights' share ``prod d_k`` falls like ``n^-9``, so the
-two agree after the first few hundred steps and the copy needs no correction.
+decay would be specialised: one recompile per value). The average lives in a copy of
+the model (``ema.module``, ``requires_grad`` off, eval mode); :meth:`ModelEMA.averaged`
+is the module as it is read (evaluation, checkpoints).
 
 Floating parameters and buffers (BatchNorm running stats included) are averaged; other
 buffers (``num_batches_tracked``) are copied.
@@ -23,14 +27,13 @@ buffers (``num_batches_tracked``) are copied.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from fastdet.ops import ema_update_
-
-KINDS = ("threshold", "ramp")
 
 
 def threshold_decay(n: Tensor, decay: float) -> Tensor:
@@ -42,6 +45,25 @@ def threshold_decay(n: Tensor, decay: float) -> Tensor:
 def ramp_decay(n: Tensor, decay: float, tau: float = 2000.0) -> Tensor:
     """YOLOX: ``decay * (1 - exp(-n / tau))``; ``n`` = updates including this one."""
     return decay * (1.0 - torch.exp(-n.to(torch.float64) / tau))
+
+
+@dataclass(frozen=True)
+class EMAFlavour:
+    """``decay(n, d, tau) -> d_n`` (float64 0-d tensor; ``n`` updates done before this one);
+    ``zero_init``: the average starts from zeros, not the model; ``debias``: it is read
+    divided by ``1 - d_last^n``."""
+
+    decay: Callable[[Tensor, float, float], Tensor]
+    zero_init: bool = False
+    debias: bool = False
+
+
+EMA_FLAVOURS: dict[str, EMAFlavour] = {
+    "threshold": EMAFlavour(lambda n, d, tau: threshold_decay(n, d)),
+    "paddle": EMAFlavour(lambda n, d, tau: threshold_decay(n, d), zero_init=True, debias=True),
+    "ramp": EMAFlavour(lambda n, d, tau: ramp_decay(n + 1, d, tau)),
+}
+KINDS = tuple(EMA_FLAVOURS)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -61,21 +83,23 @@ class ModelEMA:
     Args:
         model: the model to average (DDP / compiled wrappers are looked through).
         decay: the final decay (PP-YOLOE: 0.9998).
-        kind: ``"threshold"`` or ``"ramp"`` (see the module docstring).
+        kind: a name in :data:`EMA_FLAVOURS` (see the module docstring).
         tau: time constant of the ramp.
 
     ``update(model)`` runs under torch.compile and CUDA-graph capture (device tensors
-    only). ``state_dict()`` is ``{"module": <EMA weights>, "updates": int, "decay": float,
-    "kind": str}``; ``state_tensors()`` lists every tensor ``update`` writes.
+    only). ``state_dict()`` is ``{"module": <EMA weights as read>, "updates": int,
+    "decay": float, "kind": str}``, plus ``"average"`` (the raw average) for a debiased
+    flavour; ``state_tensors()`` lists every tensor ``update`` writes.
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.9998, kind: str = "threshold", tau: float = 2000.0):
-        if kind not in KINDS:
+        if kind not in EMA_FLAVOURS:
             raise ValueError(f"ModelEMA: kind must be one of {KINDS}, got {kind!r} (config field optim.ema_type)")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"ModelEMA: decay must be in [0, 1), got {decay} (config field optim.ema_decay)")
         self.decay = float(decay)
         self.kind = kind
+        self.flavour = EMA_FLAVOURS[kind]
         self.tau = float(tau)
         src = unwrap_model(model)
         self.module = copy.deepcopy(src).eval()
@@ -85,18 +109,23 @@ class ModelEMA:
         # Static address for cudagraph trees: a plain tensor attribute is not a module buffer.
         torch._dynamo.mark_static_address(self.updates, guard=False)
         self._ema_tensors = self._tensors(self.module)
+        self._debiased: nn.Module | None = None
+        if self.flavour.zero_init:
+            self._zero_floats()
 
     @staticmethod
     def _tensors(module: nn.Module) -> list[Tensor]:
         return [p for p in module.parameters()] + [b for b in module.buffers()]
 
+    @torch.no_grad()
+    def _zero_floats(self) -> None:
+        for t in self._ema_tensors:
+            if t.is_floating_point():
+                t.zero_()
+
     def current_decay(self) -> Tensor:
         """The decay the next ``update`` will use, as a 0-d float32 tensor on the device."""
-        if self.kind == "threshold":
-            d = threshold_decay(self.updates, self.decay)
-        else:
-            d = ramp_decay(self.updates + 1, self.decay, self.tau)
-        return d.to(torch.float32)
+        return self.flavour.decay(self.updates, self.decay, self.tau).to(torch.float32)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
@@ -113,18 +142,44 @@ class ModelEMA:
         return [*self._ema_tensors, self.updates]
 
     @torch.no_grad()
+    def averaged(self) -> nn.Module:
+        """The EMA weights as they are read (evaluation, checkpoints): ``module`` itself, or
+        for a debiased flavour a copy of it divided by ``1 - d_last^n`` (host-side, not in
+        the training step)."""
+        n = int(self.updates)
+        if not self.flavour.debias or n == 0:
+            return self.module
+        d_last = float(self.flavour.decay(self.updates - 1, self.decay, self.tau))
+        scale = 1.0 / (1.0 - d_last ** n)
+        if self._debiased is None:
+            self._debiased = copy.deepcopy(self.module)
+        for dst, src in zip(self._tensors(self._debiased), self._ema_tensors):
+            dst.copy_(src * scale if src.is_floating_point() else src)
+        return self._debiased
+
+    @torch.no_grad()
     def reset(self, model: nn.Module) -> None:
-        """Restart the average from the model's current weights (e.g. after loading weights)."""
+        """Restart the average (e.g. after loading weights): from the model's current
+        weights, or from zeros for a zero-initialised flavour."""
         for e, s in zip(self._ema_tensors, self._tensors(unwrap_model(model))):
             e.copy_(s)
+        if self.flavour.zero_init:
+            self._zero_floats()
         self.updates.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"module": self.module.state_dict(), "updates": int(self.updates), "decay": self.decay,
-                "kind": self.kind}
+        state = {"module": self.averaged().state_dict(), "updates": int(self.updates), "decay": self.decay,
+                 "kind": self.kind}
+        if self.flavour.debias:
+            state["average"] = self.module.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "module" not in state:
             raise ValueError("ModelEMA.load_state_dict: checkpoint field 'ema' has no 'module' weights")
-        self.module.load_state_dict(state["module"])
+        kind = state.get("kind", self.kind)
+        if kind != self.kind:
+            raise ValueError(f"ModelEMA.load_state_dict: the checkpoint's EMA is {kind!r}, this run's "
+                             f"optim.ema_type is {self.kind!r}")
+        self.module.load_state_dict(state.get("average", state["module"]))
         self.updates.fill_(int(state.get("updates", 0)))
