@@ -115,6 +115,8 @@ class CompileConfig:
     # Compile one graph with symbolic H, W instead of one per size bucket: far less
     # compile time with many multi-scale buckets, somewhat slower kernels.
     dynamic: bool = False
+    # TF32 in cuDNN convolutions and cuBLAS matmuls on CUDA (faster, 10-bit mantissa).
+    tf32: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class RunConfig:
     profile_steps: Optional[str] = None  # "A:B": cudaProfilerStart at step A, stop at B
     tensorboard: bool = True
     progress: bool = True  # a progress bar when stdout is a terminal
+    # CUDA: raise on any host synchronisation inside a training step after warm-up
+    # (torch.cuda.set_sync_debug_mode("error") around each step): a check, not for speed.
+    sync_debug: bool = False
 
 
 @dataclass(frozen=True)

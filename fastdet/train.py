@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from fastdet.config import Config, ConfigError, DEMO_OVERRIDES, apply_overrides, get_preset, parse_set_args
@@ -45,6 +46,9 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
 SWITCHES: dict[str, tuple[str, Any, str]] = {
     "--compile": ("compile.compile", True, "torch.compile the model-with-loss (fullgraph)"),
     "--cuda-graphs": ("compile.cuda_graphs", True, "capture the whole step in CUDA graphs (CUDA only)"),
+    "--sync-debug": ("run.sync_debug", True,
+                     "CUDA: fail on any host sync inside a training step after warm-up (a check)"),
+    "--tf32": ("compile.tf32", True, "allow TF32 in convolutions and matmuls on CUDA (off by default)"),
     "--resume": ("run.resume", True, "continue the run in --output-dir from latest.pth"),
     "--nvtx": ("run.nvtx", True, "NVTX ranges around data, forward, backward, optimizer, EMA"),
     "--channels-last": ("data.channels_last", True,
@@ -90,10 +94,41 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def check_config(cfg: Config) -> None:
+    """Reject values that would fail late (an epoch in, at evaluation) or silently (0 steps),
+    before any data is read: one ConfigError naming the flag."""
+    from fastdet.models.detector import Detector
+
+    div = Detector.size_divisor
+    d, o = cfg.data, cfg.optim
+    if d.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {d.batch_size}")
+    if d.img_size < div or d.img_size % div:
+        raise ConfigError(f"--img-size must be a positive multiple of {div} (the largest stride), "
+                          f"got {d.img_size}")
+    bad = [s for s in d.train_sizes if s < div or s % div]
+    if bad:
+        raise ConfigError(f"data.train_sizes must be positive multiples of {div}, got {bad[0]}")
+    if o.epochs < 1:
+        raise ConfigError(f"--epochs must be at least 1, got {o.epochs}")
+    if o.base_lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {o.base_lr:g}")
+    if cfg.run.ckpt:
+        from fastdet.engine.checkpoint import is_checkpoint_archive
+
+        path = Path(cfg.run.ckpt).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--ckpt {path}: no such file")
+        if not is_checkpoint_archive(path):
+            raise ConfigError(f"--ckpt {path} is not a checkpoint: torch.save writes a zip archive "
+                              "and this file is not one (corrupt, truncated or another format)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = resolve_config(args)
+        check_config(cfg)
     except ConfigError as e:
         print(f"fastdet.train: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ Each run is a subprocess (as a user runs it), at 64-96 px with a handful of step
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -121,35 +122,100 @@ def test_compiled_training_cli(demo_small, tmp_path):
     assert all(torch.isfinite(torch.tensor(m["total_loss"])) for m in metrics(tmp_path))
 
 
-def test_ddp_two_ranks_match_one_process(demo_small, tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    # 128 px and a real LR: the assigned-score normaliser is clamped at 1 (PaddleDetection),
-    # so it must exceed 1 on each rank for the two runs to be equivalent, and the weights
-    # must move far more than the tolerance for the comparison to mean anything.
-    common = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05",
-              "--set", "optim.ref_batch=4", "--set", "model.freeze_bn=true",
-              "--set", "run.eval_interval=100"]
-    one = run(train_cmd(demo_small, tmp_path / "one", *common))
-    assert one.returncode == 0, one.stderr
+# The runs compared across process counts and across eager / compiled. 128 px and a real
+# LR: the assigned-score normaliser is clamped at 1 (PaddleDetection), so it must exceed 1
+# on each rank for one process and two to be equivalent, and the weights must move far
+# more than the tolerance for a comparison to mean anything. BatchNorm statistics are
+# frozen because per-rank BatchNorm (gloo has no SyncBatchNorm) sees half the batch.
+SAME_RUN = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05",
+            "--set", "optim.ref_batch=4", "--set", "model.freeze_bn=true",
+            "--set", "run.eval_interval=100"]
+
+
+@pytest.fixture(scope="module")
+def one_process(demo_small, tmp_path_factory):
+    """``SAME_RUN`` in one process, eager -> (output dir, completed process)."""
+    out = tmp_path_factory.mktemp("one_eager")
+    return out, run(train_cmd(demo_small, out, *SAME_RUN))
+
+
+@pytest.fixture(scope="module")
+def one_process_compiled(demo_small, tmp_path_factory):
+    """``SAME_RUN`` in one process with ``--compile`` (and so freeze_bn under compile)."""
+    out = tmp_path_factory.mktemp("one_compiled")
+    return out, run(train_cmd(demo_small, out, *SAME_RUN, "--compile"), timeout=1200)
+
+
+def two_ranks(data: Path, out: Path, *extra: str, port: int) -> subprocess.CompletedProcess:
+    """``SAME_RUN`` under torchrun with 2 processes (gloo) of half the batch each."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", "29517", "-m", "fastdet.train"]
-    cmd = train_cmd(demo_small, tmp_path / "two", *common)
-    cmd = torchrun + cmd[3:]
+                "--master_port", str(port), "-m", "fastdet.train"]
+    cmd = torchrun + train_cmd(data, out, *SAME_RUN, *extra)[3:]
     cmd[cmd.index("--batch-size") + 1] = "2"
-    two = run(cmd)
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert "plain BatchNorm" in two.stdout
-    a, b = load_checkpoint(tmp_path / "one" / "latest.pth"), load_checkpoint(tmp_path / "two" / "latest.pth")
+    return run(cmd, timeout=1200)
+
+
+def assert_same_training(one: Path, two: Path) -> None:
+    a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")
     for k, v in a["model"].items():
         torch.testing.assert_close(v, b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
     torch.manual_seed(0)  # the trainer's seed for rank 0: the initial weights
     init = build_model("ppyoloe", "s", num_classes=4).state_dict()
     moved = max((a["model"][k] - v).abs().max().item() for k, v in init.items() if v.is_floating_point())
     assert moved > 1e-3, "the weights barely moved: the comparison would prove nothing"
-    la, lb = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    la, lb = metrics(one), metrics(two)
+    assert [m["step"] for m in la] == [m["step"] for m in lb] == [1, 2, 3]
     for x, y in zip(la, lb):
         assert x["total_loss"] == pytest.approx(y["total_loss"], rel=1e-4)
+
+
+def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, r = one_process
+    assert r.returncode == 0, r.stderr
+    two = two_ranks(demo_small, tmp_path / "two", port=29517)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "plain BatchNorm" in two.stdout
+    assert_same_training(one, tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path, one_process_compiled):
+    """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
+    own forward cannot be traced with fullgraph=True), and trains as one process does."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, r = one_process_compiled
+    assert r.returncode == 0, r.stdout + r.stderr
+    two = two_ranks(demo_small, tmp_path / "two", "--compile", port=29518)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in two.stdout
+    assert_same_training(one, tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_compiled_run_with_frozen_bn_warms_up_in_the_training_mode(one_process_compiled):
+    """freeze_bn and train() come before warm-up: the graph compiled there is the one the
+    steps run (else Dynamo recompiles at step 1 on the BatchNorm ``training`` guard and
+    the first log raises)."""
+    out, r = one_process_compiled
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "recompiled" not in r.stdout + r.stderr
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_process_compiled):
+    """Warm-up batches do not leak into the logged losses: the first logged loss of a
+    --compile run (after its warm-up on a synthetic batch) is the eager run's first loss,
+    up to the rounding of inductor's fused kernels."""
+    (eager, re), (compiled, rc) = one_process, one_process_compiled
+    assert re.returncode == 0 and rc.returncode == 0, re.stderr[-2000:] + rc.stderr[-2000:]
+    first_e, first_c = metrics(eager)[0], metrics(compiled)[0]
+    assert first_e["step"] == first_c["step"] == 1
+    for k in ("total_loss", "loss_cls", "loss_iou", "loss_dfl"):
+        assert first_c[k] == pytest.approx(first_e[k], rel=1e-4), k
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -165,6 +231,49 @@ def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, mess
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--img-size", "100"], "--img-size must be a positive multiple of 32 (the largest stride), got 100"),
+    (["--img-size", "0"], "--img-size must be a positive multiple of 32"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--lr", "-1"], "--lr must be positive, got -1"),
+    (["--ckpt", "NOT_A_CKPT"], "is not a checkpoint: torch.save writes a zip archive"),
+    (["--ckpt", "MISSING"], "no such file"),
+])
+def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra, message):
+    """Each fails at once (no output directory, no data read), in one line naming the flag;
+    before, these failed an epoch in, at evaluation, or trained 0 steps and exited 0."""
+    bad = tmp_path / "weights.pth"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is an image, not weights" * 8)
+    extra = [str(bad) if a == "NOT_A_CKPT" else str(tmp_path / "nowhere.pth") if a == "MISSING" else a
+             for a in extra]
+    out = tmp_path / "out"
+    r = run(train_cmd(demo_small, out, *extra))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "weights_only" not in r.stderr
+    assert not out.exists(), "the run started before the error"
+
+
+def test_a_damaged_checkpoint_is_one_line_without_torch_advice(tmp_path):
+    good = tmp_path / "good.pth"
+    torch.save({"model": {"w": torch.zeros(3)}}, good)
+    data = good.read_bytes()
+    (tmp_path / "truncated.pth").write_bytes(data[: len(data) // 2])
+    (tmp_path / "text.pth").write_text("not a checkpoint\n")
+    # An object that needs code to unpickle (weights_only refuses it).
+    torch.save({"model": argparse.Namespace(lr=0.1)}, tmp_path / "code.pth")
+    cases = {"truncated.pth": "is not a checkpoint", "text.pth": "is not a checkpoint",
+             "code.pth": "holds Python objects other than tensors"}
+    for name, message in cases.items():
+        with pytest.raises(ValueError) as e:
+            load_checkpoint(tmp_path / name)
+        assert message in str(e.value) and "\n" not in str(e.value), name
+        assert "weights_only" not in str(e.value), name
+    assert load_checkpoint(good)["model"]["w"].shape == (3,)
 
 
 def test_missing_dataset_is_named(tmp_path):

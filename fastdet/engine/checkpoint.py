@@ -9,8 +9,10 @@ elsewhere cannot run code.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +68,29 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
             os.unlink(tmp)
 
 
+def is_checkpoint_archive(path: str | Path) -> bool:
+    """Whether ``path`` is a ``torch.save`` zip archive (cheap: reads the zip directory)."""
+    return zipfile.is_zipfile(path)
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load with ``weights_only=True``; every failure is a one-line ValueError naming the file
+    (torch's own message advises ``weights_only=False``, wrong for a corrupt file)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not is_checkpoint_archive(path):
+        raise ValueError(f"{path} is not a checkpoint: torch.save writes a zip archive and this "
+                         "file is not one (corrupt, truncated or another format)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a corrupt file or one that needs code to unpickle
-        raise ValueError(f"checkpoint {path} cannot be loaded safely (weights_only): {e}") from None
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path} holds Python objects other than tensors, numbers, strings and "
+                         "containers; fastdet only loads checkpoints that need no code to "
+                         "unpickle") from None
+    except Exception as e:  # a damaged archive: a truncated record, a bad CRC
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{path} is not a readable checkpoint ({first})") from None
 
 
 def load_weights_tolerant(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:

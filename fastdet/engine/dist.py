@@ -21,6 +21,7 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    launched: bool = False  # by torchrun (or with RANK/WORLD_SIZE set): a process group is up
 
     @property
     def is_main(self) -> bool:
@@ -28,14 +29,22 @@ class DistInfo:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Train through DDP: every torchrun launch, even of one process (a check of the
+        multi-GPU path, DDP and its all-reduces, on one GPU)."""
+        return self.launched
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Initialise the default process group from torchrun's environment, if present."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+def init_distributed(device_type: str, cuda_graphs: bool = False) -> DistInfo:
+    """Initialise the default process group from torchrun's environment, if present.
+
+    ``cuda_graphs``: NCCL's asynchronous error handling is turned off (unless the
+    environment sets it), as the PyTorch CUDA-graph notes require for capturing DDP.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return DistInfo()
+    world_size = int(os.environ["WORLD_SIZE"])
+    if cuda_graphs:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
@@ -44,7 +53,7 @@ def init_distributed(device_type: str) -> DistInfo:
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         else:
             dist.init_process_group("gloo")
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, launched=True)
 
 
 def shutdown() -> None:

@@ -12,6 +12,20 @@ graph (``optimizer.step()`` always breaks a Dynamo graph, COMPILE.md §0.1). Eve
 (image size, loss-kwargs) bucket compiles once, during :meth:`TrainStep.warmup`;
 afterwards :meth:`check_recompiles` fails loudly if Dynamo compiled anything new.
 
+DDP with ``--compile``: the compiled module goes *inside* DDP, ``DDP(torch.compile(model))``.
+DDP's own forward (its logger, reducer bookkeeping) runs eagerly, so Dynamo never traces it
+(``torch.compile(DDP(model), fullgraph=True)`` fails on ``Logger.set_runtime_stats_and_log``),
+and the model's forward stays one Dynamo graph with 0 breaks (``fullgraph=True`` enforces
+it). Because DDP calls the compiled module inside ``_inside_ddp_forward``, Dynamo's
+DDPOptimizer (``torch._dynamo.config.optimize_ddp``, on by default) cuts that one captured
+graph at DDP's gradient-bucket boundaries and compiles each piece separately: walking the
+graph from its output end (head, then neck, then backbone), it cuts where the parameters
+seen since the last cut exceed ``bucket_cap_mb`` (25 MB by default). PP-YOLOE-s has 29 MB
+of fp32 gradients, so one cut near the start of the backbone; PP-YOLOE-l (~200 MB) about
+eight. Each piece's backward then lets its bucket's all-reduce start while the earlier
+layers' backward runs. The cuts are backend-level splits of one Dynamo graph, not graph
+breaks: ``unique_graphs`` stays one per shape bucket.
+
 CUDA graphs (``--cuda-graphs``): the whole step (zero grads, forward, backward,
 clipping, optimizer, EMA, loss accumulation) is captured once per bucket, after
 warm-up iterations on a side stream, and replayed with the batch copied into static
@@ -19,6 +33,17 @@ input buffers (the MLPerf recipe). All persistent state (weights, grads, momentu
 EMA, LR and decay tensors, the accumulator) is allocated before capture, outside the
 graphs' shared memory pool, so graphs of different sizes can share one pool and be
 replayed in any order. The LR is a device tensor written before each replay.
+Gradients are allocated once, before the first warm-up of the first capture, and only
+ever zeroed in place from then on: ``zero_grad(set_to_none=True)`` in a later bucket's
+warm-up would free the ``.grad`` tensors that earlier graphs write and read.
+
+Every bucket is captured by :meth:`TrainStep.warmup`, before training starts; after it a
+batch of an unseen bucket raises instead of capturing mid-training (the loader threads use
+the GPU by then, and a capture would also cost seconds in the middle of an epoch). Captures
+use ``capture_error_mode="thread_local"`` all the same: DALI's and the loader's threads may
+already be running during warm-up, and their CUDA calls must not invalidate the capture.
+Under DDP, DDP is constructed on a side stream and warmed up >= 11 iterations before
+capture, as the PyTorch CUDA-graph notes require.
 """
 
 from __future__ import annotations
@@ -32,9 +57,13 @@ import torch._dynamo
 from torch import Tensor, nn
 
 from fastdet.engine.logging import Nvtx
+from fastdet.ops import dispatch
 
 TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
 INPUT_KEYS = ("images",) + TARGET_KEYS
+# Slots of the loss accumulator, allocated at construction (before any warm-up or capture)
+# because the loss names are only known after the first forward.
+MAX_LOSSES = 16
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
@@ -67,7 +96,9 @@ class TrainStep:
 
     Args:
         model: the plain module (already on ``device``); its state is what is saved.
-        net: what the forward calls: ``model`` or its DDP wrapper.
+        net: what the forward calls: ``model`` (or a module sharing its parameters).
+        ddp: wraps the (compiled) ``net`` in DDP, e.g. ``lambda m: DDP(m)``; None when not
+            distributed. Called here so that DDP wraps the compiled module (see above).
         optimizer: a :class:`~fastdet.engine.optim.CapturableSGD`.
         ema: an EMA object with ``update(model)`` or None.
         amp_dtype: autocast dtype or None for fp32.
@@ -80,12 +111,16 @@ class TrainStep:
     def __init__(self, model: nn.Module, net: nn.Module, optimizer: torch.optim.Optimizer,
                  ema: Any, device: torch.device, amp_dtype: torch.dtype | None,
                  clip_grad_norm: float = 0.0, compile: bool = False, cuda_graphs: bool = False,
-                 dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None):
+                 dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None,
+                 ddp: Callable[[nn.Module], nn.Module] | None = None):
         if cuda_graphs and device.type != "cuda":
             raise ValueError("--cuda-graphs needs a CUDA device (got --device cpu): drop the flag")
         if cuda_graphs and amp_dtype == torch.float16:
             raise ValueError("--cuda-graphs cannot capture fp16's GradScaler (it syncs with the "
                              "host every step): use --amp bf16 or --amp off")
+        if cuda_graphs:
+            # A failed extension build must not silently put other kernels into the graphs.
+            dispatch.require_defaults(device.type, "--cuda-graphs")
         self.model, self.optimizer, self.ema = model, optimizer, ema
         self.device, self.amp_dtype = device, amp_dtype
         self.clip = clip_grad_norm
@@ -93,17 +128,30 @@ class TrainStep:
         self.graph_warmup_iters = graph_warmup_iters
         self.nvtx = nvtx or Nvtx(False)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-        self.forward: Callable[..., dict[str, Tensor]] = (
-            torch.compile(net, fullgraph=True, dynamic=dynamic) if compile else net
-        )
+        forward = torch.compile(net, fullgraph=True, dynamic=dynamic) if compile else net
+        if ddp is not None:
+            if cuda_graphs:
+                # The CUDA-graph notes: DDP's reducer must be built on a side stream for its
+                # all-reduces to be capturable.
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    forward = ddp(forward)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                forward = ddp(forward)
+        self.forward: Callable[..., dict[str, Tensor]] = forward
         self.compiled = compile
         self.loss_names: tuple[str, ...] | None = None
-        self.loss_sum: Tensor | None = None  # [K] device accumulator of the named losses
+        # [MAX_LOSSES] device accumulator of the named losses (the first K slots are used).
+        # It exists before warm-up, so _preserve_state restores it and graphs capture it.
+        self.loss_sum = torch.zeros(MAX_LOSSES, device=device)
         self.steps_accumulated = 0
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._graphs_after_warmup: int | None = None
         self._buckets = 0
+        self._warmed_up = False
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
 
@@ -113,9 +161,10 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _body(self, inputs: dict[str, Tensor], kw: dict[str, Any], zero_in_place: bool) -> None:
-        if zero_in_place:
-            # Graph mode: grads are static tensors allocated before capture.
+    def _body(self, inputs: dict[str, Tensor], kw: dict[str, Any]) -> None:
+        if self.cuda_graphs:
+            # Grads are static tensors allocated once (_allocate_grads) that every graph
+            # writes: zeroed in place, never freed.
             torch._foreach_zero_([p.grad for p in self.params])
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -135,29 +184,39 @@ class TrainStep:
             with self.nvtx("ema"):
                 self.ema.update(self.model)
         if self.loss_names is None:
+            if len(losses) > MAX_LOSSES:
+                raise ValueError(f"the model returns {len(losses)} losses; TrainStep accumulates "
+                                 f"at most {MAX_LOSSES} (raise MAX_LOSSES)")
             self.loss_names = tuple(losses)
-            self.loss_sum = torch.zeros(len(self.loss_names), device=self.device)
-        self.loss_sum += torch.stack([losses[k].detach().float() for k in self.loss_names])
+        self.loss_sum[: len(self.loss_names)] += torch.stack(
+            [losses[k].detach().float() for k in self.loss_names])
 
     def __call__(self, batch: dict[str, Tensor], kw: dict[str, Any]) -> None:
         inputs = {k: batch[k] for k in INPUT_KEYS}
         if self.cuda_graphs:
             key = (tuple(inputs["images"].shape), _kw_key(kw))
-            g = self._graphs.get(key) or self._capture(key, inputs, kw)
+            g = self._graphs.get(key)
+            if g is None:
+                if self._warmed_up:
+                    raise RuntimeError(
+                        f"CUDA graphs: a batch of shape {key[0]} with loss arguments {dict(key[1])} "
+                        f"was not captured by the warm-up of {self._buckets} bucket(s); every "
+                        "size and loss variant the loader can yield must be warmed up")
+                g = self._capture(key, inputs, kw)
             for k in INPUT_KEYS:
                 g.inputs[k].copy_(inputs[k], non_blocking=True)
             with self.nvtx("step(graph)"):
                 g.graph.replay()
         else:
-            self._body(inputs, kw, zero_in_place=False)
+            self._body(inputs, kw)
         self.steps_accumulated += 1
 
     # ------------------------------------------------------------------ losses
     def read_losses(self) -> dict[str, float]:
         """Mean of each loss since the last read: the one host sync per log interval."""
-        if self.loss_sum is None or self.steps_accumulated == 0:
+        if self.loss_names is None or self.steps_accumulated == 0:
             return {}
-        vals = (self.loss_sum / self.steps_accumulated).tolist()
+        vals = (self.loss_sum[: len(self.loss_names)] / self.steps_accumulated).tolist()
         self.loss_sum.zero_()
         self.steps_accumulated = 0
         return dict(zip(self.loss_names, vals))
@@ -170,8 +229,7 @@ class TrainStep:
         ts += [g["lr"] for g in self.optimizer.param_groups if isinstance(g["lr"], Tensor)]
         if self.ema is not None:
             ts += self.ema.state_tensors()
-        if self.loss_sum is not None:
-            ts.append(self.loss_sum)
+        ts.append(self.loss_sum)
         return ts
 
     @contextlib.contextmanager
@@ -192,24 +250,28 @@ class TrainStep:
                 self.scaler.load_state_dict(scaler_state)
 
     # ------------------------------------------------------------------ CUDA graphs
+    def _allocate_grads(self) -> None:
+        """Give every trained parameter a ``.grad`` once, outside the graph pool, before the
+        first capture's warm-up: the tensors every graph then writes in place."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def _capture(self, key: tuple, inputs: dict[str, Tensor], kw: dict[str, Any]) -> _Graph:
         static = {k: v.clone() for k, v in inputs.items()}
+        self._allocate_grads()
         with self._preserve_state():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(self.graph_warmup_iters):
-                    self._body(static, kw, zero_in_place=False)
+                    self._body(static, kw)
             torch.cuda.current_stream().wait_stream(side)
-            # Grads allocated eagerly (outside the pool) and zeroed in the graph.
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._body(static, kw, zero_in_place=True)
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._body(static, kw)
         torch.cuda.synchronize()
         g = _Graph(graph, static)
         self._graphs[key] = g
@@ -232,9 +294,10 @@ class TrainStep:
                     self._capture((tuple(batch["images"].shape), _kw_key(kw)), batch, kw)
                 else:
                     with self._preserve_state():
-                        self._body(batch, kw, zero_in_place=False)
+                        self._body(batch, kw)
         self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)
         self._graphs_after_warmup = compiled_graph_count()
+        self._warmed_up = True
 
     def check_recompiles(self) -> None:
         """Raise if Dynamo compiled new graphs after warm-up (a shape or guard leak)."""

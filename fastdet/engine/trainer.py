@@ -6,13 +6,15 @@ Nothing here names an architecture: the model declares what changes during train
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -84,9 +86,17 @@ class Trainer:
         self.device = resolve_device(cfg.run.device)
         if cfg.compile.cuda_graphs and self.device.type != "cuda":
             raise ValueError("--cuda-graphs needs a CUDA device (this run is on the CPU): drop the flag")
-        self.dist = dist.init_distributed(self.device.type)
+        if cfg.run.sync_debug and self.device.type != "cuda":
+            raise ValueError("--sync-debug needs a CUDA device (this run is on the CPU): drop the flag")
+        self.dist = dist.init_distributed(self.device.type, cuda_graphs=cfg.compile.cuda_graphs)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
+            # The input sizes are a fixed set of buckets, so cuDNN's per-shape autotuning
+            # pays off; it runs at each bucket's first (warm-up) step. TF32 only on request:
+            # it changes results (10-bit mantissa in convolutions and matmuls).
+            torch.backends.cudnn.benchmark = True
+            torch.backends.cudnn.allow_tf32 = cfg.compile.tf32
+            torch.backends.cuda.matmul.allow_tf32 = cfg.compile.tf32
         self.out = output_dir(cfg)
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -133,14 +143,12 @@ class Trainer:
         elif cfg.run.ckpt:
             self._finetune(cfg.run.ckpt)
 
-        self.net: nn.Module = self.model
-        if self.dist.distributed:
-            self.net = self._wrap_ddp()
         self.train_step = TrainStep(
-            self.model, self.net, self.optimizer, self.ema, self.device, self.amp_dtype,
+            self.model, self.model, self.optimizer, self.ema, self.device, self.amp_dtype,
             clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
             cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
-            graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx))
+            graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
+            ddp=self._ddp_wrapper() if self.dist.distributed else None)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
         if self.dist.is_main:
@@ -150,17 +158,22 @@ class Trainer:
                     (self.out / name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _wrap_ddp(self) -> nn.Module:
+    def _ddp_wrapper(self) -> Callable[[nn.Module], nn.Module]:
+        """Convert BatchNorm to SyncBatchNorm where it can be, and return what wraps the
+        step's (compiled) module in DDP: TrainStep calls it, so that DDP wraps the compiled
+        module and not the other way round (fastdet/engine/step.py says why)."""
         if self.device.type == "cuda":
             if self.cfg.compile.compile:
                 log.info("SyncBatchNorm is not traceable by torch.compile (Dynamo graph-breaks on "
                          "it): --compile keeps per-rank BatchNorm")
             else:
+                # In place: the new SyncBatchNorm modules keep the same parameter tensors,
+                # so the optimizer built above still holds them.
                 self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
-            return nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index])
+            return partial(nn.parallel.DistributedDataParallel, device_ids=[self.device.index])
         log.info("distributed on the CPU (gloo): torch's SyncBatchNorm needs CUDA, so each rank "
                  "uses plain BatchNorm on its own batch")
-        return nn.parallel.DistributedDataParallel(self.model)
+        return nn.parallel.DistributedDataParallel
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -235,6 +248,9 @@ class Trainer:
             total_steps = min(total_steps, run.max_steps)
         if getattr(self, "_scaler_state", None):
             self.train_step.scaler.load_state_dict(self._scaler_state)
+        # Modes first: warm-up compiles and captures the model in the mode it trains in
+        # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
+        self._train_mode()
         self._warmup()
         log.info("training %s-%s on %s: %d images, %d steps/epoch x %d epochs (%d steps), "
                  "batch %d x %d rank(s), lr %.4g, amp %s, compile %s, cuda graphs %s, loader %s",
@@ -271,6 +287,24 @@ class Trainer:
                      stats["AP"], stats["AP50"], self.best_ap, self.out)
         return stats
 
+    @contextlib.contextmanager
+    def _sync_check(self):
+        """--sync-debug: any host sync in the step raises (the log reads, evaluation and
+        checkpoints outside it may sync)."""
+        if not self.cfg.run.sync_debug:
+            yield
+            return
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _train_mode(self) -> None:
+        self.model.train()
+        if self.cfg.model.freeze_bn:
+            freeze_bn_stats(self.model)
+
     def _warmup(self) -> None:
         cfg = self.cfg
         if not (cfg.compile.compile or cfg.compile.cuda_graphs):
@@ -295,9 +329,7 @@ class Trainer:
                      steps_at_start: int) -> bool:
         """Train until the end of the epoch or ``total_steps``; True if training must stop."""
         cfg, run = self.cfg, self.cfg.run
-        self.net.train()
-        if cfg.model.freeze_bn:
-            freeze_bn_stats(self.model)
+        self._train_mode()  # evaluation may have left the model in eval mode
         self.train_loader.set_epoch(self.epoch)
         skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
         kw = self.model.loss_kwargs(self.epoch)
@@ -314,8 +346,9 @@ class Trainer:
                 continue
             data_time += timer.lap()
             self.profiler.before_step(self.step)
-            self.optimizer.set_lr(self.schedule(self.step))
-            self.train_step(batch, kw)
+            with self._sync_check():
+                self.optimizer.set_lr(self.schedule(self.step))
+                self.train_step(batch, kw)
             self.step += 1
             n_images += batch["images"].shape[0] * self.dist.world_size
             timer.lap()
