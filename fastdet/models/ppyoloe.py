@@ -224,8 +224,13 @@ class PPYOLOEHead(nn.Module):
         return torch.cat(boxes), torch.cat(points), counts, torch.cat(strides)
 
     def decode_distances(self, dist_logits: Tensor) -> Tensor:
-        """[B, A, 4, bins] -> expected ltrb distances [B, A, 4] (stride units)."""
-        return dist_logits.softmax(dim=-1) @ self.proj
+        """[B, A, 4, bins] -> expected ltrb distances [B, A, 4] (stride units), in fp32.
+
+        A multiply-and-sum, not ``@ proj``: autocast runs matmuls in bf16, whose 8-bit
+        mantissa rounds a distance of 8..16 bins to 1/16 of a bin (2 px at stride 32),
+        and these boxes feed the IoU loss and the assigners.
+        """
+        return (dist_logits.float().softmax(dim=-1) * self.proj.float()).sum(-1)
 
     @staticmethod
     def distance_to_box(points: Tensor, ltrb: Tensor) -> Tensor:
