@@ -11,6 +11,16 @@
 - Under ``torch.cuda.set_sync_debug_mode("error")`` an eager step and a graph replay
   must not synchronise with the host (no ``.item()``, ``nonzero``, boolean indexing or
   device-to-host copy anywhere in model, loss, assigners, optimizer or EMA).
+- Graphs of several buckets (2 sizes x 2 loss variants) replayed in alternation each
+  train like an eager step, and share one set of ``.grad`` tensors that no bucket's
+  warm-up frees (issue 13, item 3).
+- The Triton ATSS assigner runs sync-free and inside a capture (its level tables are
+  made once per bucket, not copied from the host per call) (item 5).
+- After warm-up a bucket it did not capture raises instead of capturing mid-training,
+  and a capture is not broken by another thread's CUDA calls, as the loader's are
+  (``capture_error_mode="thread_local"``) (item 7).
+
+``bench/gpu_check.sh`` runs this file a second time with ``FASTDET_OPS_BACKEND=triton``.
 
 All are marked ``gpu`` and skipped without CUDA; ``bench/gpu_check.sh`` runs them.
 """
@@ -19,14 +29,18 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
 
+import fastdet.ops as ops
 from fastdet.engine.optim import CapturableSGD, build_param_groups
 from fastdet.engine.step import TrainStep, synthetic_batch
 from fastdet.models import build_model
+from fastdet.ops import assigners
 from fastdet.ops.ema import ModelEMA
+from fastdet.ops.synthetic import assign_inputs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -188,3 +202,106 @@ def test_graph_replay_is_sync_free():
         torch.cuda.set_sync_debug_mode("default")
     assert step.steps_accumulated == 3
     assert all(math.isfinite(v) for v in step.read_losses().values())
+
+
+def test_graphs_of_several_buckets_replay_in_any_order(exact_fp32):
+    """2 sizes x 2 loss variants (ATSS, task-aligned): 4 graphs, captured one after the
+    other and then replayed in alternation, each step compared with an eager twin. A
+    bucket whose warm-up set the grads to None would free the ``.grad`` tensors the
+    graphs captured before it, and replays would then write into freed memory."""
+    torch.manual_seed(0)
+    model = build_model("ppyoloe", "s", num_classes=80).cuda().train()
+    twin = copy.deepcopy(model)
+    eager, graphed = make_step(model), make_step(twin, cuda_graphs=True)
+    p0, _, e0, _ = snapshot(eager)
+    sizes = (128, 160)
+    variants = (model.loss_kwargs(0), model.loss_kwargs(10_000))
+    assert variants[0] != variants[1]
+    # Each bucket twice; the first pass captures (lazily), the second only replays, in
+    # another order than the captures were made.
+    order = [(s, v) for s in sizes for v in (0, 1)] + [(s, v) for v in (1, 0) for s in sizes]
+    gen = torch.Generator().manual_seed(3)
+    grad_ptrs = None
+    for i, (size, v) in enumerate(order):
+        batch = synthetic_batch(4, size, size, 16, torch.device("cuda"), gen)
+        lr = LRS[i % len(LRS)]
+        for step in (eager, graphed):
+            step.optimizer.set_lr(lr)
+            step(batch, variants[v])
+        if grad_ptrs is None:  # the tensors the first graph captured
+            grad_ptrs = [p.grad.data_ptr() for p in graphed.params]
+        le, lg = eager.read_losses(), graphed.read_losses()
+        for k in le:
+            assert lg[k] == pytest.approx(le[k], rel=1e-3, abs=1e-6), (i, size, v, k)
+    assert len(graphed._graphs) == 4
+    assert [p.grad.data_ptr() for p in graphed.params] == grad_ptrs, "a .grad tensor was replaced"
+    pe, me, ee, ne = snapshot(eager)
+    pg, mg, eg, ng = snapshot(graphed)
+    assert rel_diff(pg, pe, p0) < 1e-2
+    assert rel_diff(mg, me, [torch.zeros_like(m) for m in me]) < 1e-2
+    assert rel_diff(eg, ee, e0) < 1e-2
+    assert ng == ne == len(order)
+
+
+def test_triton_atss_is_sync_free_and_capturable():
+    x = assign_inputs(batch=4, max_boxes=20, num_classes=80, img_size=320, seed=5)
+    xc = assign_inputs(batch=4, max_boxes=20, num_classes=80, img_size=320, seed=5, device=torch.device("cuda"))
+    want = assigners.atss_assign(*x.atss_args(), 9, x.pred_bboxes)
+    with ops.use_backend("triton", "cuda"):
+        assert ops.backend_for("atss_assign", "cuda") == "triton"
+        ops.atss_assign(*xc.atss_args(), 9, xc.pred_bboxes)  # compiles the kernels, makes the tables
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = ops.atss_assign(*xc.atss_args(), 9, xc.pred_bboxes)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ops.atss_assign(*xc.atss_args(), 9, xc.pred_bboxes)
+        graph.replay()
+        torch.cuda.synchronize()
+    for got in (eager, captured):
+        assert torch.equal(got[0].cpu(), want[0])
+        torch.testing.assert_close(got[1].cpu(), want[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-6)
+
+
+def test_no_capture_after_warm_up_and_captures_survive_other_threads():
+    torch.manual_seed(0)
+    model = build_model("ppyoloe", "s", num_classes=80).cuda().train()
+    kw = model.loss_kwargs(0)
+
+    # Lazy capture (no warm-up yet) while another thread allocates, computes and reads
+    # back on the GPU, as DALI's and the loader's threads do.
+    step = make_step(model, cuda_graphs=True)
+    stop, errors = threading.Event(), []
+
+    def busy():
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    t = torch.randn(512, 512, device="cuda")
+                    (t @ t).sum().item()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        step(batches(4, 160, 16)[0], kw)
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors
+    assert len(step._graphs) == 1
+    assert all(math.isfinite(v) for v in step.read_losses().values())
+
+    # After warm-up, a bucket it did not cover is refused, not captured mid-training.
+    warmed = make_step(copy.deepcopy(model), cuda_graphs=True)
+    warmed.warmup([(160, 160)], 4, 16, [kw])
+    warmed(batches(4, 160, 16)[0], kw)
+    with pytest.raises(RuntimeError, match="was not captured by the warm-up"):
+        warmed(batches(4, 192, 16)[0], kw)
+    assert len(warmed._graphs) == 1

@@ -57,3 +57,25 @@ def test_triton_on_cpu_only_under_the_interpreter():
     with dispatch.use_backend("triton", "cpu"):
         # Without TRITON_INTERPRET, Triton cannot run CPU tensors: fall back (warned once).
         assert dispatch.backend_for("box_iou", "cpu") in ("cpp", "torch")
+
+
+def test_a_missing_cuda_extension_on_a_gpu_is_not_a_silent_fallback(monkeypatch, caplog):
+    """On a CUDA device without the extension's CUDA kernels, the ops whose default is
+    ``cuda`` fall back to Triton with a warning naming the cause, and ``--cuda-graphs``
+    (TrainStep) refuses to capture that fallback unless FASTDET_OPS_BACKEND names it."""
+    monkeypatch.setattr(dispatch, "available", lambda name, device_type: name != "cuda")
+    monkeypatch.setattr(_ext, "_state", {"variant": "cpu", "error": None})
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    with caplog.at_level("WARNING", logger="fastdet.ops.dispatch"):
+        assert dispatch.backend_for("atss_assign", "cuda") == "triton"
+    assert "default back end 'cuda' of atss_assign on cuda is unavailable" in caplog.text
+    assert "built without CUDA kernels" in caplog.text
+    fb = dispatch.fallbacks("cuda")
+    assert fb == {op: ("cuda", "triton") for op in ("ema_update_", "task_aligned_assign", "atss_assign")}
+    with pytest.raises(ValueError, match=r"--cuda-graphs: ema_update_ on 'triton' instead of 'cuda'.*"
+                                         r"FASTDET_OPS_BACKEND \(e.g. cuda=triton\)"):
+        dispatch.require_defaults("cuda", "--cuda-graphs")
+    with dispatch.use_backend("triton", "cuda"):  # asked for: accepted
+        dispatch.require_defaults("cuda", "--cuda-graphs")
+    dispatch.require_defaults("cpu", "--cuda-graphs")

@@ -205,8 +205,51 @@ def backend_for(op: str, device_type: str, compiling: bool = False) -> str:
     if requested is not None and chosen != requested and (requested, device_type) not in _warned:
         _warned.add((requested, device_type))
         log.warning("fastdet.ops: back end %r is unavailable on %s, using %r", requested, device_type, chosen)
+    if requested is None and chosen != default and (default, device_type) not in _warned:
+        # Not silent: on a GPU this is usually a failed extension build, and the fallback
+        # is what the benchmarks measure and what CUDA graphs capture.
+        _warned.add((default, device_type))
+        log.warning("fastdet.ops: the default back end %r of %s on %s is unavailable (%s); using %r "
+                    "for it and every op whose default is %r", default, op, device_type,
+                    _unavailable_reason(default), chosen, default)
     _resolved[key] = chosen
     return chosen
+
+
+def _unavailable_reason(name: str) -> str:
+    if name == "triton":
+        return "triton is not installed" if importlib.util.find_spec("triton") is None else "triton cannot run here"
+    from fastdet.ops import _ext
+
+    if _ext.error() is not None:
+        return f"the extension did not build: {_ext.error()}"
+    return f"the extension was built without CUDA kernels (variant {_ext.variant()!r})"
+
+
+def fallbacks(device_type: str) -> dict[str, tuple[str, str]]:
+    """Ops on ``device_type`` that run on another back end than their default although
+    nothing asked for one: op -> (default, chosen), in eager or compiled code."""
+    out: dict[str, tuple[str, str]] = {}
+    for compiling in (False, True):
+        for op in OPS:
+            default = DEFAULTS.get((device_type, compiling), {}).get(op, "torch")
+            chosen = backend_for(op, device_type, compiling)
+            if _requested(op, device_type) is None and chosen != default:
+                out[op] = (default, chosen)
+    return out
+
+
+def require_defaults(device_type: str, flag: str) -> None:
+    """Raise if an op would silently fall back from its default back end (see ``fallbacks``):
+    ``flag`` is the option that needs the defaults, e.g. ``--cuda-graphs``."""
+    fb = fallbacks(device_type)
+    if fb:
+        default, chosen = next(iter(fb.values()))
+        ops = ", ".join(f"{op} on {c!r} instead of {d!r}" for op, (d, c) in fb.items())
+        raise ValueError(
+            f"{flag}: {ops} ({_unavailable_reason(default)}); rebuild with "
+            f"`python -m fastdet.ops.build`, or name the back end in FASTDET_OPS_BACKEND "
+            f"(e.g. {device_type}={chosen}) to accept it")
 
 
 def describe(device_type: str) -> dict[str, str]:

@@ -327,6 +327,28 @@ def _tal_fake(pred_scores, pred_bboxes, anchor_points, gt_labels, gt_bboxes, pad
             pred_scores.new_empty((B, A, C), dtype=torch.float32))
 
 
+# (anchors per level, device) -> (level starts [L], level sizes [L]) int64 on the device.
+# Made once per size bucket: ``torch.tensor(list, device=cuda)`` is a host-to-device copy
+# from pageable memory, which synchronises with the host and is illegal inside a CUDA-graph
+# capture. The first call of a bucket happens in eager warm-up, before its capture.
+_LEVEL_TABLES: dict[tuple[tuple[int, ...], torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _level_tables(counts: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    key = (counts, device)
+    hit = _LEVEL_TABLES.get(key)
+    if hit is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fastdet.ops.atss_assign (triton): level table for {list(counts)} "
+                               "first needed inside a CUDA-graph capture; run the step once "
+                               "eagerly before capturing it")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        hit = (torch.tensor(starts, dtype=torch.int64, device=device),
+               torch.tensor(counts, dtype=torch.int64, device=device))
+        _LEVEL_TABLES[key] = hit
+    return hit
+
+
 @torch.library.custom_op(f"{NAMESPACE}::atss_assign", mutates_args=())
 def atss_assign(anchors: Tensor, num_anchors_list: list[int], gt_labels: Tensor, gt_bboxes: Tensor,
                 pad_gt_mask: Tensor, pred_bboxes: Optional[Tensor], bg_index: int, num_classes: int, topk: int,
@@ -350,12 +372,7 @@ def atss_assign(anchors: Tensor, num_anchors_list: list[int], gt_labels: Tensor,
     V = pad_gt_mask.reshape(B, M).to(f32).contiguous()
     P = pred_bboxes.to(f32).contiguous() if pred_bboxes is not None else None
     K = sum(min(topk, n) for n in num_anchors_list)
-    starts, acc = [], 0
-    for n in num_anchors_list:
-        starts.append(acc)
-        acc += n
-    lstart = torch.tensor(starts, dtype=torch.int64, device=dev)
-    lsize = torch.tensor(list(num_anchors_list), dtype=torch.int64, device=dev)
+    lstart, lsize = _level_tables(tuple(num_anchors_list), dev)
     cand = torch.zeros((B, M, K), dtype=torch.int64, device=dev)
     cand_iou = torch.zeros((B, M, K), dtype=f32, device=dev)
     _atss_candidates_kernel[(B * M,)](AN, CEN, G, V, lstart, lsize, cand, cand_iou, M, K, topk,
