@@ -3,18 +3,33 @@
 #
 #   bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-check-<UTC time>
 #
-# Parts, most valuable first, each with its own timeout inside one overall budget (a
-# part that no longer fits is skipped and says so), each writing its log and JSON
-# under OUT_DIR as it goes, so a run cut short still leaves what it measured:
+# Parts, most valuable first: what only a GPU can show (the GPU tests, then the trainer
+# as a user runs it), then the benchmarks. Each has its own timeout inside one overall
+# budget (a part that no longer fits is skipped and says so), and each writes its log
+# and JSON under OUT_DIR as it goes, with the run's record rewritten after every part,
+# so a run cut short still leaves what it showed:
 #
 #   env       GPU, driver, versions; which optional packages (DALI, pycocotools) are missing
 #   install   `pip install -e .` without network or dependencies when fastdet is not
 #             importable as installed (the csrc/ and pipelines/ package data need it)
 #   build     the C++/CUDA extension (python -m fastdet.ops.build)
+#   tests     pytest -m gpu, verbose, each test under its own timeout, JUnit XML
+#             (pytest_gpu.xml): kernels against their references on CUDA, the captured and
+#             compiled CUDA-graph steps against eager, graphs of several buckets replayed
+#             in alternation, the sync-free step, the Triton ATSS in a capture, no capture
+#             after warm-up (tests/test_gpu_step.py, tests/test_ops_gpu.py)
+#   tests_triton  tests/test_gpu_step.py again with FASTDET_OPS_BACKEND=triton (every op
+#             on its Triton kernel), JUnit XML pytest_gpu_triton.xml
+#   smoke     the trainer on the demo set as a user runs it: DALI, --compile --cuda-graphs,
+#             two sizes x both loss variants (ATSS in epoch 0, task-aligned in epoch 1),
+#             channels-last, freeze_bn, --sync-debug (set_sync_debug_mode("error") around
+#             every step after warm-up)
+#   smoke_ddp the same through `torchrun --nproc_per_node 1` (one NCCL rank, DDP built on a
+#             side stream, SyncBatchNorm, since --compile is off) with --cuda-graphs: DDP's
+#             all-reduce inside the captured step (with one rank SyncBatchNorm computes
+#             local statistics: its collective is not exercised)
 #   step      bench/throughput.py --modes step: PPYOLOE-s, 640, bf16, batch 64, eager fp32 /
 #             eager bf16 / compiled / compiled + CUDA graphs
-#   tests     pytest -m gpu: kernels against their references on CUDA, the captured and
-#             compiled CUDA-graph steps against eager, the sync-free step (tests/test_gpu_step.py)
 #   kernels   bench/kernels.py at production sizes
 #   data_e2e  bench/throughput.py --modes data,e2e on a 4096-image demo set (generated in
 #             the background while the GPU parts run); DALI rows say "unavailable" without DALI
@@ -32,7 +47,9 @@
 #
 # Outputs (OUT_DIR): <stem>_<part>.json (stem = date_gpu_torch-version, the name they
 # take in bench/results/, see bench/results/README.md), <part>.log, pytest_gpu.xml,
-# env.json, <stem>_gpu-check.json (each part's status, exit code and seconds), summary.txt.
+# pytest_gpu_triton.xml, smoke/ and smoke_ddp/ (the runs' metrics.jsonl, eval.jsonl),
+# env.json, <stem>_gpu-check.json (each part's status, exit code and seconds, rewritten
+# after every part), summary.txt.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -41,7 +58,7 @@ PY=${PYTHON:-python3}
 [[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # parts cd elsewhere
 OUT_DIR=${1:-${OUT:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}}
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-PARTS=${GPU_CHECK_PARTS:-env,install,build,step,tests,kernels,data_e2e,layout}
+PARTS=${GPU_CHECK_PARTS:-env,install,build,tests,tests_triton,smoke,smoke_ddp,step,kernels,data_e2e,layout}
 DEMO_IMAGES=4096
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 BENCH_ARGS=(--device "$DEVICE")
@@ -89,7 +106,22 @@ part() {
     note "$name: $status (exit $rc, $(( $(date +%s) - t0 ))s); log $name.log"
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" >> "$STATUS"
     tail -n 25 "$OUT_DIR/$name.log" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
+    record
     return 0
+}
+
+# record: (re)write <stem>_gpu-check.json from the parts done so far.
+record() {
+    "$PY" - "$STATUS" "$OUT_DIR/${STEM:-unknown}_gpu-check.json" "$BUDGET" "$(elapsed)" "${STEM:-unknown}" <<'EOF'
+import json, sys
+status, out, budget, elapsed, stem = sys.argv[1:]
+parts = []
+for line in open(status):
+    name, st, rc, secs = line.rstrip("\n").split("\t")
+    parts.append({"part": name, "status": st, "exit": int(rc) if rc else None, "seconds": int(secs)})
+json.dump({"schema": "fastdet.bench/1", "kind": "gpu_check", "stem": stem, "budget_s": int(budget),
+           "elapsed_s": int(elapsed), "parts": parts}, open(out, "w"), indent=1)
+EOF
 }
 
 note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, parts $PARTS"
@@ -150,10 +182,38 @@ if wanted data_e2e; then
 fi
 
 part build 240 "$PY" -m fastdet.ops.build
+
+# The GPU tests: verbose (each test's result is in the log as it finishes, even if the
+# part is cut short before pytest writes its XML), each under its own timeout.
+PYTEST=("$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors -o addopts="" -ra)
+if "$PY" -c "import pytest_timeout" > /dev/null 2>&1; then
+    PYTEST+=(--timeout "${GPU_CHECK_TEST_TIMEOUT_S:-150}")
+else
+    note "pytest-timeout is not installed: no per-test timeouts, only the part's"
+fi
+part tests 240 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_gpu.xml" tests
+part tests_triton 150 env FASTDET_OPS_BACKEND=triton "${PYTEST[@]}" \
+    --junitxml="$OUT_DIR/pytest_gpu_triton.xml" tests/test_gpu_step.py
+
+# The trainer as a user runs it. Two sizes, and both loss variants: ATSS in epoch 0, the
+# task-aligned assigner from epoch 1 (the demo set: 48 steps per epoch at batch 8).
+SMOKE=(--arch ppyoloe --size s --data demo --device "$DEVICE" --epochs 2 --log-interval 12
+       --set data.train_sizes=192,256 --set model.static_assigner_epoch=1 --set run.progress=false)
+if "$PY" -c "import nvidia.dali" > /dev/null 2>&1; then
+    SMOKE+=(--loader dali)
+else
+    note "smoke: DALI is not installed, the smoke runs use the torch loader"
+fi
+SMOKE_GPU=()
+[[ "$DEVICE" == cuda ]] && SMOKE_GPU=(--cuda-graphs --sync-debug)
+[[ "$DEVICE" == cpu ]] && SMOKE+=(--max-steps 2)  # a rehearsal of the script, not a check
+part smoke 180 "$PY" -m fastdet.train "${SMOKE[@]}" "${SMOKE_GPU[@]}" --compile --channels-last \
+    --set model.freeze_bn=true --output-dir "$OUT_DIR/smoke"
+part smoke_ddp 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastdet.train \
+    "${SMOKE[@]}" "${SMOKE_GPU[@]}" --output-dir "$OUT_DIR/smoke_ddp"
+
 part step 300 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes step \
     --json "$OUT_DIR/${STEM}_throughput-step.json"
-part tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
-    -o addopts="" -ra --junitxml="$OUT_DIR/pytest_gpu.xml" tests
 part kernels 150 "$PY" bench/kernels.py "${BENCH_ARGS[@]}" --reps 20 --budget 3 \
     --json "$OUT_DIR/${STEM}_kernels.json"
 if [[ -n "$PREP_PID" ]]; then
@@ -165,15 +225,6 @@ part layout 150 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes layout \
     --json "$OUT_DIR/${STEM}_throughput-layout.json"
 
 # --- the record of this run.
-"$PY" - "$STATUS" "$OUT_DIR/${STEM}_gpu-check.json" "$BUDGET" "$(elapsed)" "$STEM" <<'EOF'
-import json, sys
-status, out, budget, elapsed, stem = sys.argv[1:]
-parts = []
-for line in open(status):
-    name, st, rc, secs = line.rstrip("\n").split("\t")
-    parts.append({"part": name, "status": st, "exit": int(rc) if rc else None, "seconds": int(secs)})
-json.dump({"schema": "fastdet.bench/1", "kind": "gpu_check", "stem": stem, "budget_s": int(budget),
-           "elapsed_s": int(elapsed), "parts": parts}, open(out, "w"), indent=1)
-EOF
+record
 rm -f "$STATUS"
 note "done in $(elapsed)s; results in $OUT_DIR"
