@@ -18,8 +18,6 @@
 #             compiled CUDA-graph steps against eager, graphs of several buckets replayed
 #             in alternation, the sync-free step, the Triton ATSS in a capture, no capture
 #             after warm-up (tests/test_gpu_step.py, tests/test_ops_gpu.py)
-#   tests_triton  tests/test_gpu_step.py again with FASTDET_OPS_BACKEND=triton (every op
-#             on its Triton kernel), JUnit XML pytest_gpu_triton.xml
 #   smoke     the trainer on the demo set as a user runs it: DALI, --compile --cuda-graphs,
 #             two sizes x both loss variants (ATSS in epoch 0, task-aligned in epoch 1),
 #             channels-last, freeze_bn, --sync-debug (set_sync_debug_mode("error") around
@@ -28,6 +26,8 @@
 #             side stream, SyncBatchNorm, since --compile is off) with --cuda-graphs: DDP's
 #             all-reduce inside the captured step (with one rank SyncBatchNorm computes
 #             local statistics: its collective is not exercised)
+#   tests_triton  tests/test_gpu_step.py again with FASTDET_OPS_BACKEND=triton (every op
+#             on its Triton kernel), JUnit XML pytest_gpu_triton.xml
 #   step      bench/throughput.py --modes step: PPYOLOE-s, 640, bf16, batch 64, eager fp32 /
 #             eager bf16 / compiled / compiled + CUDA graphs
 #   kernels   bench/kernels.py at production sizes
@@ -40,6 +40,7 @@
 # Environment:
 #   GPU_CHECK_BUDGET_S   overall seconds (default 540: the run ends inside 10 minutes)
 #   GPU_CHECK_PARTS      comma list of the parts above (default: all, in the order above)
+#   GPU_CHECK_TEST_TIMEOUT_S  seconds per GPU test (default 150; needs pytest-timeout)
 #   PYTHON               the interpreter holding torch (default python3)
 #   FASTDET_GIT_COMMIT   the commit of this tree, recorded where the copy has no .git
 #   GPU_CHECK_DEVICE     cuda (default); cpu rehearses the script on a machine without a
@@ -58,7 +59,7 @@ PY=${PYTHON:-python3}
 [[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # parts cd elsewhere
 OUT_DIR=${1:-${OUT:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}}
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-PARTS=${GPU_CHECK_PARTS:-env,install,build,tests,tests_triton,smoke,smoke_ddp,step,kernels,data_e2e,layout}
+PARTS=${GPU_CHECK_PARTS:-env,install,build,tests,smoke,smoke_ddp,tests_triton,step,kernels,data_e2e,layout}
 DEMO_IMAGES=4096
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 BENCH_ARGS=(--device "$DEVICE")
@@ -192,13 +193,13 @@ else
     note "pytest-timeout is not installed: no per-test timeouts, only the part's"
 fi
 part tests 240 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_gpu.xml" tests
-part tests_triton 150 env FASTDET_OPS_BACKEND=triton "${PYTEST[@]}" \
-    --junitxml="$OUT_DIR/pytest_gpu_triton.xml" tests/test_gpu_step.py
 
 # The trainer as a user runs it. Two sizes, and both loss variants: ATSS in epoch 0, the
-# task-aligned assigner from epoch 1 (the demo set: 48 steps per epoch at batch 8).
-SMOKE=(--arch ppyoloe --size s --data demo --device "$DEVICE" --epochs 2 --log-interval 12
-       --set data.train_sizes=192,256 --set model.static_assigner_epoch=1 --set run.progress=false)
+# task-aligned assigner from epoch 1 (the demo set: 48 steps per epoch at batch 8, so
+# 60 steps reach epoch 1; warm-up compiles and captures all 4 buckets first).
+SMOKE=(--arch ppyoloe --size s --data demo --device "$DEVICE" --epochs 2 --max-steps 60
+       --log-interval 12 --set data.train_sizes=192,256 --set model.static_assigner_epoch=1
+       --set run.progress=false)
 if "$PY" -c "import nvidia.dali" > /dev/null 2>&1; then
     SMOKE+=(--loader dali)
 else
@@ -207,10 +208,12 @@ fi
 SMOKE_GPU=()
 [[ "$DEVICE" == cuda ]] && SMOKE_GPU=(--cuda-graphs --sync-debug)
 [[ "$DEVICE" == cpu ]] && SMOKE+=(--max-steps 2)  # a rehearsal of the script, not a check
-part smoke 180 "$PY" -m fastdet.train "${SMOKE[@]}" "${SMOKE_GPU[@]}" --compile --channels-last \
+part smoke 240 "$PY" -m fastdet.train "${SMOKE[@]}" "${SMOKE_GPU[@]}" --compile --channels-last \
     --set model.freeze_bn=true --output-dir "$OUT_DIR/smoke"
-part smoke_ddp 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastdet.train \
+part smoke_ddp 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastdet.train \
     "${SMOKE[@]}" "${SMOKE_GPU[@]}" --output-dir "$OUT_DIR/smoke_ddp"
+part tests_triton 150 env FASTDET_OPS_BACKEND=triton "${PYTEST[@]}" \
+    --junitxml="$OUT_DIR/pytest_gpu_triton.xml" tests/test_gpu_step.py
 
 part step 300 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes step \
     --json "$OUT_DIR/${STEM}_throughput-step.json"
