@@ -31,7 +31,7 @@ def setup_logging(output_dir: Path | None, is_main: bool) -> None:
 
 
 class TensorBoard:
-    """TensorBoard scalars on rank 0; a no-op elsewhere or when disabled."""
+    """TensorBoard scalars and images on rank 0; a no-op elsewhere or when disabled."""
 
     def __init__(self, log_dir: Path | None):
         self.writer = None
@@ -45,6 +45,11 @@ class TensorBoard:
             return
         for k, v in values.items():
             self.writer.add_scalar(prefix + k, v, step)
+
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """One uint8 ``[3, H, W]`` image."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step, dataformats="CHW")
 
     def close(self) -> None:
         if self.writer is not None:

@@ -28,9 +28,10 @@ from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, r
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer
+from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
-from fastdet.models import build_model_from_config
+from fastdet.models import ARCHITECTURES, build_model_from_config
 from fastdet.ops.ema import ModelEMA
 
 log = logging.getLogger("fastdet")
@@ -137,6 +138,7 @@ class Trainer:
                 f"{world_batch}: lower --batch-size")
         self.schedule = LRSchedule.from_config(cfg.optim, self.base_lr, self.steps_per_epoch)
         self.epoch, self.step, self.best_ap = 0, 0, -1.0
+        self.val_predictions: Path | None = None  # the last drawn set (engine/previews.py)
 
         if cfg.run.resume:
             self._resume()
@@ -238,6 +240,10 @@ class Trainer:
         if self.dist.is_main:
             with open(self.out / "eval.jsonl", "a") as f:
                 f.write(json.dumps({"epoch": self.epoch, "step": self.step, **stats}) + "\n")
+            self.val_predictions = log_val_predictions(
+                model, self.val_set.records, ARCHITECTURES[self.cfg.model.arch].preprocess,
+                self.cfg.data.img_size, predict_kwargs(self.cfg), self.val_set.class_names,
+                self.tb, self.out, self.step)
         return stats
 
     # ------------------------------------------------------------------ the loop
@@ -283,8 +289,9 @@ class Trainer:
         progress.close()
         self.tb.close()
         if stats and self.dist.is_main:
-            log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s)",
-                     stats["AP"], stats["AP50"], self.best_ap, self.out)
+            log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s; val predictions "
+                     "drawn in %s)", stats["AP"], stats["AP50"], self.best_ap, self.out,
+                     self.val_predictions)
         return stats
 
     @contextlib.contextmanager

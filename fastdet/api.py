@@ -1,0 +1,166 @@
+"""Using a trained detector from Python.
+
+    >>> import fastdet
+    >>> det = fastdet.load_detector("runs/demo/best.pth")        # eval mode, EMA weights, fused
+    >>> results = fastdet.detect(det, [rgb_uint8_hwc])           # boxes in original pixels
+    >>> boxes, scores = det(images)                              # dense outputs, [N,A,4], [N,A,C]
+
+:func:`load_detector` returns the family's :class:`~fastdet.models.Detector` with a
+:class:`DetectorInfo` as ``det.info``: class names, COCO category ids, the family's
+evaluation preprocessing (``fastdet.data.preprocess.Preprocess``), the input size and the
+post-processing settings of its recipe. ``det(images)`` and ``det.predict(images, ...)``
+take images preprocessed as :func:`preprocess_images` does (which is also the input of
+an exported ONNX model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fastdet.config import Config, ConfigError
+from fastdet.data.preprocess import Preprocess, boxes_to_original
+from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.models import ARCHITECTURES, Detector, build_model_from_config
+
+
+class CheckpointError(ValueError):
+    """The file is not a fastdet checkpoint; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class DetectorInfo:
+    """What a loaded detector needs besides its weights.
+
+    Attributes:
+        arch, size: the registry names it was built from.
+        class_names: one per contiguous label (``labels`` of ``predict``).
+        cat_ids: the COCO category id of each contiguous label.
+        preprocess: the family's evaluation preprocessing (resize mode, normalisation).
+        img_size: the evaluation input size of the recipe (a square ``img_size`` canvas).
+        predict_kwargs: ``Detector.predict``'s NMS settings of the recipe.
+        weights: ``"ema"`` or ``"model"``, the weights that were loaded.
+        checkpoint: the file it came from.
+    """
+
+    arch: str
+    size: str
+    class_names: tuple[str, ...]
+    cat_ids: tuple[int, ...]
+    preprocess: Preprocess
+    img_size: int
+    predict_kwargs: dict[str, Any] = field(default_factory=dict)
+    weights: str = "ema"
+    checkpoint: str = ""
+
+
+def _predict_kwargs(cfg: Config) -> dict[str, Any]:
+    # The one place this module reads the recipe's NMS settings.
+    from fastdet.engine.trainer import predict_kwargs
+
+    return predict_kwargs(cfg)
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
+    """The checkpoint dict and its config; :class:`CheckpointError` if it is not a fastdet one."""
+    path = Path(path)
+    try:
+        ck = load_checkpoint(path)
+    except ValueError:
+        raise CheckpointError(f"{path}: not a fastdet checkpoint (torch.load with weights_only "
+                              "cannot read it: a corrupt file or another format)") from None
+    if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict) or "model" not in ck:
+        raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
+                              "a plain state dict is not enough to rebuild the model)")
+    try:
+        cfg = Config.from_dict(ck["config"])
+    except (ConfigError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{path}: its stored config does not load ({e})") from None
+    return ck, cfg
+
+
+def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
+                  device: str | torch.device = "cpu") -> Detector:
+    """The detector of a fastdet checkpoint, in eval mode, with ``.info`` (:class:`DetectorInfo`).
+
+    Args:
+        ckpt_path: a ``best.pth`` / ``latest.pth`` written by ``fastdet.train``.
+        ema: load the EMA weights (what evaluation scores); the plain weights when False
+            or when the run had no EMA.
+        fuse: fold re-parameterisable blocks (RepVGG branches, conv+BN) for inference;
+            the outputs stay the same up to float rounding.
+        device: where the model lives.
+    """
+    ck, cfg = read_checkpoint(ckpt_path)
+    arch = cfg.model.arch
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{ckpt_path}: architecture {arch!r} is not registered here "
+                              f"(available: {', '.join(sorted(ARCHITECTURES))})")
+    model = build_model_from_config(cfg.model)
+    use_ema = ema and isinstance(ck.get("ema"), dict)
+    weights = ck["ema"] if use_ema else ck["model"]
+    if "module" in weights:  # ModelEMA.state_dict() layout
+        weights = weights["module"]
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+        raise CheckpointError(f"{ckpt_path}: its weights do not fit {arch}-{cfg.model.size} ({first})") from None
+    model.eval()
+    if fuse:
+        model.fuse()
+    n = cfg.model.num_classes
+    cat_ids = tuple(int(c) for c in ck.get("cat_ids") or range(1, n + 1))
+    names = tuple(str(c) for c in ck.get("class_names") or cat_ids)
+    model.info = DetectorInfo(
+        arch=arch, size=cfg.model.size, class_names=names, cat_ids=cat_ids,
+        preprocess=ARCHITECTURES[arch].preprocess, img_size=cfg.data.img_size,
+        predict_kwargs=_predict_kwargs(cfg), weights="ema" if use_ema else "model",
+        checkpoint=str(ckpt_path))
+    return model.to(device)
+
+
+def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preprocess, img_size: int
+                      ) -> tuple[Tensor, list[tuple[float, float]]]:
+    """RGB uint8 ``[H, W, 3]`` images → the network input ``[N, 3, S, S]`` f32 and each ``(sx, sy)``.
+
+    This is the input of ``det(images)``, ``det.predict`` and an exported ONNX model's
+    ``images``: the family's evaluation resize onto an ``img_size`` square canvas, then
+    its normalisation (``Preprocess``).
+    """
+    out, scales = [], []
+    for img in images:
+        x, s = preprocess(img, (img_size, img_size))
+        out.append(x)
+        scales.append(s)
+    return torch.stack(out), scales
+
+
+@torch.no_grad()
+def detect(detector: Detector, images: Sequence[np.ndarray], score_thresh: float | None = None,
+           img_size: int | None = None) -> list[dict[str, Tensor]]:
+    """Detections per image in its original pixels: ``{"boxes" [K,4] xyxy, "scores" [K], "labels" [K]}``.
+
+    Args:
+        images: RGB uint8 ``[H, W, 3]`` arrays (e.g. ``np.array(PIL.Image.open(f).convert("RGB"))``).
+        score_thresh: overrides the recipe's (``detector.info.predict_kwargs``).
+        img_size: overrides the recipe's evaluation input size (a multiple of 32).
+    """
+    info: DetectorInfo = detector.info
+    size = img_size or info.img_size
+    batch, scales = preprocess_images(images, info.preprocess, size)
+    kw = dict(info.predict_kwargs)
+    if score_thresh is not None:
+        kw["score_thresh"] = score_thresh
+    device = next(detector.parameters()).device
+    dets = detector.predict(batch.to(device), **kw)
+    out = []
+    for det, img, s in zip(dets, images, scales):
+        boxes = boxes_to_original(det["boxes"].float().cpu(), s, img.shape[:2])
+        out.append({"boxes": boxes, "scores": det["scores"].float().cpu(), "labels": det["labels"].cpu()})
+    return out

@@ -1,0 +1,163 @@
+"""``python -m fastdet.predict --ckpt PATH --source SRC --output-dir DIR``: detect and draw.
+
+``SRC`` is an image file, a folder (its image files, not recursive) or a glob
+(``"imgs/**/*.jpg"``, quoted). For each image ``DIR`` gets a drawn copy (``<name>.jpg``:
+boxes, class names and scores) and ``DIR/predictions.json`` holds every detection in the
+COCO results format, in original-image pixels::
+
+    [{"image_id": 139, "file_name": "000000000139.jpg", "category_id": 62,
+      "bbox": [x, y, w, h], "score": 0.91}, ...]
+
+``image_id`` is the file's numeric stem when every stem is a number (the COCO naming,
+so the file scores directly against ``instances_val2017.json``), else the image's
+1-based position in sorted order. ``category_id`` is the trained dataset's.
+
+The network input (also the ``images`` input of ``python -m fastdet.export``): each RGB
+image is resized as the family's evaluation does (``DetectorInfo.preprocess``: PP-YOLOE
+stretches to the square ``--img-size`` canvas with bicubic interpolation) and normalised
+(ImageNet mean/std on 0..255 for PP-YOLOE), giving float32 ``[N, 3, S, S]``;
+``fastdet.api.preprocess_images`` is that function. Boxes map back with ``(sx, sy)``
+input px per original px.
+
+Files that do not decode are skipped, counted and named in the summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from pathlib import Path
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastdet.predict", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, metavar="PATH", help="a checkpoint written by fastdet.train")
+    p.add_argument("--source", required=True, metavar="SRC", help="an image, a folder or a glob")
+    p.add_argument("--output-dir", required=True, metavar="DIR")
+    p.add_argument("--score-thresh", type=float, default=0.3, help="draw and save detections above it")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: the recipe's evaluation size)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--weights", choices=["ema", "model"], default="ema")
+    return p
+
+
+def find_images(source: str) -> list[Path]:
+    """The files ``source`` names, sorted; ``ValueError`` (one line) when there are none."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise ValueError(f"--source {source}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+        return files
+    if glob.has_magic(source):
+        files = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+        if not files:
+            raise ValueError(f"--source {source}: the pattern matches no files")
+        return files
+    raise ValueError(f"--source {source}: no such file or folder")
+
+
+def image_ids(files: list[Path]) -> list[int]:
+    stems = [f.stem for f in files]
+    if all(s.isdigit() for s in stems) and len(set(map(int, stems))) == len(stems):
+        return [int(s) for s in stems]
+    return list(range(1, len(files) + 1))
+
+
+def output_names(files: list[Path]) -> list[str]:
+    """``<stem>.jpg`` per file; a stem seen before (a glob over folders) gets ``_<n>``."""
+    seen: dict[str, int] = {}
+    names = []
+    for f in files:
+        n = seen.get(f.stem, 0)
+        seen[f.stem] = n + 1
+        names.append(f"{f.stem}.jpg" if n == 0 else f"{f.stem}_{n}.jpg")
+    return names
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag error, before any work."""
+    if not 0.0 <= args.score_thresh <= 1.0:
+        raise ValueError(f"--score-thresh: expected a value in [0, 1], got {args.score_thresh}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")
+    if args.img_size is not None and (args.img_size < 32 or args.img_size % 32):
+        raise ValueError(f"--img-size: expected a positive multiple of 32, got {args.img_size}")
+    if not Path(args.ckpt).is_file():
+        raise ValueError(f"--ckpt {args.ckpt}: no such file")
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {args.output_dir}: exists and is not a folder")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from fastdet.api import CheckpointError, detect, load_detector
+    from fastdet.data.augment import ImageDecodeError, decode_image
+    from fastdet.engine.trainer import resolve_device
+    from fastdet.visualize import draw_detections, save_image
+
+    try:
+        check_args(args)
+        files = find_images(args.source)
+        device = resolve_device(args.device)
+        det = load_detector(args.ckpt, ema=args.weights == "ema", device=device)
+    except (ValueError, CheckpointError) as e:
+        print(f"fastdet.predict: error: {e}", file=sys.stderr)
+        return 2
+    info = det.info
+    size = args.img_size or info.img_size
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids, names = image_ids(files), output_names(files)
+    results: list[dict] = []
+    skipped: list[str] = []
+    done = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(files), unit="img", disable=not sys.stderr.isatty(), dynamic_ncols=True)
+    for start in range(0, len(files), args.batch_size):
+        chunk = range(start, min(start + args.batch_size, len(files)))
+        imgs, keep = [], []
+        for i in chunk:
+            try:
+                imgs.append(decode_image(str(files[i])))
+                keep.append(i)
+            except ImageDecodeError:
+                skipped.append(str(files[i]))
+        if imgs:
+            with torch.inference_mode():
+                dets = detect(det, imgs, score_thresh=args.score_thresh, img_size=size)
+            for i, img, d in zip(keep, imgs, dets):
+                drawn = draw_detections(img, d["boxes"], d["scores"], d["labels"], info.class_names)
+                save_image(drawn, out / names[i])
+                xywh = d["boxes"].double()
+                xywh[:, 2:] -= xywh[:, :2]
+                for b, s, c in zip(xywh.tolist(), d["scores"].tolist(), d["labels"].tolist()):
+                    results.append({"image_id": ids[i], "file_name": files[i].name,
+                                    "category_id": info.cat_ids[c], "bbox": [round(v, 2) for v in b],
+                                    "score": round(s, 5)})
+                done += 1
+        bar.update(len(chunk))
+    bar.close()
+    (out / "predictions.json").write_text(json.dumps(results))
+    msg = (f"predicted {done} image(s), {len(results)} detection(s) above {args.score_thresh} "
+           f"({info.arch}-{info.size}, {size}x{size}, {device}): drawn images and predictions.json in {out}")
+    if skipped:
+        msg += f"; skipped {len(skipped)} unreadable file(s): {', '.join(skipped)}"
+    print(msg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

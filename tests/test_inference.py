@@ -1,0 +1,198 @@
+"""Using a trained detector: load_detector, fastdet.predict, val predictions.
+
+Every registered family gets the same tests on a tiny checkpoint of its smallest size,
+trained in-process for 2 steps at 64 px on the small demo set (once per family).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastdet.api import CheckpointError, detect, load_detector, preprocess_images
+from fastdet.data.augment import decode_image
+from fastdet.data.preprocess import boxes_to_original
+from fastdet.models import ARCHITECTURES
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+IMG = 64
+# Low enough that a 2-step model has detections to compare.
+LOW_THRESH = 0.005
+
+
+class Tiny:
+    def __init__(self, arch: str, out: Path, trainer, stats):
+        self.arch, self.out, self.trainer, self.stats = arch, out, trainer, stats
+        self.ckpt = out / "latest.pth"
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def tiny(request, demo_small, tmp_path_factory) -> Tiny:
+    from fastdet.engine import dist
+    from fastdet.engine.trainer import Trainer
+    from fastdet.train import build_parser, resolve_config
+
+    arch = request.param
+    out = tmp_path_factory.mktemp(f"tiny_{arch}")
+    args = build_parser().parse_args([
+        "--arch", arch, "--size", ARCHITECTURES[arch].sizes[0], "--data", str(demo_small),
+        "--device", "cpu", "--img-size", str(IMG), "--no-multiscale", "--batch-size", "4",
+        "--max-steps", "2", "--output-dir", str(out), "--workers", "0",
+        "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2"])
+    torch.manual_seed(0)
+    trainer = Trainer(resolve_config(args))
+    try:
+        stats = trainer.train()
+    finally:
+        dist.shutdown()
+    return Tiny(arch, out, trainer, stats)
+
+
+@pytest.fixture(scope="module")
+def det(tiny):
+    """The fused EMA detector of the tiny checkpoint (loading takes seconds on a busy CPU)."""
+    return load_detector(tiny.ckpt)
+
+
+def val_images(demo_small: Path, n: int = 3) -> list[np.ndarray]:
+    files = sorted((demo_small / "val2017").glob("*.jpg"))[:n]
+    return [decode_image(str(f)) for f in files]
+
+
+def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- load_detector
+
+def test_load_detector_matches_the_trainers_eval_model(tiny, det, demo_small):
+    images, _ = preprocess_images(val_images(demo_small), det.info.preprocess, IMG)
+    evaluated = tiny.trainer.ema.module.eval()  # what Trainer.evaluate scores
+    with torch.no_grad():
+        ref = evaluated(images)
+        plain = load_detector(tiny.ckpt, fuse=False)(images)
+        fused = det(images)
+    for r, p, f in zip(ref, plain, fused):
+        assert torch.equal(r, p)
+        torch.testing.assert_close(f, r, atol=2e-4, rtol=1e-4)
+    raw = load_detector(tiny.ckpt, ema=False, fuse=False)
+    with torch.no_grad():
+        assert torch.equal(raw(images)[1], tiny.trainer.model.eval()(images)[1])
+    assert not raw.training and raw.info.weights == "model"
+
+
+def test_load_detector_carries_names_preprocessing_and_nms(tiny, det):
+    info = det.info
+    assert info.arch == tiny.arch and info.img_size == IMG
+    assert info.class_names == ("circle", "rectangle", "triangle", "cross")
+    assert info.cat_ids == (1, 3, 7, 12)
+    assert info.preprocess == ARCHITECTURES[tiny.arch].preprocess
+    assert info.predict_kwargs == {"score_thresh": 0.01, "iou_thresh": 0.7, "max_det": 300, "pre_nms_topk": 1000}
+
+
+def test_detect_maps_boxes_to_original_pixels(det, demo_small):
+    imgs = val_images(demo_small, 2)
+    out = detect(det, imgs, score_thresh=LOW_THRESH)
+    batch, scales = preprocess_images(imgs, det.info.preprocess, IMG)
+    dets = det.predict(batch, **{**det.info.predict_kwargs, "score_thresh": LOW_THRESH})
+    assert sum(len(o["scores"]) for o in out) > 0
+    for o, d, s, img in zip(out, dets, scales, imgs):
+        h, w = img.shape[:2]
+        torch.testing.assert_close(o["boxes"], boxes_to_original(d["boxes"], s, (h, w)))
+        assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
+
+
+def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det):
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(os.urandom(512))
+    plain = tmp_path / "state_dict.pth"
+    torch.save(det.state_dict(), plain)
+    cut = tmp_path / "truncated.pth"
+    cut.write_bytes(tiny.ckpt.read_bytes()[:4096])
+    for path in (junk, plain, cut):
+        with pytest.raises(CheckpointError) as e:
+            load_detector(path)
+        msg = str(e.value)
+        assert "\n" not in msg and str(path) in msg and "not a fastdet checkpoint" in msg, msg
+
+
+# --------------------------------------------------------------------------- fastdet.predict
+
+def test_predict_cli_draws_each_image_and_writes_coco_results(tiny, det, demo_small, tmp_path):
+    from pycocotools.coco import COCO
+
+    src = tmp_path / "src"
+    src.mkdir()
+    files = sorted((demo_small / "val2017").glob("*.jpg"))[:5]
+    for f in files:
+        shutil.copy(f, src / f.name)
+    (src / "000009999999.jpg").write_bytes(b"\xff\xd8 not a jpeg")  # corrupt: a counted skip
+    (src / "notes.txt").write_text("not an image")  # not an image file: ignored
+    out = tmp_path / "out"
+    r = run([sys.executable, "-m", "fastdet.predict", "--ckpt", str(tiny.ckpt), "--source", str(src),
+             "--output-dir", str(out), "--score-thresh", str(LOW_THRESH), "--batch-size", "2",
+             "--device", "cpu"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = r.stdout.strip().splitlines()[-1]
+    assert "predicted 5 image(s)" in summary and "skipped 1 unreadable file(s)" in summary, summary
+    assert "000009999999.jpg" in summary
+    assert sorted(p.name for p in out.glob("*.jpg")) == [f.name for f in files]
+    drawn = decode_image(str(out / files[0].name))
+    assert drawn.shape == decode_image(str(files[0])).shape  # drawn on the original
+    results = json.loads((out / "predictions.json").read_text())
+    assert results and {r["file_name"] for r in results} <= {f.name for f in files}
+    gt = COCO(str(demo_small / "annotations" / "instances_val2017.json"))
+    dt = gt.loadRes(results)  # numeric stems are the COCO image ids
+    assert len(dt.getAnnIds()) == len(results)
+    # The JSON holds what detect() gives on the same batch, in original pixels (COCO xywh).
+    first = detect(det, [decode_image(str(f)) for f in files[:2]], score_thresh=LOW_THRESH)[0]
+    mine = [r for r in results if r["file_name"] == files[0].name]
+    assert len(mine) == len(first["scores"])
+    if mine:
+        b = first["boxes"][0].tolist()
+        assert mine[0]["bbox"] == pytest.approx([b[0], b[1], b[2] - b[0], b[3] - b[1]], abs=0.02)
+        assert mine[0]["category_id"] == det.info.cat_ids[int(first["labels"][0])]
+
+
+def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tmp_path, capsys):
+    from fastdet.predict import main
+
+    image = str(sorted((demo_small / "val2017").glob("*.jpg"))[0])
+    out = tmp_path / "never"
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"hello")
+    base = ["--ckpt", str(tiny.ckpt), "--source", image, "--output-dir", str(out)]
+    for argv, needle in ((base + ["--score-thresh", "2"], "--score-thresh"),
+                         (base + ["--img-size", "50"], "--img-size"),
+                         (base + ["--batch-size", "0"], "--batch-size"),
+                         (base[:2] + ["--source", str(tmp_path / "nothing*.png")] + base[4:], "matches no files"),
+                         (base[:2] + ["--source", str(tmp_path / "missing.jpg")] + base[4:], "no such file"),
+                         (["--ckpt", str(junk)] + base[2:], "not a fastdet checkpoint")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- predictions while training
+
+def test_training_logs_val_predictions(tiny):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pic = tiny.out / "val_predictions.jpg"
+    img = decode_image(str(pic))
+    assert img.shape[0] >= 2 * 320 and img.shape[1] >= 4 * 320  # 8 tiles, 4 per row
+    acc = EventAccumulator(str(tiny.out / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    assert "val/predictions" in acc.Tags()["images"]
+    assert [e.step for e in acc.Images("val/predictions")] == [tiny.trainer.step]
+    final = [l for l in (tiny.out / "train.log").read_text().splitlines() if "final:" in l]
+    assert final and str(pic) in final[-1]
