@@ -111,6 +111,13 @@ class WithNMS(nn.Module):
 
 # --------------------------------------------------------------------------- export + check
 
+def has_standard_nms(detector: nn.Module) -> bool:
+    """True when ``detector.predict`` is the base multiclass NMS that ``WithNMS`` reproduces
+    (a family with its own NMS, e.g. Matrix NMS, overrides ``predict``)."""
+    from fastdet.models import Detector
+
+    return type(detector).predict is Detector.predict
+
 def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_batch: bool = False,
                 nms: bool = False, predict_kwargs: dict[str, Any] | None = None) -> Path:
     """Write the ONNX model of ``detector`` (eval mode, on the CPU) to ``output``; checked with onnx.checker."""
@@ -121,6 +128,9 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
     names = OUTPUTS_DENSE
     table = None
     if nms:
+        if not has_standard_nms(detector):
+            raise ValueError(f"--nms: {type(detector).__name__} has its own NMS (its predict), which the ONNX "
+                             "NonMaxSuppression op does not reproduce: export without --nms")
         kw = predict_kwargs or detector.info.predict_kwargs
         module = WithNMS(detector, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"])
         names = OUTPUTS_NMS
@@ -209,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(det.info.predict_kwargs)
     if args.score_thresh is not None:
         kw["score_thresh"] = args.score_thresh
-    path = export_onnx(det, args.output, size, args.dynamic_batch, args.nms, kw)
+    try:
+        path = export_onnx(det, args.output, size, args.dynamic_batch, args.nms, kw)
+    except ValueError as e:
+        print(f"fastdet.export: error: {e}", file=sys.stderr)
+        return 2
     # A check input: random pictures through the real preprocessing; 2 images where N is dynamic.
     g = torch.Generator().manual_seed(0)
     pics = [torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8)

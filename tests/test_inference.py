@@ -217,7 +217,7 @@ def perturbed(det):
 def onnx_files(tiny, det, tmp_path_factory):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    from fastdet.export import export_onnx
+    from fastdet.export import export_onnx, has_standard_nms
 
     out = tmp_path_factory.mktemp(f"onnx_{tiny.arch}")
     cli = run([sys.executable, "-m", "fastdet.export", "--ckpt", str(tiny.ckpt), "--format", "onnx",
@@ -227,7 +227,8 @@ def onnx_files(tiny, det, tmp_path_factory):
         "cli": cli,
         "dynamic": out / "dynamic.onnx",
         "static": export_onnx(det, out / "static.onnx", IMG),
-        "nms": export_onnx(perturbed(det), out / "nms.onnx", IMG, dynamic_batch=True, nms=True, predict_kwargs=kw),
+        "nms": (export_onnx(perturbed(det), out / "nms.onnx", IMG, dynamic_batch=True, nms=True, predict_kwargs=kw)
+                if has_standard_nms(det) else None),
     }
 
 
@@ -264,6 +265,8 @@ def test_onnx_dense_outputs_match_load_detector(det, onnx_files, demo_small, kin
 def test_onnx_nms_matches_predict(det, onnx_files, demo_small):
     import onnx
 
+    if onnx_files["nms"] is None:
+        pytest.skip(f"{type(det).__name__} has its own NMS: --nms is refused (dense export only)")
     ops = {n.op_type for n in onnx.load(str(onnx_files["nms"])).graph.node}
     assert "NonMaxSuppression" in ops
     det = perturbed(det)
@@ -296,3 +299,19 @@ def test_export_cli_prints_the_difference(tiny, onnx_files, tmp_path, capsys):
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_export_nms_refuses_a_family_with_its_own_nms(det, tmp_path):
+    import copy
+
+    from fastdet.export import export_onnx
+
+    class OwnNMS(type(det)):
+        def predict(self, images, **kw):
+            return []
+
+    own = copy.deepcopy(det)
+    own.__class__ = OwnNMS
+    with pytest.raises(ValueError, match="--nms: OwnNMS has its own NMS"):
+        export_onnx(own, tmp_path / "x.onnx", IMG, nms=True)
+    assert not (tmp_path / "x.onnx").exists()
