@@ -12,21 +12,22 @@ output is ``[B, na (IoU logits, iou_aware only) + na * (5 + C), H, W]``; the gri
 come from :func:`fastdet.ops.yolo_targets` (Paddle's ``Gt2YoloTarget``) inside the step.
 
 Parameters and FLOPs (80 classes, 608x608, ``fastdet.models.flops``; BatchNorm running
-statistics are buffers, not counted; FLOPs = 2 x MACs of convolutions, DCN included):
+statistics are buffers, not counted; FLOPs = 2 x MACs of convolutions, DCN counted as
+the convolution it modulates):
 
-======================  ==========  ==========  =========================================
-preset                  params      GFLOPs@608  PaddleDetection 2.6
-======================  ==========  ==========  =========================================
-r50vd_dcn               47.05 M     see test    47.05 M (its modules built from the config)
-r18vd                   13.14 M     see test    13.14 M
-======================  ==========  ==========  =========================================
+==========  =========  ===================  =====================  ==========================
+preset      params     PaddleDetection 2.6  GFLOPs@608 (2 x MAC)   GMACs@608
+==========  =========  ===================  =====================  ==========================
+r50vd_dcn   47.046 M   47.05 M              102.00                 51.00 (paper: "45.12 G")
+r18vd       13.136 M   13.14 M              32.76                  16.38 (not published)
+==========  =========  ===================  =====================  ==========================
 
 ``tests/test_ppyolo.py::test_params_and_flops_table`` prints the measured table. The paper's
-Table (and PaddleDetection's configs/ppyolo/README.md) lists 44.93 M for R50vd-DCN; we
+table (and PaddleDetection's configs/ppyolo/README.md) lists 44.93 M for R50vd-DCN; we
 match 47.05 M, the model PaddleDetection 2.6 actually builds from the released config,
-because that is the model whose weights and training recipe are published. The paper's
-figure is from the older static-graph code (its head and DCN counting differ), which no
-released config reproduces.
+because that is the model whose weights and training recipe are published and which
+the 1 % check can be run against. The paper's figure comes from its ablation table
+(rows I-K); no released config builds a model of that size, so it cannot be checked.
 """
 
 from __future__ import annotations
