@@ -17,8 +17,12 @@ reference, in which case that reference is the faster path the dispatch should d
 to (``fastdet.ops.dispatch.DEFAULTS``).
 
 Sizes (production: B=64 images, M=100 GT slots, A=8400 anchors at 640 px, C=80 classes;
-EMA over PP-YOLOE-s, ~8.1 M values in ~500 tensors): ``production`` on CUDA,
-``cpu`` (B=8 for the assigners and IoU) on the CPU, ``quick`` with ``--quick``.
+EMA over PP-YOLOE-s, ~8.1 M values in ~500 tensors; FCOS: B=16, M=100, A=22400 points at
+800x1344, and focal loss over [B, A, 80]): ``production`` on CUDA, ``cpu`` (B=8 for the
+assigners and IoU, B=2 for the focal loss, FCOS assignment at full size) on the CPU,
+``quick`` with ``--quick``.
+
+    python bench/kernels.py --device cpu --threads 1 --only fcos focal   # FCOS's ops
 """
 
 from __future__ import annotations
@@ -48,9 +52,12 @@ from fastdet.ops import _ext, assigners, dispatch, reference  # noqa: E402
 from fastdet.ops.synthetic import assign_inputs, ema_tensor_shapes, random_boxes  # noqa: E402
 
 SIZES = {
-    "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80), yolo=(64, 50, 608, 80)),
-    "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80), yolo=(8, 50, 608, 80)),
-    "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80), yolo=(2, 20, 320, 80)),
+    "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80),
+                       fcos=(16, 100, 800, 1344), focal=(16, 800, 1344, 80)),
+    "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80),
+                fcos=(16, 100, 800, 1344), focal=(2, 800, 1344, 80)),
+    "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80),
+                  fcos=(2, 20, 256, 320), focal=(2, 256, 320, 80)),
 }
 
 
@@ -301,34 +308,72 @@ def bench_assign(device, size) -> list[Bench]:
     return out
 
 
-def bench_yolo_targets(device, size) -> list[Bench]:
-    """PP-YOLO R50's grid targets (3 levels, 9 anchors) from B images of M padded boxes."""
-    from fastdet.models.ppyolo import SIZES as PPYOLO
-    from fastdet.ops.yolo import anchor_tables, yolo_targets_reference
+def fcos_inputs(B: int, M: int, h: int, w: int, seed: int = 0, device=None):
+    """FCOS points of an ``h`` x ``w`` input and ``M`` padded GT slots per image, about 3/4
+    of them real, of every scale (8 to 800 px) so that each level gets positives."""
+    from fastdet.models.fcos import feature_shapes, level_points
 
-    B, M, img, C = size
-    p = PPYOLO["r50vd_dcn"]
-    g = torch.Generator().manual_seed(0)
-    xy = torch.rand(B, M, 2, generator=g) * img
-    wh = torch.rand(B, M, 2, generator=g) ** 2 * img * 0.5 + 2
-    boxes = torch.cat([xy - wh / 2, xy + wh / 2], -1).clamp(0, img).to(device)
-    labels = torch.randint(0, C, (B, M), generator=g).to(device)
-    mask = (torch.rand(B, M, generator=g) < 0.6).to(device)
-    scores = mask.float()
-    args = (boxes, labels, mask, scores, p.anchors, p.anchor_masks, p.strides, (img, img), C)
-    cells = sum(3 * (img // s) ** 2 for s in p.strides)
-    bench = Bench("yolo_targets", f"B={B} M={M} {img}px C={C} ({int(mask.sum())} real GTs)",
-                  B * M * 40 + B * cells * (6 + C) * 4)
-    bench.variants.append(Variant("reference", lambda: yolo_targets_reference(*args), "library", peak=True))
-    cref = _compiled(yolo_targets_reference)
+    points, strides, ranges = level_points(feature_shapes(h, w))
+    g = torch.Generator().manual_seed(seed)
+    wh = 8 * torch.exp(torch.rand(B, M, 2, generator=g) * math.log(100))
+    ctr = torch.rand(B, M, 2, generator=g) * torch.tensor([w, h])
+    boxes = torch.cat([ctr - wh / 2, ctr + wh / 2], -1).clamp(min=0).minimum(torch.tensor([w, h, w, h]))
+    labels = torch.randint(0, 80, (B, M), generator=g)
+    mask = torch.rand(B, M, generator=g) < 0.75
+    return tuple(x.to(device) for x in (points, strides, ranges, boxes, labels, mask))
+
+
+def bench_fcos_assign(device, size) -> list[Bench]:
+    from fastdet.ops import fcos as fcos_ref
+
+    B, M, h, w = size
+    args = fcos_inputs(B, M, h, w, device=device)
+    A = args[0].shape[0]
+    # Reads points, strides, ranges and the GT; writes two [B, A] int64.
+    nbytes = A * 20 + B * M * (16 + 8 + 1) + B * A * 16
+    bench = Bench("fcos_assign", f"B={B} M={M} A={A} ({h}x{w}, {int(args[5].sum())} real GTs)", nbytes)
+    ref = fcos_ref.fcos_assign
+    bench.variants.append(Variant("reference", lambda: ref(*args), "library", peak=True))
+    cref = _compiled(ref)
     bench.variants.append(Variant("reference compiled", lambda: cref(*args), "compiled", peak=True))
-    level, slot = anchor_tables(len(p.anchors), p.anchor_masks)
-    flat = [float(v) for a in p.anchors for v in a]
     for be in kernel_backends(device):
-        if be == "triton":
-            continue  # none: the op is a sliver of a step (see fastdet/ops/yolo.py)
-        bench.variants.append(Variant(f"fastdet {be}", lambda: torch.ops.fastdet.yolo_targets(
-            boxes, labels, mask, scores, flat, level, slot, list(p.strides), img, img, C), "kernel", peak=True))
+        kop = _ns(be).fcos_assign
+        bench.variants.append(Variant(f"fastdet {be}", lambda kop=kop: kop(*args, 1.5), "kernel", peak=True))
+    return [bench]
+
+
+def bench_focal(device, size) -> list[Bench]:
+    """Forward + backward of the summed sigmoid focal loss over FCOS's [B, A, C] logits:
+    torchvision's (FCOS's default) against fastdet.losses' one-node form, eager and compiled."""
+    import torchvision
+
+    from fastdet.losses import sigmoid_focal_loss
+    from fastdet.models.fcos import feature_shapes
+
+    B, h, w, C = size
+    A = sum(fh * fw for fh, fw in feature_shapes(h, w))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, A, C, generator=g).to(device).requires_grad_()
+    t = (torch.rand(B, A, C, generator=g) < 0.002).float().to(device)
+    nbytes = B * A * C * 4 * 4  # reads logits and targets, writes the gradient, at least
+
+    def run(fn):
+        def go():
+            (gx,) = torch.autograd.grad(fn(x, t), x)
+            return gx
+        return go
+
+    def tv(x, t):
+        return torchvision.ops.sigmoid_focal_loss(x, t, 0.25, 2.0, "sum")
+
+    def fused(x, t):
+        return sigmoid_focal_loss(x, t, 0.25, 2.0)
+
+    bench = Bench("sigmoid_focal_loss fwd+bwd", f"[{B},{A},{C}] logits", nbytes)
+    bench.variants.append(Variant("torchvision", run(tv), "library", peak=True))
+    bench.variants.append(Variant("torchvision compiled", run(_compiled(tv)), "compiled", peak=True))
+    bench.variants.append(Variant("fastdet fused", run(fused), "kernel", peak=True))
+    bench.variants.append(Variant("fastdet fused compiled", run(_compiled(fused)), "kernel", peak=True))
     return [bench]
 
 
@@ -426,7 +471,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "yolo"),
+    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "fcos", "focal"),
                         help="run only these benches")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (at most)")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timing per variant (at most)")
@@ -440,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--device cuda: no CUDA device is available")
     preset = "quick" if args.quick else ("production" if device.type == "cuda" else "cpu")
     sizes = SIZES[preset]
-    only = set(args.only or ("iou", "giou", "ema", "assign", "yolo"))
+    only = set(args.only or ("iou", "giou", "ema", "assign", "fcos", "focal"))
     _ext.load()
     print(f"fastdet kernel benchmarks on {device} ({preset} sizes); extension: {_ext.variant() or _ext.error()}")
     warmup = 3 if device.type == "cuda" else 1
@@ -448,8 +493,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     # The assigners and the EMA first: the figures the issue's targets name, kept if a
     # time limit stops the run (the JSON is rewritten after every op).
     groups = [("assign", lambda: bench_assign(device, sizes["assign"])), ("ema", lambda: bench_ema(device)),
-              ("giou", lambda: bench_giou_loss(device, sizes["giou"])), ("iou", lambda: bench_iou(device, sizes["iou"])),
-              ("yolo", lambda: bench_yolo_targets(device, sizes["yolo"]))]
+              ("fcos", lambda: bench_fcos_assign(device, sizes["fcos"])),
+              ("focal", lambda: bench_focal(device, sizes["focal"])),
+              ("giou", lambda: bench_giou_loss(device, sizes["giou"])), ("iou", lambda: bench_iou(device, sizes["iou"]))]
     report = {
         "schema": "fastdet.bench.kernels/1",
         "device": device.type,

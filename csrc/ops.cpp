@@ -68,6 +68,9 @@ TORCH_LIBRARY(fastdet, m) {
   m.def(
       "yolo_targets(Tensor gt_boxes, Tensor gt_labels, Tensor gt_mask, Tensor gt_scores, float[] anchors, "
       "int[] anchor_level, int[] anchor_slot, int[] strides, int img_h, int img_w, int num_classes) -> Tensor[]");
+  m.def(
+      "fcos_assign(Tensor points, Tensor strides, Tensor size_ranges, Tensor gt_boxes, Tensor gt_labels, "
+      "Tensor gt_mask, float radius) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastdet, CPU, m) {

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fastdet.ops import giou_loss
 
-__all__ = ["varifocal_loss", "distribution_focal_loss", "giou_loss", "all_reduce_mean"]
+__all__ = ["varifocal_loss", "distribution_focal_loss", "sigmoid_focal_loss", "giou_loss", "all_reduce_mean"]
 
 
 def varifocal_loss(logits: Tensor, gt_score: Tensor, label: Tensor, alpha: float = 0.75, gamma: float = 2.0) -> Tensor:
@@ -56,6 +56,47 @@ def distribution_focal_loss(pred_dist: Tensor, target: Tensor) -> Tensor:
     nll_left = -logp.gather(-1, left[..., None]).squeeze(-1)
     nll_right = -logp.gather(-1, right[..., None]).squeeze(-1)
     return nll_left * w_left + nll_right * w_right
+
+
+class _SigmoidFocalLoss(torch.autograd.Function):
+    """Summed sigmoid focal loss with a closed-form backward that keeps only the logits and
+    targets (torchvision's autograd graph keeps about six [..., C] intermediates)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, alpha: float, gamma: float) -> Tensor:
+        ctx.save_for_backward(logits, targets)
+        ctx.alpha, ctx.gamma = alpha, gamma
+        return _focal_terms(logits, targets, alpha, gamma)[0].sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets = ctx.saved_tensors
+        _, p, ce, q, w = _focal_terms(logits, targets, ctx.alpha, ctx.gamma)
+        # d/dx [w ce q^g] = w (dce q^g + ce g q^(g-1) dq), dce = p - t, dq = -p (1 - p) (2t - 1)
+        g = ctx.gamma
+        dq = -p * (1 - p) * (2 * targets - 1)
+        d = w * ((p - targets) * q.pow(g) + ce * g * q.pow(g - 1) * dq)
+        return grad * d, None, None, None
+
+
+def _focal_terms(x: Tensor, t: Tensor, alpha: float, gamma: float):
+    p = x.sigmoid()
+    ce = F.binary_cross_entropy_with_logits(x, t, reduction="none")
+    q = p + t - 2 * p * t  # 1 - p_t
+    w = alpha * t + (1 - alpha) * (1 - t) if alpha >= 0 else torch.ones_like(t)
+    return w * ce * q.pow(gamma), p, ce, q, w
+
+
+def sigmoid_focal_loss(logits: Tensor, targets: Tensor, alpha: float = 0.25, gamma: float = 2.0) -> Tensor:
+    """Sigmoid focal loss (Lin et al. 2017), summed; ``torchvision.ops.sigmoid_focal_loss``
+    with ``reduction="sum"``, in one fused autograd node (``gamma >= 1``).
+
+    Args:
+        logits: [..., C] classification logits; targets: [..., C] in [0, 1] (one-hot).
+    """
+    if gamma < 1:
+        raise ValueError(f"sigmoid_focal_loss: gamma must be >= 1 for the fused backward, got {gamma}")
+    return _SigmoidFocalLoss.apply(logits, targets, alpha, gamma)
 
 
 def all_reduce_mean(x: Tensor) -> Tensor:

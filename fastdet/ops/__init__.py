@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fastdet.ops import assigners as _assigners
+from fastdet.ops import fcos as _fcos
 from fastdet.ops import reference as _reference
 from fastdet.ops.dispatch import backend_for, set_backend, use_backend
 from fastdet.ops.yolo import yolo_targets
@@ -31,6 +32,7 @@ __all__ = [
     "task_aligned_assign",
     "atss_assign",
     "yolo_targets",
+    "fcos_assign",
     "backend_for",
     "set_backend",
     "use_backend",
@@ -194,3 +196,40 @@ def atss_assign(
         anchors.detach().to(kdtype), counts, gt_labels, gt_bboxes.detach().to(kdtype),
         pad_gt_mask.detach().to(kdtype), pred, bg_index, C, topk, 1e-9)
     return labels, bboxes.to(dtype), scores.to(dtype)
+
+
+def fcos_assign(
+    points: Tensor,
+    strides: Tensor,
+    size_ranges: Tensor,
+    gt_boxes: Tensor,
+    gt_labels: Tensor,
+    gt_mask: Tensor,
+    radius: float = 1.5,
+) -> tuple[Tensor, Tensor]:
+    """FCOS assignment (centre sampling, level ranges, smallest box); semantics of ``fcos.fcos_assign``.
+
+    ``points [A, 2]`` px, ``strides [A]``, ``size_ranges [A, 2]`` (lo, hi) px, ``gt_boxes
+    [B, M, 4]`` xyxy px, ``gt_labels [B, M]``, ``gt_mask [B, M]``. Returns ``(assigned_gt
+    [B, A] int64, assigned_labels [B, A] int64)``, -1 for background. The kernels work
+    point by point (no ``[B, M, A]`` tensor) in float32; other box dtypes use the reference.
+    """
+    A = points.shape[0]
+    if points.dim() != 2 or points.shape[1] != 2:
+        raise ValueError(f"fastdet.ops.fcos_assign: points must be [A, 2], got {tuple(points.shape)}")
+    if strides.shape != (A,) or size_ranges.shape != (A, 2):
+        raise ValueError(f"fastdet.ops.fcos_assign: strides must be [{A}] and size_ranges [{A}, 2], got "
+                         f"{tuple(strides.shape)} and {tuple(size_ranges.shape)}")
+    if gt_boxes.dim() != 3 or gt_boxes.shape[-1] != 4:
+        raise ValueError(f"fastdet.ops.fcos_assign: gt_boxes must be [B, M, 4], got {tuple(gt_boxes.shape)}")
+    B, M = gt_boxes.shape[:2]
+    if gt_labels.numel() != B * M or gt_mask.numel() != B * M:
+        raise ValueError(f"fastdet.ops.fcos_assign: gt_labels and gt_mask must be [{B}, {M}], got "
+                         f"{tuple(gt_labels.shape)} and {tuple(gt_mask.shape)}")
+    backend = _backend("fcos_assign", gt_boxes)
+    if backend == "torch" or gt_boxes.dtype != torch.float32:
+        return _fcos.fcos_assign(points, strides, size_ranges, gt_boxes, gt_labels, gt_mask, radius)
+    f32 = torch.float32
+    return _ns(backend).fcos_assign(
+        points.detach().to(f32), strides.detach().to(f32), size_ranges.detach().to(f32), gt_boxes.detach(),
+        gt_labels.reshape(B, M).long(), gt_mask.reshape(B, M).bool(), float(radius))

@@ -37,9 +37,13 @@ import torch
 log = logging.getLogger(__name__)
 
 NAMESPACE = "fastdet"
-CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp", "yolo_targets_cpu.cpp")
-CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu", "yolo_targets_cuda.cpp", "yolo_targets.cu")
-HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h", "yolo_targets.h", "yolo_targets_cuda.h")  # ninja tracks them through -MMD
+CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp", "yolo_targets_cpu.cpp",
+               "fcos_cpu.cpp")
+CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu", "yolo_targets_cuda.cpp", "yolo_targets.cu", "fcos_cuda.cpp",
+                "fcos.cu")
+# ninja tracks the headers through -MMD
+HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h", "yolo_targets.h", "yolo_targets_cuda.h", "fcos.h",
+           "fcos_cuda.h")
 # Hopper (H100/H200) unless the caller says otherwise; only used when no GPU is visible
 # (with a GPU, torch builds for the GPU it sees).
 DEFAULT_CUDA_ARCH = "9.0"
@@ -258,6 +262,11 @@ def _yolo_targets_fake(gt_boxes, gt_labels, gt_mask, gt_scores, anchors, anchor_
             for lvl, s in enumerate(strides)]
 
 
+def _fcos_fake(points, strides, size_ranges, gt_boxes, gt_labels, gt_mask, radius):
+    B, A = gt_boxes.shape[0], points.shape[0]
+    return gt_boxes.new_empty((B, A), dtype=torch.int64), gt_boxes.new_empty((B, A), dtype=torch.int64)
+
+
 def _giou_setup_context(ctx, inputs, output):
     pred, target, eps = inputs
     ctx.save_for_backward(pred, target)
@@ -280,4 +289,5 @@ def _register_python_side() -> None:
     torch.library.register_fake(f"{ns}::task_aligned_assign")(_tal_fake)
     torch.library.register_fake(f"{ns}::atss_assign")(_atss_fake)
     torch.library.register_fake(f"{ns}::yolo_targets")(_yolo_targets_fake)
+    torch.library.register_fake(f"{ns}::fcos_assign")(_fcos_fake)
     torch.library.register_autograd(f"{ns}::giou_loss", _giou_backward, setup_context=_giou_setup_context)

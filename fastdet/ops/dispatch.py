@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "cuda", "cpp", "torch")
 OPS = ("box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_aligned_assign", "atss_assign",
-       "yolo_targets")
+       "yolo_targets", "fcos_assign")
 
 # Which back ends can run tensors of each device type, in fallback order.
 _SERVES = {"cpu": ("cpp", "triton", "torch"), "cuda": ("triton", "cuda", "torch")}
@@ -56,6 +56,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "task_aligned_assign": "cpp",
         "atss_assign": "cpp",
         "yolo_targets": "cpp",
+        "fcos_assign": "cpp",
     },
     ("cpu", True): {
         "box_iou": "cpp",
@@ -65,6 +66,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "task_aligned_assign": "cpp",
         "atss_assign": "cpp",
         "yolo_targets": "cpp",
+        "fcos_assign": "cpp",
     },
     # Not measured yet (no GPU was lent when these were set): the GPU kernels are the
     # default until ``bench/kernels.py --device cuda`` says otherwise. The CUDA EMA needs
@@ -78,6 +80,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "task_aligned_assign": "cuda",
         "atss_assign": "cuda",
         "yolo_targets": "cuda",
+        "fcos_assign": "cuda",
     },
     ("cuda", True): {
         "box_iou": "triton",
@@ -87,6 +90,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "task_aligned_assign": "cuda",
         "atss_assign": "cuda",
         "yolo_targets": "cuda",
+        "fcos_assign": "cuda",
     },
 }
 

@@ -1,0 +1,299 @@
+"""FCOS R50-FPN (Tian et al. 2019): FPN with P6/P7, the shared FCOS head with its loss, the r50 preset.
+
+Follows PaddleDetection's fcos_r50_fpn_1x (configs/fcos/_base_/fcos_r50_fpn.yml;
+ppdet/modeling/necks/fpn.py, heads/fcos_head.py, losses/fcos_loss.py,
+data/transform/batch_operators.py ``Gt2FCOSTarget``), built from torchvision's ResNet-50
+(:mod:`fastdet.models.backbones.resnet`). Where torchvision's ``fcos_resnet50_fpn``
+differs (no per-level scale, sqrt score, GIoU not centerness-weighted) Paddle is followed.
+
+Levels are ordered finest first: strides 8, 16, 32, 64, 128 (A = sum of H_l * W_l).
+Points sit at ``(i + 0.5) * stride`` (Paddle ``num_shift`` 0.5). Regression is in stride
+units (``norm_reg_targets``): the head predicts ``relu(scale_l * conv)`` = ltrb / stride.
+Targets are built on the device inside the loss from the padded ground truth
+(``fastdet.ops.fcos_assign``), not in data-loader workers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.ops import sigmoid_focal_loss
+
+from fastdet.data.preprocess import Preprocess
+from fastdet.losses import all_reduce_mean, giou_loss
+from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
+from fastdet.models.detector import ArchFamily, Detector, multiclass_nms
+from fastdet.ops import fcos_assign
+
+SIZES = {"r50": 50}
+STRIDES = (8, 16, 32, 64, 128)
+# Paddle object_sizes_boundary [64, 128, 256, 512]: the range of max(l, t, r, b) per level.
+SIZE_RANGES = ((0.0, 64.0), (64.0, 128.0), (128.0, 256.0), (256.0, 512.0), (512.0, math.inf))
+
+
+def xavier_uniform_(conv: nn.Conv2d, fan_out: int) -> None:
+    """Paddle ``XavierUniform(fan_out=...)``: U(+-sqrt(6 / (fan_in + fan_out))), zero bias."""
+    fan_in = conv.in_channels * math.prod(conv.kernel_size)
+    a = math.sqrt(6.0 / (fan_in + fan_out))
+    nn.init.uniform_(conv.weight, -a, a)
+    nn.init.zeros_(conv.bias)
+
+
+def feature_shapes(h: int, w: int, strides: Sequence[int] = STRIDES) -> list[tuple[int, int]]:
+    """(H, W) of every level for an ``h`` x ``w`` input (multiples of 32): ``h / s`` up to
+    stride 32, then halved with rounding up by the stride-2 P6/P7 convs."""
+    shapes = []
+    for s in strides:
+        if s <= 32:
+            shapes.append((h // s, w // s))
+        else:
+            ph, pw = shapes[-1]
+            shapes.append((-(-ph // 2), -(-pw // 2)))
+    return shapes
+
+
+def level_points(shapes: Sequence[Sequence[int]], strides: Sequence[int] = STRIDES,
+                 size_ranges: Sequence[tuple[float, float]] = SIZE_RANGES,
+                 device: Optional[torch.device] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """-> points [A, 2] px at ``(i + 0.5) * stride``, stride per point [A], size range per point [A, 2]."""
+    points, stride_list, ranges = [], [], []
+    for (h, w), s, rng in zip(shapes, strides, size_ranges):
+        h, w = int(h), int(w)
+        ys = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) * s
+        xs = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) * s
+        yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+        points.append(torch.stack([xx, yy], dim=-1).reshape(-1, 2))
+        stride_list.append(torch.full((h * w,), float(s), device=device))
+        ranges.append(torch.tensor(rng, device=device, dtype=torch.float32).expand(h * w, 2))
+    return torch.cat(points), torch.cat(stride_list), torch.cat(ranges)
+
+
+# --------------------------------------------------------------------------- neck
+
+
+class FPN(nn.Module):
+    """FPN over C3-C5 plus P6 (3x3 s2 on P5) and P7 (3x3 s2 on ReLU(P6)); no norm.
+
+    Paddle ``FPN(has_extra_convs=True, extra_stage=2, use_c5=False,
+    relu_before_extra_convs=True)``: 1x1 laterals, nearest x2 top-down sums, 3x3 outputs.
+
+    Args:
+        in_channels: backbone widths, finest first (512, 1024, 2048).
+    Returns (forward): [P3, P4, P5, P6, P7], ``out_channels`` each, strides 8..128.
+    """
+
+    def __init__(self, in_channels: Sequence[int], out_channels: int = 256):
+        super().__init__()
+        self.out_channels = out_channels
+        self.lateral = nn.ModuleList(nn.Conv2d(c, out_channels, 1) for c in in_channels)
+        self.output = nn.ModuleList(nn.Conv2d(out_channels, out_channels, 3, padding=1) for _ in in_channels)
+        self.p6 = nn.Conv2d(out_channels, out_channels, 3, stride=2, padding=1)
+        self.p7 = nn.Conv2d(out_channels, out_channels, 3, stride=2, padding=1)
+        for conv, c in zip(self.lateral, in_channels):
+            xavier_uniform_(conv, fan_out=c)
+        for conv in (*self.output, self.p6, self.p7):
+            xavier_uniform_(conv, fan_out=out_channels * 9)
+
+    def forward(self, feats: Sequence[Tensor]) -> list[Tensor]:
+        lat = [conv(f) for conv, f in zip(self.lateral, feats)]
+        for i in range(len(lat) - 1, 0, -1):
+            lat[i - 1] = lat[i - 1] + F.interpolate(lat[i], scale_factor=2.0, mode="nearest")
+        outs = [conv(x) for conv, x in zip(self.output, lat)]
+        p6 = self.p6(outs[-1])
+        return outs + [p6, self.p7(F.relu(p6))]
+
+
+# --------------------------------------------------------------------------- head
+
+
+def _tower(channels: int, num_convs: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(num_convs):
+        conv = nn.Conv2d(channels, channels, 3, padding=1)
+        nn.init.normal_(conv.weight, std=0.01)
+        nn.init.zeros_(conv.bias)
+        layers += [conv, nn.GroupNorm(32, channels), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+class FCOSHead(nn.Module):
+    """The FCOS head, shared by every level, with its loss.
+
+    Two towers of ``num_convs`` x (3x3 conv -> GroupNorm(32) -> ReLU); class logits on the
+    classification tower; ltrb distances and centerness on the regression tower
+    (``centerness_on_reg``); a learnable scale per level on the distances.
+
+    Args:
+        channels: FPN width (256).
+        strides / size_ranges: per level, finest first.
+        radius: centre-sampling radius in strides (1.5).
+        focal_alpha, focal_gamma: sigmoid focal loss (0.25, 2).
+    """
+
+    def __init__(
+        self,
+        channels: int = 256,
+        num_classes: int = 80,
+        strides: Sequence[int] = STRIDES,
+        size_ranges: Sequence[tuple[float, float]] = SIZE_RANGES,
+        num_convs: int = 4,
+        radius: float = 1.5,
+        focal_alpha: float = 0.25,
+        focal_gamma: float = 2.0,
+        prior_prob: float = 0.01,
+    ):
+        super().__init__()
+        if len(strides) != len(size_ranges):
+            raise ValueError(f"FCOSHead: {len(strides)} strides but {len(size_ranges)} size ranges")
+        self.num_classes = num_classes
+        self.strides = tuple(strides)
+        self.size_ranges = tuple(size_ranges)
+        self.radius = radius
+        self.focal_alpha, self.focal_gamma = focal_alpha, focal_gamma
+        self.cls_tower = _tower(channels, num_convs)
+        self.reg_tower = _tower(channels, num_convs)
+        self.cls_logits = nn.Conv2d(channels, num_classes, 3, padding=1)
+        self.bbox_reg = nn.Conv2d(channels, 4, 3, padding=1)
+        self.centerness = nn.Conv2d(channels, 1, 3, padding=1)
+        for conv in (self.cls_logits, self.bbox_reg, self.centerness):
+            nn.init.normal_(conv.weight, std=0.01)
+            nn.init.zeros_(conv.bias)
+        nn.init.constant_(self.cls_logits.bias, -math.log((1 - prior_prob) / prior_prob))  # sigmoid = 0.01
+        self.scales = nn.Parameter(torch.ones(len(self.strides)))
+
+    def tower_bias_names(self) -> list[str]:
+        """The tower convs' biases, which Paddle trains at twice the LR (ConvNormLayer lr_scale 2)."""
+        return [f"{tower}.{i}.bias" for tower in ("cls_tower", "reg_tower")
+                for i, m in enumerate(getattr(self, tower)) if isinstance(m, nn.Conv2d)]
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def raw_outputs(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """-> class logits [B, A, C], ltrb / stride [B, A, 4] (>= 0), centerness logits [B, A] (float32)."""
+        if len(feats) != len(self.strides):
+            raise ValueError(f"FCOSHead: {len(feats)} feature maps for {len(self.strides)} strides")
+        cls_list, reg_list, ctr_list = [], [], []
+        for i, feat in enumerate(feats):
+            cls_feat = self.cls_tower(feat)
+            reg_feat = self.reg_tower(feat)
+            cls_list.append(self.cls_logits(cls_feat).flatten(2).transpose(1, 2))  # [B, HW, C]
+            reg = F.relu(self.scales[i] * self.bbox_reg(reg_feat))  # [B, 4, H, W]
+            reg_list.append(reg.flatten(2).transpose(1, 2))
+            ctr_list.append(self.centerness(reg_feat).flatten(1))  # [B, HW]
+        return (torch.cat(cls_list, 1).float(), torch.cat(reg_list, 1).float(), torch.cat(ctr_list, 1).float())
+
+    def points(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """-> points [A, 2] px, stride per point [A], size range per point [A, 2] px."""
+        return level_points([f.shape[-2:] for f in feats], self.strides, self.size_ranges, feats[0].device)
+
+    # ------------------------------------------------------------------ inference
+
+    def inference(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """-> boxes [B, A, 4] xyxy input px, scores [B, A, C] = sigmoid(cls) * sigmoid(centerness)."""
+        cls, ltrb, ctr = self.raw_outputs(feats)
+        points, strides, _ = self.points(feats)
+        d = ltrb * strides[:, None]  # [B, A, 4] px
+        boxes = torch.cat([points - d[..., :2], points + d[..., 2:]], dim=-1)
+        return boxes, cls.sigmoid() * ctr.sigmoid()[..., None]
+
+    # ------------------------------------------------------------------ training
+
+    def loss(self, feats: Sequence[Tensor], targets: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Named losses: focal (cls), centerness-weighted GIoU (box), centerness BCE.
+
+        targets: ``gt_boxes`` [B, M, 4] xyxy input px, ``gt_labels`` [B, M], ``gt_mask`` [B, M] bool.
+        """
+        C = self.num_classes
+        cls_logits, ltrb, ctr_logits = self.raw_outputs(feats)  # [B, A, C], [B, A, 4], [B, A]
+        points, strides, ranges = self.points(feats)
+        gt_boxes = targets["gt_boxes"].float()
+        assigned, labels = fcos_assign(points, strides, ranges, gt_boxes, targets["gt_labels"],
+                                       targets["gt_mask"], self.radius)  # [B, A] each, -1 = background
+        fg = assigned >= 0
+        fg_f = fg.float()
+
+        # Targets from the assignment: ltrb of the assigned box in stride units, its centerness.
+        boxes = gt_boxes.gather(1, assigned.clamp(min=0)[..., None].expand(-1, -1, 4))  # [B, A, 4]
+        tgt = torch.cat([points - boxes[..., :2], boxes[..., 2:] - points], dim=-1) / strides[:, None]
+        tgt = torch.where(fg[..., None], tgt, 1.0)  # background: any positive value (masked below)
+        lr, tb = tgt[..., 0::2], tgt[..., 1::2]
+        ctr_t = ((lr.amin(-1) / lr.amax(-1)) * (tb.amin(-1) / tb.amax(-1))).sqrt() * fg_f  # [B, A]
+
+        # Normalisers, averaged over ranks (every rank divides by the same numbers).
+        num_pos = all_reduce_mean(fg_f.sum()).clamp(min=1.0)
+        ctr_sum = all_reduce_mean(ctr_t.sum()).clamp(min=1e-6)
+
+        one_hot = (labels[..., None] == torch.arange(C, device=labels.device)).float()  # background: all 0
+        loss_cls = sigmoid_focal_loss(cls_logits, one_hot, self.focal_alpha, self.focal_gamma, "sum") / num_pos
+
+        # GIoU of boxes relative to their point (stride units): (-l, -t, r, b). Paddle's FCOS
+        # IoU adds 1 to intersection and union (in stride units a strong smoothing); this is
+        # the plain GIoU of torchvision and of fastdet.ops.giou_loss. Background points take
+        # their own detached prediction as target: zero loss, finite gradient.
+        pred_box = torch.cat([-ltrb[..., :2], ltrb[..., 2:]], dim=-1)
+        tgt_box = torch.where(fg[..., None], torch.cat([-tgt[..., :2], tgt[..., 2:]], dim=-1), pred_box.detach())
+        loss_box = (giou_loss(pred_box, tgt_box) * ctr_t).sum() / ctr_sum
+        loss_ctr = (F.binary_cross_entropy_with_logits(ctr_logits, ctr_t, reduction="none") * fg_f).sum() / num_pos
+        return {
+            "total_loss": loss_cls + loss_box + loss_ctr,
+            "loss_cls": loss_cls,
+            "loss_box": loss_box,
+            "loss_ctr": loss_ctr,
+        }
+
+
+# --------------------------------------------------------------------------- model
+
+
+class FCOS(Detector):
+    """FCOS. ``predict`` defaults to Paddle's post-processing: score 0.025, top 1000, NMS 0.6, 100."""
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """Read by ``fastdet.engine.optim.build_param_groups``: tower biases at 2x LR, as Paddle."""
+        return {f"head.{n}": 2.0 for n in self.head.tower_bias_names()}
+
+    @torch.no_grad()
+    def predict(
+        self,
+        images: Tensor,
+        score_thresh: float = 0.025,
+        iou_thresh: float = 0.6,
+        max_det: int = 100,
+        pre_nms_topk: int = 1000,
+    ) -> list[dict[str, Tensor]]:
+        boxes, scores = self(images)
+        return multiclass_nms(boxes, scores, score_thresh, iou_thresh, max_det, pre_nms_topk)
+
+
+def build_fcos(
+    size: str,
+    num_classes: int = 80,
+    *,
+    from_scratch: bool = False,
+    backbone_weights: Optional[str | Path] = None,
+) -> FCOS:
+    """FCOS of ``size`` r50 (ResNet-50 + FPN P3-P7 + FCOSHead).
+
+    ``from_scratch``: trainable BatchNorm and no frozen stages in the backbone (see
+    :mod:`fastdet.models.backbones.resnet` for why a from-scratch run needs both);
+    ``backbone_weights``: a local torchvision-format ResNet-50 state dict to start from.
+    """
+    backbone = ResNetBackbone(SIZES[size], pretrained_form=not from_scratch, freeze_at=0)
+    if backbone_weights is not None:
+        load_backbone_weights(backbone, backbone_weights)
+    neck = FPN(backbone.out_channels, 256)
+    head = FCOSHead(256, num_classes=num_classes)
+    return FCOS(backbone, neck, head)
+
+
+# Paddle fcos_reader.yml: Resize [800, 1333] keep_ratio, interp 1 (linear); ImageNet mean/std.
+FAMILY = ArchFamily(
+    build=build_fcos,
+    sizes=tuple(SIZES),
+    preprocess=Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear"),
+)

@@ -1,0 +1,308 @@
+"""FCOS R50-FPN: registry, the parameter table against torchvision, the frozen and from-scratch
+backbone forms, the contract (losses, gradients exactly where they should be, dense outputs,
+detections), loading a torchvision ResNet-50 state dict, graph capture and compilation,
+and the loss's targets."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torchvision
+from torchvision.ops import FrozenBatchNorm2d
+
+from fastdet.models.fcos import FAMILY, build_fcos
+from fastdet.models.fcos import FCOSHead, feature_shapes
+from fastdet.models.flops import count_flops, count_params
+
+TORCHVISION_PARAMS = 32_269_600  # torchvision fcos_resnet50_fpn, 91-class head
+LOSS_KEYS = {"total_loss", "loss_cls", "loss_box", "loss_ctr"}
+# Ranges / 16, so that a 128-px image has positives on all five levels.
+SMALL_RANGES = ((0.0, 4.0), (4.0, 8.0), (8.0, 16.0), (16.0, 32.0), (32.0, float("inf")))
+
+
+def toy_batch(B: int = 1, img: int = 128):
+    """One box per level for SMALL_RANGES (largest first) and a padded slot holding junk."""
+    g = torch.Generator().manual_seed(0)
+    boxes = torch.tensor([[2.0, 2.0, 126.0, 126.0], [8.0, 8.0, 56.0, 56.0], [36.0, 36.0, 60.0, 60.0],
+                          [18.0, 18.0, 30.0, 30.0], [9.0, 9.0, 15.0, 15.0], [5.0, 5.0, 90.0, 70.0]])
+    targets = dict(
+        gt_boxes=(boxes * img / 128).expand(B, 6, 4).clone(),
+        gt_labels=torch.tensor([[0, 1, 2, 0, 1, 2]]).expand(B, 6).clone(),
+        gt_mask=torch.tensor([[True, True, True, True, True, False]]).expand(B, 6).clone(),
+    )
+    return torch.randn(B, 3, img, img, generator=g), targets
+
+
+def small_model(**options):
+    torch.manual_seed(0)
+    model = build_fcos("r50", num_classes=3, **options)
+    model.head.size_ranges = SMALL_RANGES
+    return model
+
+
+# --------------------------------------------------------------------------- registry, table
+
+
+def test_family_and_its_preprocessing():
+    assert FAMILY.sizes == ("r50",) and FAMILY.build is build_fcos
+    p = FAMILY.preprocess
+    assert (p.resize, p.short, p.max_long, p.interp) == ("keep_ratio", 800, 1333, "linear")
+    assert p.mean == (123.675, 116.28, 103.53) and p.std == (58.395, 57.12, 57.375)
+
+
+def test_params_within_half_a_percent_of_torchvision():
+    """91 classes: torchvision's count + the 5 per-level scales (torchvision has none).
+    FLOPs (2 x MACs, fastdet.models.flops) at 800x1344, the stride-32 canvas of 800x1333."""
+    with torch.device("meta"):
+        model = build_fcos("r50", num_classes=91)
+    params = count_params(model)
+    flops = count_flops(model, (800, 1344))
+    print(f"\nFCOS R50-FPN, 91 classes: {params:,} params (torchvision {TORCHVISION_PARAMS:,}, "
+          f"{params / TORCHVISION_PARAMS - 1:+.5%}); {flops / 1e9:.1f} GFLOPs at 800x1344")
+    assert abs(params / TORCHVISION_PARAMS - 1) < 0.005
+    assert params == TORCHVISION_PARAMS + 5
+    assert 425e9 < flops < 436e9
+
+
+# --------------------------------------------------------------------------- backbone forms
+
+
+def test_pretrained_form_freezes_statistics_stem_and_res2():
+    model = build_fcos("r50", num_classes=3)
+    bb = model.backbone
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in bb.modules())
+    assert sum(isinstance(m, FrozenBatchNorm2d) for m in bb.modules()) == 53
+    frozen = {n.split(".")[0] for n, p in bb.named_parameters() if not p.requires_grad}
+    trained = {n.split(".")[0] for n, p in bb.named_parameters() if p.requires_grad}
+    assert frozen == {"conv1", "layer1"} and trained == {"layer2", "layer3", "layer4"}
+    assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("backbone."))
+
+
+def test_from_scratch_form_trains_everything():
+    model = build_fcos("r50", num_classes=3, from_scratch=True)
+    assert all(p.requires_grad for p in model.parameters())
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.backbone.modules()) == 53
+    assert not any(isinstance(m, FrozenBatchNorm2d) for m in model.modules())
+
+
+def test_backbone_weights_from_a_torchvision_state_dict(tmp_path, caplog):
+    torch.manual_seed(1)
+    tv = torchvision.models.resnet50(weights=None)
+    path = tmp_path / "resnet50.pth"
+    torch.save(tv.state_dict(), path)
+    with caplog.at_level(logging.INFO, logger="fastdet.models.backbones.resnet"):
+        model = build_fcos("r50", num_classes=3, backbone_weights=str(path))
+    own = model.backbone.state_dict()
+    for k, v in own.items():
+        assert torch.equal(v, tv.state_dict()[k]), k
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"backbone weights: unexpected in {path} (ignored): fc.weight, fc.bias"]
+    # The frozen form keeps the loaded statistics and the freezing.
+    assert not model.backbone.conv1.weight.requires_grad
+
+    partial = {k: v for k, v in tv.state_dict().items() if not k.startswith("layer4.2.")}
+    torch.save(partial, path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastdet.models.backbones.resnet"):
+        build_fcos("r50", num_classes=3, backbone_weights=str(path))
+    missing = [r.getMessage() for r in caplog.records if "missing" in r.getMessage()]
+    assert len(missing) == 1 and "layer4.2.conv1.weight" in missing[0] and "layer4.2.bn3.running_var" in missing[0]
+
+    bad = dict(tv.state_dict(), **{"conv1.weight": torch.zeros(64, 3, 3, 3)})
+    torch.save(bad, path)
+    with pytest.raises(ValueError, match=r"conv1.weight has shape \(64, 3, 3, 3\)"):
+        build_fcos("r50", num_classes=3, backbone_weights=str(path))
+    path.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read a state dict"):
+        build_fcos("r50", num_classes=3, backbone_weights=str(path))
+
+
+# --------------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("from_scratch", [False, True])
+def test_contract(from_scratch):
+    """Named, finite losses with positives on every level; every parameter that trains gets a
+    finite, non-zero gradient and the frozen ones none; eval gives dense outputs and detections."""
+    C = 3
+    model = small_model(from_scratch=from_scratch)
+    # With zero-mean distance outputs some positives start as zero-area boxes (ReLU), whose
+    # GIoU has no gradient; positive distances make every level's scale reachable.
+    torch.nn.init.constant_(model.head.bbox_reg.bias, 1.0)
+    x, t = toy_batch()
+    model.train()
+    losses = model(x, t)
+    assert set(losses) == LOSS_KEYS
+    for k, v in losses.items():
+        assert v.dim() == 0 and torch.isfinite(v), (k, v)
+    assert losses["loss_box"] > 0 and losses["loss_ctr"] > 0
+    losses["total_loss"].backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            assert p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+    assert model.head.scales.grad.ne(0).all()  # positives on all five levels
+
+    assert [tuple(f.shape[-2:]) for f in model.features(x)] == feature_shapes(128, 128)
+
+    model.eval()
+    A = sum((128 // s) ** 2 for s in (8, 16, 32)) + 2 * 2 + 1
+    boxes, scores = model(x)
+    assert boxes.shape == (1, A, 4) and scores.shape == (1, A, C)
+    assert ((scores >= 0) & (scores <= 1)).all()
+    assert (boxes[..., 2:] >= boxes[..., :2]).all()
+    dets = model.predict(x, score_thresh=0.0, max_det=50)
+    assert len(dets) == 1 and 0 < dets[0]["boxes"].shape[0] <= 50
+    assert int(dets[0]["labels"].max()) < C
+
+
+def test_predict_defaults_are_paddles():
+    import inspect
+
+    sig = inspect.signature(build_fcos("r50", num_classes=2).predict)
+    defaults = {k: p.default for k, p in sig.parameters.items() if k != "images"}
+    assert defaults == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000)
+
+
+def test_lr_multipliers_double_the_tower_biases():
+    from fastdet.engine.optim import build_param_groups
+
+    model = build_fcos("r50", num_classes=2)
+    mults = model.lr_multipliers()
+    assert len(mults) == 8 and all(v == 2.0 for v in mults.values())
+    assert "head.cls_tower.0.bias" in mults and "head.reg_tower.9.bias" in mults
+    groups = build_param_groups(model, 1e-4)
+    doubled = [g for g in groups if g["lr_mult"] == 2.0]
+    assert len(doubled) == 1 and len(doubled[0]["params"]) == 8 and doubled[0]["weight_decay"] == 0.0
+
+
+# --------------------------------------------------------------------------- head and targets
+
+
+def test_points_scales_and_init():
+    head = FCOSHead(32, num_classes=4)
+    feats = [torch.zeros(1, 32, 128 // s, 128 // s) for s in (8, 16, 32)] + [torch.zeros(1, 32, 2, 2),
+                                                                         torch.zeros(1, 32, 1, 1)]
+    points, strides, ranges = head.points(feats)
+    assert points.shape == (256 + 64 + 16 + 4 + 1, 2)
+    assert points[0].tolist() == [4.0, 4.0] and points[1].tolist() == [12.0, 4.0]  # (i + 0.5) * stride
+    assert points[-1].tolist() == [64.0, 64.0] and strides[-1] == 128 and ranges[-1, 1] == float("inf")
+    assert ranges[0].tolist() == [0.0, 64.0] and ranges[256].tolist() == [64.0, 128.0]
+    assert torch.equal(head.scales.detach(), torch.ones(5))
+    torch.testing.assert_close(head.cls_logits.bias.sigmoid(), torch.full((4,), 0.01))
+    assert isinstance(head.cls_tower[1], torch.nn.GroupNorm) and head.cls_tower[1].num_groups == 32
+
+
+def test_perfect_regression_gives_zero_box_loss_and_centerness_targets():
+    """Drive the distance outputs to the exact targets: the GIoU term vanishes; the
+    centerness BCE is then minimal at the centerness target sqrt(min/max(l,r) min/max(t,b))."""
+    head = FCOSHead(32, num_classes=2, size_ranges=SMALL_RANGES)
+    feats = [torch.zeros(1, 32, 128 // s, 128 // s) for s in (8, 16, 32)] + [torch.zeros(1, 32, 2, 2),
+                                                                         torch.zeros(1, 32, 1, 1)]
+    _, t = toy_batch()
+    points, strides, ranges = head.points(feats)
+    from fastdet.ops import fcos_assign
+
+    assigned, _ = fcos_assign(points, strides, ranges, t["gt_boxes"], t["gt_labels"], t["gt_mask"])
+    fg = assigned[0] >= 0
+    box = t["gt_boxes"][0][assigned[0].clamp(min=0)]
+    ltrb = torch.cat([points - box[:, :2], box[:, 2:] - points], -1) / strides[:, None]
+    lr, tb = ltrb[:, 0::2], ltrb[:, 1::2]
+    ctr = ((lr.min(-1).values / lr.max(-1).values) * (tb.min(-1).values / tb.max(-1).values)).sqrt()
+
+    def fake_raw_outputs(_feats):
+        reg = torch.where(fg[:, None], ltrb, 0.5)[None]
+        logit = torch.logit(ctr.where(fg, 0.5).clamp(1e-6, 1 - 1e-6))[None]
+        return torch.zeros(1, points.shape[0], 2), reg, logit
+
+    head.raw_outputs = fake_raw_outputs
+    losses = head.loss(feats, t)
+    assert fg.sum() == 5  # one positive per level
+    assert float(losses["loss_box"]) < 1e-5
+    entropy = -(ctr * ctr.log() + (1 - ctr) * (1 - ctr).clamp(min=1e-12).log())[fg].sum() / fg.sum()
+    torch.testing.assert_close(losses["loss_ctr"], entropy, rtol=1e-4, atol=1e-5)
+
+
+def test_padded_ground_truth_changes_nothing():
+    model = small_model().eval()
+    x, t = toy_batch()
+    junk = {k: torch.cat([v, v], 1) for k, v in t.items()}
+    junk["gt_mask"][:, 6:] = False
+    with torch.no_grad():
+        a, b = model(x, t), model(x, junk)
+    for k in LOSS_KEYS:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- graph capture
+
+
+def test_training_forward_has_no_graph_breaks():
+    torch._dynamo.reset()
+    model = small_model()
+    x, t = toy_batch()
+    explanation = torch._dynamo.explain(model)(x, t)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.slow
+def test_fullgraph_compiled_training_matches_eager():
+    """The whole training forward + backward as one graph (dynamo + AOT autograd), and the
+    head's loss and assignment through inductor, forward and backward, against eager.
+    (Inductor over ResNet-50 on a CPU costs minutes of C++ builds; the GPU check does that.)"""
+    torch._dynamo.reset()
+    eager = small_model(from_scratch=True)
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    x, t = toy_batch()
+    want = eager(x, t)
+    got = step(x, t)
+    for k in LOSS_KEYS:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    want["total_loss"].backward()
+    got["total_loss"].backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        feats = [f.detach() for f in eager.features(x)]
+    head = eager.head
+    compiled = torch.compile(copy.deepcopy(head).loss, fullgraph=True)
+    f_eager = [f.clone().requires_grad_() for f in feats]
+    f_comp = [f.clone().requires_grad_() for f in feats]
+    want = head.loss(f_eager, t)
+    got = compiled(f_comp, t)
+    for k in LOSS_KEYS:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    want["total_loss"].backward()
+    got["total_loss"].backward()
+    for a, b in zip(f_comp, f_eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-6)
+
+
+def test_fused_focal_loss_matches_torchvision():
+    """fastdet.losses.sigmoid_focal_loss (one autograd node, closed-form backward) against
+    torchvision's, value and gradient, and it traces without a graph break."""
+    from fastdet.losses import sigmoid_focal_loss
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, 5, generator=g, dtype=torch.float64).requires_grad_()
+    t = (torch.rand(2, 300, 5, generator=g) < 0.2).double()
+    for alpha, gamma in ((0.25, 2.0), (-1.0, 1.5)):
+        want = torchvision.ops.sigmoid_focal_loss(x, t, alpha, gamma, "sum")
+        got = sigmoid_focal_loss(x, t, alpha, gamma)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        (gw,) = torch.autograd.grad(want, x)
+        (gg,) = torch.autograd.grad(got, x)
+        torch.testing.assert_close(gg, gw, rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda x: sigmoid_focal_loss(x, t))(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
