@@ -52,11 +52,11 @@ from fastdet.ops import _ext, assigners, dispatch, reference  # noqa: E402
 from fastdet.ops.synthetic import assign_inputs, ema_tensor_shapes, random_boxes  # noqa: E402
 
 SIZES = {
-    "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80),
+    "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80), yolo=(64, 50, 608, 80),
                        fcos=(16, 100, 800, 1344), focal=(16, 800, 1344, 80)),
-    "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80),
+    "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80), yolo=(8, 50, 608, 80),
                 fcos=(16, 100, 800, 1344), focal=(2, 800, 1344, 80)),
-    "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80),
+    "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80), yolo=(2, 20, 320, 80),
                   fcos=(2, 20, 256, 320), focal=(2, 256, 320, 80)),
 }
 
@@ -308,6 +308,37 @@ def bench_assign(device, size) -> list[Bench]:
     return out
 
 
+def bench_yolo_targets(device, size) -> list[Bench]:
+    """PP-YOLO R50's grid targets (3 levels, 9 anchors) from B images of M padded boxes."""
+    from fastdet.models.ppyolo import SIZES as PPYOLO
+    from fastdet.ops.yolo import anchor_tables, yolo_targets_reference
+
+    B, M, img, C = size
+    p = PPYOLO["r50vd_dcn"]
+    g = torch.Generator().manual_seed(0)
+    xy = torch.rand(B, M, 2, generator=g) * img
+    wh = torch.rand(B, M, 2, generator=g) ** 2 * img * 0.5 + 2
+    boxes = torch.cat([xy - wh / 2, xy + wh / 2], -1).clamp(0, img).to(device)
+    labels = torch.randint(0, C, (B, M), generator=g).to(device)
+    mask = (torch.rand(B, M, generator=g) < 0.6).to(device)
+    scores = mask.float()
+    args = (boxes, labels, mask, scores, p.anchors, p.anchor_masks, p.strides, (img, img), C)
+    cells = sum(3 * (img // s) ** 2 for s in p.strides)
+    bench = Bench("yolo_targets", f"B={B} M={M} {img}px C={C} ({int(mask.sum())} real GTs)",
+                  B * M * 40 + B * cells * (6 + C) * 4)
+    bench.variants.append(Variant("reference", lambda: yolo_targets_reference(*args), "library", peak=True))
+    cref = _compiled(yolo_targets_reference)
+    bench.variants.append(Variant("reference compiled", lambda: cref(*args), "compiled", peak=True))
+    level, slot = anchor_tables(len(p.anchors), p.anchor_masks)
+    flat = [float(v) for a in p.anchors for v in a]
+    for be in kernel_backends(device):
+        if be == "triton":
+            continue  # none: the op is a sliver of a step (see fastdet/ops/yolo.py)
+        bench.variants.append(Variant(f"fastdet {be}", lambda: torch.ops.fastdet.yolo_targets(
+            boxes, labels, mask, scores, flat, level, slot, list(p.strides), img, img, C), "kernel", peak=True))
+    return [bench]
+
+
 def fcos_inputs(B: int, M: int, h: int, w: int, seed: int = 0, device=None):
     """FCOS points of an ``h`` x ``w`` input and ``M`` padded GT slots per image, about 3/4
     of them real, of every scale (8 to 800 px) so that each level gets positives."""
@@ -471,7 +502,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "fcos", "focal"),
+    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "yolo", "fcos", "focal"),
                         help="run only these benches")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (at most)")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timing per variant (at most)")
@@ -485,7 +516,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--device cuda: no CUDA device is available")
     preset = "quick" if args.quick else ("production" if device.type == "cuda" else "cpu")
     sizes = SIZES[preset]
-    only = set(args.only or ("iou", "giou", "ema", "assign", "fcos", "focal"))
+    only = set(args.only or ("iou", "giou", "ema", "assign", "yolo", "fcos", "focal"))
     _ext.load()
     print(f"fastdet kernel benchmarks on {device} ({preset} sizes); extension: {_ext.variant() or _ext.error()}")
     warmup = 3 if device.type == "cuda" else 1
@@ -495,7 +526,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     groups = [("assign", lambda: bench_assign(device, sizes["assign"])), ("ema", lambda: bench_ema(device)),
               ("fcos", lambda: bench_fcos_assign(device, sizes["fcos"])),
               ("focal", lambda: bench_focal(device, sizes["focal"])),
-              ("giou", lambda: bench_giou_loss(device, sizes["giou"])), ("iou", lambda: bench_iou(device, sizes["iou"]))]
+              ("giou", lambda: bench_giou_loss(device, sizes["giou"])), ("iou", lambda: bench_iou(device, sizes["iou"])),
+              ("yolo", lambda: bench_yolo_targets(device, sizes["yolo"]))]
     report = {
         "schema": "fastdet.bench.kernels/1",
         "device": device.type,

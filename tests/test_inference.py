@@ -1,4 +1,4 @@
-"""Using a trained detector: load_detector, fastdet.predict, val predictions.
+"""Using a trained detector: load_detector, fastdet.predict, fastdet.export, val predictions.
 
 Every registered family gets the same tests on a tiny checkpoint of its smallest size,
 trained in-process for 2 steps at 64 px on the small demo set (once per family).
@@ -196,3 +196,122 @@ def test_training_logs_val_predictions(tiny):
     assert [e.step for e in acc.Images("val/predictions")] == [tiny.trainer.step]
     final = [l for l in (tiny.out / "train.log").read_text().splitlines() if "final:" in l]
     assert final and str(pic) in final[-1]
+
+
+# --------------------------------------------------------------------------- fastdet.export
+
+def perturbed(det):
+    """``det`` with noise on its head's parameters: distinct scores for every anchor, so
+    NMS's greedy order has no ties (a 2-step model scores nearly everything at its prior)."""
+    import copy
+
+    g = torch.Generator().manual_seed(0)
+    out = copy.deepcopy(det)
+    with torch.no_grad():
+        for p in out.head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return out
+
+
+@pytest.fixture(scope="module")
+def onnx_files(tiny, det, tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from fastdet.export import export_onnx, has_standard_nms
+
+    out = tmp_path_factory.mktemp(f"onnx_{tiny.arch}")
+    cli = run([sys.executable, "-m", "fastdet.export", "--ckpt", str(tiny.ckpt), "--format", "onnx",
+               "--output", str(out / "dynamic.onnx"), "--dynamic-batch"])
+    kw = {**det.info.predict_kwargs, "score_thresh": LOW_THRESH}
+    return {
+        "cli": cli,
+        "dynamic": out / "dynamic.onnx",
+        "static": export_onnx(det, out / "static.onnx", IMG),
+        "nms": (export_onnx(perturbed(det), out / "nms.onnx", IMG, dynamic_batch=True, nms=True, predict_kwargs=kw)
+                if has_standard_nms(det) else None),
+    }
+
+
+def ort_run(path: Path, images: torch.Tensor) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"images": images.numpy()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_onnx_dense_outputs_match_load_detector(det, onnx_files, demo_small, kind):
+    import onnx
+
+    assert onnx_files["cli"].returncode == 0, onnx_files["cli"].stderr
+    proto = onnx.load(str(onnx_files[kind]))
+    assert [i.name for i in proto.graph.input] == ["images"]
+    assert [o.name for o in proto.graph.output] == ["boxes", "scores"]
+    assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node)  # no fastdet.ops kernel
+    images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG)
+    for batch in ([images[:1]] if kind == "static" else [images[:1], images]):
+        boxes, scores = ort_run(onnx_files[kind], batch)
+        with torch.no_grad():
+            ref_boxes, ref_scores = det(batch)
+        assert boxes.shape == tuple(ref_boxes.shape) and scores.shape == tuple(ref_scores.shape)
+        torch.testing.assert_close(torch.from_numpy(boxes), ref_boxes, atol=1e-3, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(scores), ref_scores, atol=1e-3, rtol=0)
+    if kind == "static":
+        with pytest.raises(Exception):
+            ort_run(onnx_files[kind], images)  # N is fixed at 1
+
+
+@pytest.mark.slow
+def test_onnx_nms_matches_predict(det, onnx_files, demo_small):
+    import onnx
+
+    if onnx_files["nms"] is None:
+        pytest.skip(f"{type(det).__name__} has its own NMS: --nms is refused (dense export only)")
+    ops = {n.op_type for n in onnx.load(str(onnx_files["nms"])).graph.node}
+    assert "NonMaxSuppression" in ops
+    det = perturbed(det)
+    kw = {**det.info.predict_kwargs, "score_thresh": LOW_THRESH}
+    images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG)
+    boxes, scores, labels, num = ort_run(onnx_files["nms"], images)
+    ref = det.predict(images, **kw)
+    assert sum(len(r["scores"]) for r in ref) > 0
+    for j, r in enumerate(ref):
+        k = int(num[j])
+        assert k == len(r["scores"])
+        assert (scores[j, k:] == 0).all()
+        order = r["scores"].argsort(descending=True, stable=True)  # distinct scores: one order
+        assert labels[j, :k].tolist() == r["labels"][order].tolist()
+        torch.testing.assert_close(torch.from_numpy(scores[j, :k]), r["scores"][order], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(boxes[j, :k]), r["boxes"][order], atol=1e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_export_cli_prints_the_difference(tiny, onnx_files, tmp_path, capsys):
+    from fastdet.export import main
+
+    r = onnx_files["cli"]
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert "onnx.checker passed" in line and onnx_files["dynamic"].is_file(), line
+    assert float(line.rsplit(" ", 1)[1]) < 1e-3
+    for argv, needle in ((["--img-size", "33"], "--img-size"), (["--score-thresh", "-1"], "--score-thresh")):
+        assert main(["--ckpt", str(tiny.ckpt), "--output", str(tmp_path / "m.onnx"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_export_nms_refuses_a_family_with_its_own_nms(det, tmp_path):
+    import copy
+
+    from fastdet.export import export_onnx
+
+    class OwnNMS(type(det)):
+        def predict(self, images, **kw):
+            return []
+
+    own = copy.deepcopy(det)
+    own.__class__ = OwnNMS
+    with pytest.raises(ValueError, match="--nms: OwnNMS has its own NMS"):
+        export_onnx(own, tmp_path / "x.onnx", IMG, nms=True)
+    assert not (tmp_path / "x.onnx").exists()

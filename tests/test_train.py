@@ -139,11 +139,17 @@ def one_process(demo_small, tmp_path_factory):
     return out, run(train_cmd(demo_small, out, *SAME_RUN))
 
 
+# --compile with the aot_eager backend: Dynamo and AOTAutograd trace the same graphs as
+# with inductor (same guards, recompiles and DDP splits), without inductor's code
+# generation, which takes many minutes for PP-YOLOE-s on a shared 2-core CPU.
+COMPILE = ["--compile", "--set", "compile.backend=aot_eager"]
+
+
 @pytest.fixture(scope="module")
 def one_process_compiled(demo_small, tmp_path_factory):
     """``SAME_RUN`` in one process with ``--compile`` (and so freeze_bn under compile)."""
     out = tmp_path_factory.mktemp("one_compiled")
-    return out, run(train_cmd(demo_small, out, *SAME_RUN, "--compile"), timeout=1200)
+    return out, run(train_cmd(demo_small, out, *SAME_RUN, *COMPILE), timeout=1200)
 
 
 def two_ranks(data: Path, out: Path, *extra: str, port: int) -> subprocess.CompletedProcess:
@@ -188,7 +194,7 @@ def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path,
         pytest.skip("torch.distributed with gloo is not available")
     one, r = one_process_compiled
     assert r.returncode == 0, r.stdout + r.stderr
-    two = two_ranks(demo_small, tmp_path / "two", "--compile", port=29518)
+    two = two_ranks(demo_small, tmp_path / "two", *COMPILE, port=29518)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in two.stdout
     assert_same_training(one, tmp_path / "two")
@@ -222,6 +228,7 @@ def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_p
     (["--arch", "yolo9"], "unknown --arch 'yolo9'"),
     (["--size", "q"], "unknown --size 'q' for ppyoloe"),
     (["--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
+    (["--sync-debug"], "--sync-debug needs a CUDA device"),
     (["--batch-size", "four"], "invalid int value: 'four'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--set", "optim.learning_rate=0.1"], "unknown config field 'optim.learning_rate'"),
@@ -303,3 +310,13 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(demo_small, tm
     after = load_checkpoint(tmp_path / "latest.pth")
     assert after["step"] == before["step"] == 1
     assert all(torch.isfinite(v).all() for v in after["model"].values() if v.is_floating_point())
+
+
+def test_tf32_and_sync_debug_flags():
+    """TF32 stays off unless --tf32 (the trainer sets cuDNN and cuBLAS from it on CUDA,
+    with cudnn.benchmark on); --sync-debug is a CUDA-only check."""
+    from fastdet.train import build_parser, resolve_config
+
+    parse = lambda *a: resolve_config(build_parser().parse_args(list(a)))  # noqa: E731
+    assert parse().compile.tf32 is False and parse("--tf32").compile.tf32 is True
+    assert parse().run.sync_debug is False and parse("--sync-debug").run.sync_debug is True

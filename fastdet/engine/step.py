@@ -104,6 +104,7 @@ class TrainStep:
         amp_dtype: autocast dtype or None for fp32.
         clip_grad_norm: per-group max norm (0 disables).
         compile: wrap ``net`` in ``torch.compile(fullgraph=True)``.
+        backend: the ``torch.compile`` backend (``inductor``; ``aot_eager`` for quick tests).
         cuda_graphs: capture the whole step per bucket (CUDA only, no fp16 scaler).
         graph_warmup_iters: eager iterations before each capture (DDP needs >= 11).
     """
@@ -112,7 +113,7 @@ class TrainStep:
                  ema: Any, device: torch.device, amp_dtype: torch.dtype | None,
                  clip_grad_norm: float = 0.0, compile: bool = False, cuda_graphs: bool = False,
                  dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None,
-                 ddp: Callable[[nn.Module], nn.Module] | None = None):
+                 ddp: Callable[[nn.Module], nn.Module] | None = None, backend: str = "inductor"):
         if cuda_graphs and device.type != "cuda":
             raise ValueError("--cuda-graphs needs a CUDA device (got --device cpu): drop the flag")
         if cuda_graphs and amp_dtype == torch.float16:
@@ -128,7 +129,7 @@ class TrainStep:
         self.graph_warmup_iters = graph_warmup_iters
         self.nvtx = nvtx or Nvtx(False)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-        forward = torch.compile(net, fullgraph=True, dynamic=dynamic) if compile else net
+        forward = torch.compile(net, fullgraph=True, dynamic=dynamic, backend=backend) if compile else net
         if ddp is not None:
             if cuda_graphs:
                 # The CUDA-graph notes: DDP's reducer must be built on a side stream for its

@@ -150,7 +150,8 @@ class Trainer:
             clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
             cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
             graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
-            ddp=self._ddp_wrapper() if self.dist.distributed else None)
+            ddp=self._ddp_wrapper() if self.dist.distributed else None,
+            backend=cfg.compile.backend)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
         if self.dist.is_main:

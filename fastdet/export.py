@@ -1,0 +1,244 @@
+"""``python -m fastdet.export --ckpt PATH --format onnx --output FILE``: an ONNX model of a checkpoint.
+
+The graph's input is ``images`` float32 ``[N, 3, S, S]``, preprocessed as
+``fastdet.predict`` does (``fastdet.api.preprocess_images``: the family's evaluation
+resize onto the ``S`` x ``S`` canvas, then its normalisation); ``S`` is ``--img-size``
+(default: the recipe's evaluation size) and ``N`` is 1, or any with ``--dynamic-batch``.
+
+Outputs, without ``--nms``: ``boxes`` ``[N, A, 4]`` (xyxy, input px) and ``scores``
+``[N, A, C]`` (probabilities), the dense outputs of ``model(images)``. With ``--nms``:
+the detections after the recipe's NMS (``Detector.predict``: top ``pre_nms_topk``
+(anchor, class) scores, above ``score_thresh``, per-class NMS at ``iou_thresh``, the
+best ``max_det``), done by the ONNX ``NonMaxSuppression`` op, in fixed-size outputs:
+``boxes`` ``[N, D, 4]``, ``scores`` ``[N, D]``, ``labels`` ``[N, D]`` int64 (contiguous
+class index) and ``num_dets`` ``[N]`` int64; row ``j < num_dets[n]`` of image ``n`` is a
+detection, by descending score; the rest are zeros. ``D = max_det``.
+
+The exporter is ``torch.onnx.export(dynamo=True)`` (``torch.export`` + onnxscript), for
+both graphs: it exports every registered family, and the NMS is one custom op whose
+translation is the ONNX op, with a data-dependent output size that ``torch.export``
+represents and the TorchScript exporter's tracing would freeze. The exported file is
+checked with ``onnx.checker``, holds only standard ONNX ops (no ``fastdet.ops`` kernel),
+and is run once with onnxruntime against torch; the largest difference is printed.
+Needs ``pip install 'fastdet[export]'`` (onnx, onnxruntime, onnxscript).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import Tensor, nn
+
+OPSET = 18
+OUTPUTS_DENSE = ("boxes", "scores")
+OUTPUTS_NMS = ("boxes", "scores", "labels", "num_dets")
+
+
+# --------------------------------------------------------------------------- the NMS op
+
+@torch.library.custom_op("fastdet_export::nms", mutates_args=())
+def _nms(boxes: Tensor, scores: Tensor, max_per_class: int, iou_thresh: float, score_thresh: float) -> Tensor:
+    """ONNX ``NonMaxSuppression`` in torch: boxes ``[N, A, 4]``, scores ``[N, C, A]`` →
+    selected ``[K, 3]`` int64 rows ``(image, class, anchor)``; per image and class the
+    boxes scoring above ``score_thresh`` after NMS at ``iou_thresh``, at most ``max_per_class``."""
+    rows = [torch.zeros(0, 3, dtype=torch.int64, device=boxes.device)]
+    for n in range(scores.shape[0]):
+        for c in range(scores.shape[1]):
+            s = scores[n, c]
+            idx = (s > score_thresh).nonzero().flatten()
+            keep = idx[torchvision.ops.nms(boxes[n, idx].float(), s[idx].float(), iou_thresh)[:max_per_class]]
+            rows.append(torch.stack([torch.full_like(keep, n), torch.full_like(keep, c), keep], 1))
+    return torch.cat(rows)
+
+
+@_nms.register_fake
+def _(boxes: Tensor, scores: Tensor, max_per_class: int, iou_thresh: float, score_thresh: float) -> Tensor:
+    k = torch.library.get_ctx().new_dynamic_size()
+    return boxes.new_empty((k, 3), dtype=torch.int64)
+
+
+def _nms_onnx(boxes, scores, max_per_class: int, iou_thresh: float, score_thresh: float):
+    from onnxscript import opset18 as op
+
+    return op.NonMaxSuppression(boxes, scores, op.Constant(value_ints=[max_per_class]),
+                                op.Constant(value_floats=[iou_thresh]),
+                                op.Constant(value_floats=[score_thresh]), center_point_box=0)
+
+
+class Dense(nn.Module):
+    """``images -> (boxes [N,A,4], scores [N,A,C])``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        return self.model(images)
+
+
+class WithNMS(nn.Module):
+    """``images -> (boxes [N,D,4], scores [N,D], labels [N,D], num_dets [N])``: ``Detector.predict`` as fixed-size tensors."""
+
+    def __init__(self, model: nn.Module, score_thresh: float, iou_thresh: float, max_det: int,
+                 pre_nms_topk: int):
+        super().__init__()
+        self.model = model
+        self.score_thresh, self.iou_thresh = float(score_thresh), float(iou_thresh)
+        self.max_det, self.pre_nms_topk = int(max_det), int(pre_nms_topk)
+
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        boxes, scores = self.model(images)  # [N, A, 4], [N, A, C]
+        n, a, c = scores.shape
+        flat = scores.reshape(n, a * c)  # anchor-major, as multiclass_nms ranks them
+        top_s, top_i = flat.topk(min(self.pre_nms_topk, a * c), dim=1)
+        cand = torch.zeros_like(flat).scatter(1, top_i, top_s)  # only the top-k survive
+        cand = cand.reshape(n, a, c).transpose(1, 2)  # [N, C, A], NonMaxSuppression's layout
+        sel = torch.ops.fastdet_export.nms(boxes, cand, self.max_det, self.iou_thresh, self.score_thresh)
+        b, k, i = sel[:, 0], sel[:, 1], sel[:, 2]  # [K] each
+        kept = torch.zeros_like(cand).index_put((b, k, i), cand[b, k, i]).reshape(n, c * a)
+        det_s, det_i = kept.topk(min(self.max_det, c * a), dim=1)  # [N, D], class-major index
+        labels = torch.div(det_i, a, rounding_mode="floor")
+        anchor = det_i - labels * a
+        det_b = boxes.gather(1, anchor.unsqueeze(-1).expand(-1, -1, 4))
+        valid = det_s > 0
+        return (det_b * valid.unsqueeze(-1), det_s, labels * valid, valid.sum(1))
+
+
+# --------------------------------------------------------------------------- export + check
+
+def has_standard_nms(detector: nn.Module) -> bool:
+    """True when ``detector.predict`` is the base multiclass NMS that ``WithNMS`` reproduces
+    (a family with its own NMS, e.g. Matrix NMS, overrides ``predict``)."""
+    from fastdet.models import Detector
+
+    return type(detector).predict is Detector.predict
+
+def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_batch: bool = False,
+                nms: bool = False, predict_kwargs: dict[str, Any] | None = None) -> Path:
+    """Write the ONNX model of ``detector`` (eval mode, on the CPU) to ``output``; checked with onnx.checker."""
+    import onnx
+
+    output = Path(output)
+    module: nn.Module = Dense(detector)
+    names = OUTPUTS_DENSE
+    table = None
+    if nms:
+        if not has_standard_nms(detector):
+            raise ValueError(f"--nms: {type(detector).__name__} has its own NMS (its predict), which the ONNX "
+                             "NonMaxSuppression op does not reproduce: export without --nms")
+        kw = predict_kwargs or detector.info.predict_kwargs
+        module = WithNMS(detector, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"])
+        names = OUTPUTS_NMS
+        table = {torch.ops.fastdet_export.nms.default: _nms_onnx}
+    example = torch.zeros(2 if dynamic_batch else 1, 3, img_size, img_size)
+    shapes = {"images": {0: torch.export.Dim("batch", min=1, max=4096)}} if dynamic_batch else None
+    program = torch.onnx.export(module.eval(), (example,), None, input_names=["images"], output_names=list(names),
+                                dynamic_shapes=shapes, custom_translation_table=table, dynamo=True,
+                                opset_version=OPSET, verbose=False)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(output))
+    proto = onnx.load(str(output))
+    onnx.checker.check_model(proto, full_check=True)
+    foreign = sorted({f"{n.domain}::{n.op_type}" for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
+    if foreign or proto.functions:
+        raise RuntimeError(f"{output}: the graph holds non-standard ops {foreign or [f.name for f in proto.functions]}")
+    return output
+
+
+@torch.no_grad()
+def compare_with_torch(detector: nn.Module, path: str | Path, images: Tensor, nms: bool = False,
+                       predict_kwargs: dict[str, Any] | None = None) -> tuple[float, int]:
+    """Run ``path`` with onnxruntime on ``images``: the largest absolute difference from torch,
+    and the number of images whose detection count differs (always 0 without ``nms``).
+
+    Dense: over ``boxes`` and ``scores``. NMS: over the boxes and scores of each image's
+    detections, against ``detector.predict``. Counts can differ where candidate scores tie
+    (an untrained model scores every anchor at its prior), which changes NMS's greedy order.
+    """
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    outs = sess.run(None, {"images": images.numpy()})
+    if not nms:
+        ref = detector(images)
+        return max(float((torch.from_numpy(o) - r).abs().max()) for o, r in zip(outs, ref)), 0
+    kw = predict_kwargs or detector.info.predict_kwargs
+    diff, differ = 0.0, 0
+    for j, r in enumerate(detector.predict(images, **kw)):
+        k = int(outs[3][j])
+        if k != len(r["scores"]):
+            differ += 1
+        elif k:
+            order = r["scores"].argsort(descending=True, stable=True)
+            diff = max(diff, float((torch.from_numpy(outs[1][j, :k]) - r["scores"][order]).abs().max()),
+                       float((torch.from_numpy(outs[0][j, :k]) - r["boxes"][order]).abs().max()))
+    return diff, differ
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastdet.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, metavar="PATH", help="a checkpoint written by fastdet.train")
+    p.add_argument("--format", choices=["onnx"], default="onnx")
+    p.add_argument("--output", required=True, metavar="FILE", help="the .onnx file to write")
+    p.add_argument("--img-size", type=int, default=None, help="input size S (default: the recipe's evaluation size)")
+    p.add_argument("--dynamic-batch", action="store_true", help="any batch size N (default: N = 1)")
+    p.add_argument("--nms", action="store_true", help="detections after NMS instead of the dense outputs")
+    p.add_argument("--score-thresh", type=float, default=None, help="with --nms (default: the recipe's)")
+    p.add_argument("--weights", choices=["ema", "model"], default="ema")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from fastdet.api import CheckpointError, load_detector, preprocess_images
+
+    try:
+        if args.img_size is not None and (args.img_size < 32 or args.img_size % 32):
+            raise ValueError(f"--img-size: expected a positive multiple of 32, got {args.img_size}")
+        if args.score_thresh is not None and not 0.0 <= args.score_thresh <= 1.0:
+            raise ValueError(f"--score-thresh: expected a value in [0, 1], got {args.score_thresh}")
+        if not Path(args.ckpt).is_file():
+            raise ValueError(f"--ckpt {args.ckpt}: no such file")
+        try:
+            import onnx  # noqa: F401
+            import onnxruntime  # noqa: F401
+            import onnxscript  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--format onnx needs {e.name}: pip install 'fastdet[export]'") from None
+        det = load_detector(args.ckpt, ema=args.weights == "ema")
+    except (ValueError, CheckpointError) as e:
+        print(f"fastdet.export: error: {e}", file=sys.stderr)
+        return 2
+    size = args.img_size or det.info.img_size
+    kw = dict(det.info.predict_kwargs)
+    if args.score_thresh is not None:
+        kw["score_thresh"] = args.score_thresh
+    try:
+        path = export_onnx(det, args.output, size, args.dynamic_batch, args.nms, kw)
+    except ValueError as e:
+        print(f"fastdet.export: error: {e}", file=sys.stderr)
+        return 2
+    # A check input: random pictures through the real preprocessing; 2 images where N is dynamic.
+    g = torch.Generator().manual_seed(0)
+    pics = [torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8)
+            for _ in range(2 if args.dynamic_batch else 1)]
+    images, _ = preprocess_images(pics, det.info.preprocess, size)
+    diff, differ = compare_with_torch(det, path, images, args.nms, kw)
+    n = "N" if args.dynamic_batch else "1"
+    outs = ", ".join(OUTPUTS_NMS if args.nms else OUTPUTS_DENSE)
+    counts = (f"; {differ} of {len(pics)} check image(s) got another number of detections (tied "
+              "scores, e.g. an untrained model)" if differ else "")
+    print(f"exported {det.info.arch}-{det.info.size} ({det.info.weights} weights) to {path}: "
+          f"images [{n},3,{size},{size}] -> {outs}; onnx.checker passed{counts}; onnxruntime vs "
+          f"torch max abs difference {diff:.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
