@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, help="iterations per window (default 10; --quick 2)")
     p.add_argument("--warmup", type=int, help="untimed iterations after compilation (default 5; --quick 1)")
     p.add_argument("--epoch", type=int, default=0,
-                   help="training epoch whose loss settings are used (model.loss_kwargs(epoch))")
+                   help="training epoch whose loss settings are used (the recipe's phase of that epoch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prepare-data", action="store_true",
                    help="only generate the demo set the data and e2e modes read (--demo-images), "
@@ -202,8 +202,9 @@ class Bench:
     """One benchmark run: the shared config, the dataset (loaded once) and the rows."""
 
     def __init__(self, args: argparse.Namespace):
-        from fastdet.config import apply_overrides, get_preset
+        from fastdet.config import apply_overrides
         from fastdet.engine.step import resolve_amp
+        from fastdet.recipes import get_preset
 
         self.args = args
         self.device = torch.device(args.device)
@@ -257,17 +258,17 @@ class Bench:
         """Model, optimizer, EMA and TrainStep as the trainer builds them.
 
         Returns (model, step, lr_schedule, loss_kwargs)."""
-        from fastdet.engine.optim import LRSchedule
+        from fastdet import recipes
+        from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
         from fastdet.engine.step import TrainStep
-        from fastdet.engine.trainer import build_detector, build_optimizer_and_ema
 
         cfg, dev = self.cfg, self.device
         torch.manual_seed(self.args.seed)
-        model = build_detector(cfg, cfg.model.num_classes).to(dev)
+        model = recipes.build_detector(cfg).to(dev)
         if v.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model.train()
-        opt, ema, base_lr = build_optimizer_and_ema(cfg, model, cfg.data.batch_size, dev)
+        opt, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size, dev)
         net, compile_flag = model, v.compile
         if v.compile and self.args.compile_backend != "inductor":
             # Same call as TrainStep's, with another backend (a quick check that the mode runs).
@@ -278,7 +279,7 @@ class Bench:
                          cuda_graphs=v.cuda_graphs, dynamic=False)
         # steps_per_epoch only shapes the schedule; the LR value does not change the cost.
         schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
-        return model, step, schedule, model.loss_kwargs(self.args.epoch)
+        return model, step, schedule, recipes.phase(cfg, self.args.epoch).loss_kwargs
 
     def warm_step(self, step, kw: dict[str, Any], v: StepVariant) -> float:
         """Compile / capture the one size bucket (TrainStep.warmup); seconds taken."""

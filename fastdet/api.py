@@ -23,10 +23,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fastdet import recipes
 from fastdet.config import Config, ConfigError
 from fastdet.data.preprocess import Preprocess, boxes_to_original
 from fastdet.engine.checkpoint import load_checkpoint
-from fastdet.models import ARCHITECTURES, Detector, build_model_from_config
+from fastdet.models import ARCHITECTURES, Detector
 
 
 class CheckpointError(ValueError):
@@ -59,13 +60,6 @@ class DetectorInfo:
     checkpoint: str = ""
 
 
-def _predict_kwargs(cfg: Config) -> dict[str, Any]:
-    # The one place this module reads the recipe's NMS settings.
-    from fastdet.engine.trainer import predict_kwargs
-
-    return predict_kwargs(cfg)
-
-
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
     """The checkpoint dict and its config; :class:`CheckpointError` if it is not a fastdet one."""
     path = Path(path)
@@ -78,7 +72,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
                               "a plain state dict is not enough to rebuild the model)")
     try:
-        cfg = Config.from_dict(ck["config"])
+        cfg = recipes.config_from_dict(ck["config"])
     except (ConfigError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path}: its stored config does not load ({e})") from None
     return ck, cfg
@@ -101,7 +95,7 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{ckpt_path}: architecture {arch!r} is not registered here "
                               f"(available: {', '.join(sorted(ARCHITECTURES))})")
-    model = build_model_from_config(cfg.model)
+    model = recipes.build_detector(cfg)
     use_ema = ema and isinstance(ck.get("ema"), dict)
     weights = ck["ema"] if use_ema else ck["model"]
     if "module" in weights:  # ModelEMA.state_dict() layout
@@ -120,7 +114,7 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
     model.info = DetectorInfo(
         arch=arch, size=cfg.model.size, class_names=names, cat_ids=cat_ids,
         preprocess=ARCHITECTURES[arch].preprocess, img_size=cfg.data.img_size,
-        predict_kwargs=_predict_kwargs(cfg), weights="ema" if use_ema else "model",
+        predict_kwargs=recipes.predict_kwargs(cfg), weights="ema" if use_ema else "model",
         checkpoint=str(ckpt_path))
     return model.to(device)
 

@@ -1,10 +1,15 @@
-"""Typed configuration: frozen dataclasses, named presets, command-line overrides.
+"""Typed configuration: frozen dataclasses and command-line overrides.
 
-A run is described by one :class:`Config` made of five sections. Presets give the
-published recipes per architecture and size (``ppyoloe_s`` ... ``ppyoloe_x``); the
-command line overrides any field with ``--set section.field=value`` (type-checked)
-or through the dedicated flags of ``fastdet.train``. The resolved config is written
-as YAML into the run directory and stored in every checkpoint.
+A run is described by one :class:`Config` made of six sections: five shared ones
+(model, data, optim, compile, run) and ``family``, the options of the model family
+(its type is the family's :class:`FamilyOptions` subclass, given by the registry:
+``fastdet.recipes``). The presets (the published recipes per architecture and size)
+and the demo overrides are declared by each family next to its model and resolved by
+``fastdet.recipes.get_preset``; this module knows no architecture. The command line
+overrides any field with ``--set section.field=value`` (type-checked), family options
+included (``--set family.static_assigner_epoch=30``), or through the dedicated flags of
+``fastdet.train``. The resolved config is written as YAML into the run directory and
+stored in every checkpoint.
 """
 
 from __future__ import annotations
@@ -29,14 +34,6 @@ class ModelConfig:
     arch: str = "ppyoloe"
     size: str = "s"
     num_classes: int = 80
-    # Epochs trained with the static (ATSS) assigner before switching to the
-    # task-aligned one (PP-YOLOE 300e recipe: 100; PP-YOLOE+ 80e: 30).
-    static_assigner_epoch: int = 100
-    # Post-processing (PP-YOLOE+: keep 300 at IoU 0.7, pre-NMS top 1000, score 0.01).
-    score_thresh: float = 0.01
-    nms_iou: float = 0.7
-    max_det: int = 300
-    pre_nms_topk: int = 1000
     # Keep BatchNorm running statistics fixed while training (fine-tuning, and the
     # DDP-vs-single-process equivalence test on the CPU, where SyncBatchNorm is unavailable).
     freeze_bn: bool = False
@@ -60,14 +57,9 @@ class DataConfig:
     multiscale: bool = True
     max_boxes: int = 100  # M of the padded ground truth [B, M, 4]
     num_workers: int = 4
+    # Off: the family's phases keep only their Resize and Normalize stages (the stages
+    # themselves, and their probabilities, are the family's: ``family.*`` options).
     augment: bool = True
-    # PP-YOLOE's training augmentation, stage by stage (used when `augment` is on):
-    # colour distortion, zoom-out onto a mean-filled canvas, IoU-constrained crop, flip.
-    distort_prob: float = 0.5
-    expand_prob: float = 0.5
-    expand_max_ratio: float = 4.0
-    crop: bool = True
-    flip_prob: float = 0.5
     keep_empty_train: bool = False  # train on images without annotations too
     # Image files checked when the annotations are read: "none", "open" (exists, header
     # readable, size matches the JSON) or "decode" (every pixel; cached under cache_dir).
@@ -89,8 +81,12 @@ class OptimConfig:
     nesterov: bool = False
     weight_decay: float = 5e-4  # not applied to norm weights and biases
     epochs: int = 300
-    # "cosine": linear warmup then cosine over `cosine_epochs` (PP-YOLOE);
-    # "warmcos": YOLOX's quadratic warmup, cosine to min_lr_ratio, flat for the last no_aug_epochs.
+    # A name in fastdet.engine.optim.SCHEDULES:
+    # "cosine": linear warm-up then cosine over `cosine_epochs` (PP-YOLOE);
+    # "warmcos": linear warm-up then cosine to 0 at the end of training (YOLOX warmcos);
+    # "yoloxwarmcos": quadratic warm-up from 0, cosine to min_lr_ratio, flat for the last
+    #   no_aug_epochs (YOLOX);
+    # "piecewise": linear warm-up, then x gamma at each of `milestones` (epochs) (PP-YOLO, FCOS).
     schedule: str = "cosine"
     cosine_epochs: int = 360
     warmup_steps: int = 2300
@@ -98,9 +94,13 @@ class OptimConfig:
     warmup_start_factor: float = 0.001
     min_lr_ratio: float = 0.0
     no_aug_epochs: int = 0
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
     clip_grad_norm: float = 0.0  # 0 disables clipping
     ema: bool = True
-    # "threshold": PaddleDetection's EMA, decay = min(d, (1 + n) / (10 + n));
+    # A name in fastdet.ops.ema.EMA_FLAVOURS:
+    # "threshold": PaddleDetection's decay min(d, (1 + n) / (10 + n)), started from the model;
+    # "paddle": the same decay from zeros, divided by (1 - d^n) when read (PaddleDetection exactly);
     # "ramp": YOLOX's ModelEMA, decay = d * (1 - exp(-n / 2000)).
     ema_type: str = "threshold"
     ema_decay: float = 0.9998
@@ -144,12 +144,24 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class FamilyOptions:
+    """The ``family`` section: a model family's own options.
+
+    Each family subclasses it (a frozen dataclass, e.g. ``PPYOLOEOptions``: when the
+    static assigner hands over, the augmentation probabilities, the NMS settings) and
+    names the subclass in its recipe (``fastdet.models.recipe.Recipe.options``). The base
+    has no fields: it is what a bare ``Config()`` holds until a preset fills it in.
+    """
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    family: FamilyOptions = field(default_factory=FamilyOptions)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,11 +176,21 @@ class Config:
             path.write_text(json.dumps(d, indent=2))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Config":
+    def from_dict(cls, d: dict[str, Any], family: type[FamilyOptions] = FamilyOptions) -> "Config":
+        """A config from its dict, with ``family`` the type of its ``family`` section.
+
+        ``fastdet.recipes.config_from_dict`` looks that type up from ``model.arch``. A dict
+        written before the family section existed (family options such as
+        ``model.static_assigner_epoch`` or ``data.flip_prob`` among the shared sections) is
+        read with those fields moved into ``family``.
+        """
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config is a mapping of sections, got {type(d).__name__}")
+        d = _migrate(d, family)
         sections = {}
         for f in fields(cls):
-            sub_cls = f.default_factory  # type: ignore[misc]
-            raw = d.get(f.name, {})
+            sub_cls = family if f.name == "family" else f.default_factory  # type: ignore[misc]
+            raw = d.get(f.name) or {}
             unknown = set(raw) - {sf.name for sf in fields(sub_cls)}
             if unknown:
                 raise ConfigError(f"unknown config field {f.name}.{sorted(unknown)[0]}")
@@ -176,12 +198,32 @@ class Config:
             sections[f.name] = sub_cls(
                 **{k: _coerce(v, hints[k], f"{f.name}.{k}") for k, v in raw.items()}
             )
+        unknown_sections = set(d) - {f.name for f in fields(cls)}
+        if unknown_sections:
+            raise ConfigError(f"unknown config section {sorted(unknown_sections)[0]!r}: sections are "
+                              + ", ".join(f.name for f in fields(cls)))
         return cls(**sections)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Config":
+    def load(cls, path: str | Path, family: type[FamilyOptions] = FamilyOptions) -> "Config":
         text = Path(path).read_text()
-        return cls.from_dict(yaml.safe_load(text))
+        return cls.from_dict(yaml.safe_load(text), family)
+
+
+def _migrate(d: dict[str, Any], family: type[FamilyOptions]) -> dict[str, Any]:
+    """Move family options out of the shared sections of a dict of the previous layout."""
+    if "family" in d:
+        return d
+    names = {f.name for f in fields(family)}
+    out: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    moved: dict[str, Any] = {}
+    for sec in ("model", "data"):
+        raw = out.get(sec)
+        if isinstance(raw, dict):
+            for k in [k for k in raw if k in names]:
+                moved[k] = raw.pop(k)
+    out["family"] = moved
+    return out
 
 
 def _plain(x: Any) -> Any:
@@ -190,91 +232,6 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
-
-
-# --------------------------------------------------------------------------- presets
-
-_PPYOLOE_BASE = Config(
-    model=ModelConfig(arch="ppyoloe", static_assigner_epoch=100),
-    optim=OptimConfig(
-        base_lr=0.03, ref_batch=160, epochs=300, cosine_epochs=360, warmup_steps=3000
-    ),
-)
-
-# PaddleDetection configs/ppyoloe/ppyoloe_crn_{s,m,l,x}_300e_coco.yml: images per GPU
-# (8 GPUs), base lr for that batch and warmup steps. s: lr 0.04 at 8x32, warmup 2300.
-_PPYOLOE_RECIPES = {
-    "s": dict(batch_size=32, base_lr=0.04, ref_batch=256, warmup_steps=2300),
-    "m": dict(batch_size=28, base_lr=0.03, ref_batch=160, warmup_steps=3000),
-    "l": dict(batch_size=20, base_lr=0.03, ref_batch=160, warmup_steps=3000),
-    "x": dict(batch_size=16, base_lr=0.03, ref_batch=160, warmup_steps=3000),
-}
-
-
-def _ppyoloe(size: str) -> Config:
-    r = _PPYOLOE_RECIPES[size]
-    c = _PPYOLOE_BASE
-    return replace(
-        c,
-        model=replace(c.model, size=size),
-        data=replace(c.data, batch_size=r["batch_size"]),
-        optim=replace(
-            c.optim, base_lr=r["base_lr"], ref_batch=r["ref_batch"], warmup_steps=r["warmup_steps"]
-        ),
-    )
-
-
-PRESETS: dict[str, Config] = {f"ppyoloe_{s}": _ppyoloe(s) for s in ("s", "m", "l", "x")}
-
-# Applied on top of a preset when training on the built-in demo set, so that the
-# README's main job learns in minutes on a 2-core CPU: PP-YOLOE-s from scratch at 192 px
-# (~29 img/s there), 24 epochs of the 384 train images. A from-scratch run this short
-# learns far faster with AdamW than with the recipe's SGD (AP50 0.57 vs 0.38 after 28
-# epochs, measured); horizontal flips are the one augmentation that pays at this length
-# (0.74 with them): the zoom-out / crop of the recipe slows learning, colours carry no
-# label here. Gradient clipping keeps the early steps stable. Explicit user overrides win.
-DEMO_OVERRIDES: dict[str, Any] = {
-    "data.img_size": 192,
-    "data.train_sizes": (192,),
-    "data.augment": True,
-    "data.distort_prob": 0.0,
-    "data.expand_prob": 0.0,
-    "data.crop": False,
-    "data.flip_prob": 0.5,
-    "data.batch_size": 8,
-    "data.eval_batch_size": 16,
-    "data.max_boxes": 32,
-    "data.num_workers": 1,
-    "optim.optimizer": "adamw",
-    "optim.base_lr": 0.002,
-    "optim.ref_batch": 8,
-    "optim.weight_decay": 0.01,
-    "optim.epochs": 24,
-    "optim.cosine_epochs": 28,
-    "optim.warmup_steps": 150,
-    "optim.clip_grad_norm": 10.0,
-    "optim.ema_decay": 0.999,
-    "model.static_assigner_epoch": 8,
-    "run.eval_interval": 8,
-    "run.log_interval": 24,
-}
-
-
-def preset_name(arch: str, size: str) -> str:
-    return f"{arch}_{size}"
-
-
-def get_preset(arch: str, size: str) -> Config:
-    name = preset_name(arch, size)
-    if name not in PRESETS:
-        arches = sorted({k.rsplit("_", 1)[0] for k in PRESETS})
-        if arch not in arches:
-            raise ConfigError(
-                f"unknown --arch {arch!r}: available architectures are {', '.join(arches)}"
-            )
-        sizes = sorted(k.rsplit("_", 1)[1] for k in PRESETS if k.startswith(arch + "_"))
-        raise ConfigError(f"unknown --size {size!r} for {arch}: available sizes are {', '.join(sizes)}")
-    return PRESETS[name]
 
 
 # --------------------------------------------------------------------------- overrides

@@ -6,6 +6,8 @@ Examples::
     python -m fastdet.train --arch ppyoloe --size l --data /data/coco --compile --cuda-graphs
     torchrun --nproc_per_node 8 -m fastdet.train --arch ppyoloe --size s --data /data/coco --compile
     python -m fastdet.train ... --set optim.base_lr=0.01 --set data.max_boxes=120
+    python -m fastdet.train ... --set family.static_assigner_epoch=30   # the family's own options
+    python -m fastdet.train --arch ppyoloe --size s --print-config      # every field, resolved
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastdet.config import Config, ConfigError, DEMO_OVERRIDES, apply_overrides, get_preset, parse_set_args
+from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -62,8 +64,8 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastdet.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="ppyoloe", help="architecture (ppyoloe)")
-    p.add_argument("--size", default="s", help="model size (s, m, l, x)")
+    p.add_argument("--arch", default="ppyoloe", help="architecture (a name in fastdet.models.ARCHITECTURES)")
+    p.add_argument("--size", default="s", help="model size (the family's; ppyoloe: s, m, l, x)")
     for flag, (_, kw) in FLAGS.items():
         p.add_argument(flag, default=None, **kw)
     for flag, (_, _, help_) in SWITCHES.items():
@@ -75,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    """Preset, then demo defaults (for --data demo), then flags, then --set."""
-    cfg = get_preset(args.arch, args.size)
+    """The family's preset, then its demo overrides (for --data demo), then flags, then --set."""
+    from fastdet import recipes
+
+    cfg = recipes.get_preset(args.arch, args.size)
     overrides: dict[str, Any] = {}
     for flag, (key, _) in FLAGS.items():
         v = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -87,7 +91,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
             overrides[key] = value
     overrides.update(parse_set_args(args.set))
     if overrides.get("data.data", cfg.data.data) == "demo":
-        cfg = apply_overrides(cfg, DEMO_OVERRIDES)
+        cfg = apply_overrides(cfg, recipes.demo_overrides(args.arch))
     cfg = apply_overrides(cfg, overrides)
     if not cfg.data.multiscale:
         cfg = apply_overrides(cfg, {"data.train_sizes": (cfg.data.img_size,)})

@@ -1,4 +1,5 @@
-"""Config presets against the published PP-YOLOE recipes, overrides, and dump/load."""
+"""Config presets against the published PP-YOLOE recipes, overrides (family options
+included), dump/load and configs of the previous layout."""
 
 from __future__ import annotations
 
@@ -6,15 +7,11 @@ import dataclasses
 
 import pytest
 
-from fastdet.config import (
-    DEMO_OVERRIDES,
-    PRESETS,
-    Config,
-    ConfigError,
-    apply_overrides,
-    get_preset,
-    parse_set_args,
-)
+from fastdet.config import Config, ConfigError, FamilyOptions, apply_overrides, parse_set_args
+from fastdet.models.ppyoloe import PPYOLOEOptions
+from fastdet.recipes import PRESETS, config_from_dict, demo_overrides, get_preset, load_config
+
+DEMO_OVERRIDES = demo_overrides("ppyoloe")
 
 # PaddleDetection ppyoloe_crn_{s,m,l,x}_300e_coco.yml (../shared/REFERENCE.md):
 # images per GPU on 8 GPUs, base lr and the global batch it is given for, warmup steps.
@@ -38,7 +35,16 @@ def test_ppyoloe_presets_match_published_recipe(size):
     assert cfg.optim.epochs == 300 and cfg.optim.cosine_epochs == 360
     assert cfg.optim.momentum == 0.9 and cfg.optim.weight_decay == 5e-4
     assert cfg.optim.ema_decay == 0.9998
-    assert cfg.model.static_assigner_epoch == 100
+    assert cfg.optim.schedule == "cosine" and cfg.optim.warmup_start_factor == 0.001
+    assert cfg.optim.ema_type == "threshold"
+    assert cfg.data.img_size == 640
+    assert cfg.family == PPYOLOEOptions()
+    assert cfg.family.static_assigner_epoch == 100
+    # PP-YOLOE+ post-processing (REFERENCE.md / ARCHS.md §4): score 0.01, top 1000, IoU 0.7, keep 300.
+    o = cfg.family
+    assert (o.score_thresh, o.pre_nms_topk, o.nms_iou, o.max_det) == (0.01, 1000, 0.7, 300)
+    # ppyoloe_reader.yml: RandomDistort, RandomExpand (ratio 4), RandomCrop, RandomFlip, all p 0.5.
+    assert (o.distort_prob, o.expand_prob, o.expand_max_ratio, o.crop, o.flip_prob) == (0.5, 0.5, 4.0, True, 0.5)
     assert cfg.data.train_sizes == tuple(range(320, 769, 32)) and len(cfg.data.train_sizes) == 15
 
 
@@ -110,7 +116,7 @@ def test_dump_load_round_trip(tmp_path, suffix):
     cfg = apply_overrides(get_preset("ppyoloe", "m"), {**DEMO_OVERRIDES, "run.ckpt": "w.pt"})
     path = tmp_path / f"config{suffix}"
     cfg.dump(path)
-    back = Config.load(path)
+    back = load_config(path)
     assert back == cfg
     assert isinstance(back.data.train_sizes, tuple)
 
@@ -119,10 +125,16 @@ def test_load_rejects_unknown_and_mistyped_fields(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("optim:\n  base_lr: 0.1\n  warmup: 10\n")
     with pytest.raises(ConfigError, match=r"unknown config field optim.warmup"):
-        Config.load(path)
+        load_config(path)
     path.write_text("data:\n  batch_size: eight\n")
     with pytest.raises(ConfigError, match=r"data.batch_size: expected an integer, got 'eight'"):
-        Config.load(path)
+        load_config(path)
+    path.write_text("family:\n  static_assigner_epoch: soon\n")
+    with pytest.raises(ConfigError, match=r"family.static_assigner_epoch: expected an integer, got 'soon'"):
+        load_config(path)
+    path.write_text("model:\n  arch: yolov9\n")
+    with pytest.raises(ConfigError, match=r"unknown --arch 'yolov9'"):
+        load_config(path)
 
 
 def test_demo_overrides_apply_to_every_preset():
@@ -130,3 +142,50 @@ def test_demo_overrides_apply_to_every_preset():
         cfg = apply_overrides(preset, DEMO_OVERRIDES)
         assert cfg.data.img_size == 192 and cfg.data.max_boxes == 32, name
         assert max(cfg.data.train_sizes) <= cfg.data.img_size
+
+
+def test_family_options_are_overridable_and_type_checked():
+    cfg = apply_overrides(get_preset("ppyoloe", "s"), parse_set_args(
+        ["family.static_assigner_epoch=30", "family.flip_prob=0", "family.nms_iou=0.6"]))
+    assert cfg.family.static_assigner_epoch == 30 and cfg.family.flip_prob == 0.0 and cfg.family.nms_iou == 0.6
+    with pytest.raises(ConfigError, match=r"family.flip_prob: expected a number, got 'often'"):
+        apply_overrides(cfg, {"family.flip_prob": "often"})
+    with pytest.raises(ConfigError, match=r"unknown config field 'family.use_l1'"):
+        apply_overrides(cfg, {"family.use_l1": "true"})
+    # The shared sections no longer hold family settings.
+    with pytest.raises(ConfigError, match=r"unknown config field 'model.static_assigner_epoch'"):
+        apply_overrides(cfg, {"model.static_assigner_epoch": 3})
+
+
+def test_config_dict_of_the_previous_layout_still_loads():
+    """A checkpoint written before the family section: its family fields sat in model/data."""
+    old = get_preset("ppyoloe", "s").to_dict()
+    family = old.pop("family")
+    old["model"].update(static_assigner_epoch=8, score_thresh=0.02, nms_iou=0.7, max_det=300, pre_nms_topk=1000)
+    old["data"].update(distort_prob=0.0, expand_prob=0.0, expand_max_ratio=4.0, crop=False, flip_prob=0.5)
+    cfg = config_from_dict(old)
+    want = PPYOLOEOptions(**{**family, "static_assigner_epoch": 8, "score_thresh": 0.02,
+                             "distort_prob": 0.0, "expand_prob": 0.0, "crop": False})
+    assert cfg.family == want
+    assert cfg.model == get_preset("ppyoloe", "s").model
+    old["model"]["mystery"] = 1
+    with pytest.raises(ConfigError, match=r"unknown config field model.mystery"):
+        config_from_dict(old)
+
+
+def test_bare_config_gets_the_family_defaults():
+    from fastdet.recipes import resolve
+
+    assert Config().family == FamilyOptions()
+    assert resolve(Config()).family == PPYOLOEOptions()
+
+
+def test_print_config_shows_family_options(capsys):
+    from fastdet.train import main
+
+    assert main(["--arch", "ppyoloe", "--size", "m", "--data", "demo", "--set", "family.max_det=50",
+                 "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "family:" in out and "max_det: 50" in out and "static_assigner_epoch: 8" in out
+    assert main(["--arch", "ppyoloe", "--set", "family.nope=1", "--print-config"]) == 2
+    assert "unknown config field 'family.nope'" in capsys.readouterr().err

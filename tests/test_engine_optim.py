@@ -13,7 +13,8 @@ from torch import nn
 from fastdet.config import OptimConfig
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
                                        save_checkpoint, set_rng_state, unwrap)
-from fastdet.engine.optim import CapturableAdamW, CapturableSGD, LRSchedule, build_optimizer, build_param_groups
+from fastdet.engine.optim import (SCHEDULES, CapturableAdamW, CapturableSGD, LRSchedule, build_optimizer,
+                                  build_optimizer_and_ema, build_param_groups)
 
 
 class Net(nn.Module):
@@ -158,14 +159,77 @@ def test_cosine_schedule_matches_paddle_formula():
     assert s(300 * 50) > 0.04 * 0.06
 
 
+def _yolox_warm_cos_lr(lr, min_lr_ratio, total_iters, warmup_total_iters, warmup_lr_start, no_aug_iter, iters):
+    """YOLOX yolox/utils/lr_scheduler.py yolox_warm_cos_lr, restated."""
+    min_lr = lr * min_lr_ratio
+    if iters <= warmup_total_iters:
+        return (lr - warmup_lr_start) * (iters / warmup_total_iters) ** 2 + warmup_lr_start
+    if iters >= total_iters - no_aug_iter:
+        return min_lr
+    return min_lr + 0.5 * (lr - min_lr) * (
+        1 + math.cos(math.pi * (iters - warmup_total_iters) / (total_iters - warmup_total_iters - no_aug_iter)))
+
+
+def _yolox_warm_cos(lr, total_iters, warmup_total_iters, warmup_lr_start, iters):
+    """YOLOX warm_cos_lr, restated."""
+    if iters <= warmup_total_iters:
+        return (lr - warmup_lr_start) * iters / warmup_total_iters + warmup_lr_start
+    return lr * 0.5 * (1 + math.cos(math.pi * (iters - warmup_total_iters) / (total_iters - warmup_total_iters)))
+
+
+def _paddle_piecewise(base_lr, warmup, start_factor, milestones, gamma, spe, step):
+    """PaddleDetection LinearWarmup + PiecewiseDecay: the boundary/value lists they build,
+    read as paddle.optimizer.lr.PiecewiseDecay does (values[number of boundaries <= step])."""
+    boundary, value = [], []
+    for i in range(warmup + 1):
+        alpha = i / warmup
+        value.append(base_lr * (start_factor * (1 - alpha) + alpha))
+        if i > 0:
+            boundary.append(i)
+    boundary += [spe * m for m in milestones]
+    value += [base_lr * gamma ** (k + 1) for k in range(len(milestones))]
+    return value[sum(step >= b for b in boundary)]
+
+
+def test_schedule_registry_names():
+    assert set(SCHEDULES) == {"cosine", "warmcos", "yoloxwarmcos", "piecewise"}
+
+
+def test_yoloxwarmcos_schedule_matches_yolox():
+    """YOLOX-s: 300 epochs, 5 warm-up, cosine to 0.05 lr, flat for the last 15."""
+    cfg = OptimConfig(schedule="yoloxwarmcos", epochs=300, warmup_epochs=5, min_lr_ratio=0.05,
+                      no_aug_epochs=15)
+    spe, lr = 7, 0.01
+    s = LRSchedule.from_config(cfg, base_lr=lr, steps_per_epoch=spe)
+    for step in [0, 1, 17, 34, 35, 36, 500, 1000, 1994, 1995, 2000, 2099]:
+        assert s(step) == pytest.approx(_yolox_warm_cos_lr(lr, 0.05, 300 * spe, 5 * spe, 0, 15 * spe, step)), step
+    assert s(2099) == pytest.approx(0.05 * lr) and s(285 * spe) == pytest.approx(0.05 * lr)
+
+
 def test_warmcos_schedule_matches_yolox():
-    cfg = OptimConfig(schedule="warmcos", epochs=10, warmup_epochs=2, min_lr_ratio=0.05,
-                      no_aug_epochs=2)
-    s = LRSchedule.from_config(cfg, base_lr=0.01, steps_per_epoch=10)
-    assert s(10) == pytest.approx(0.01 * (10 / 20) ** 2)
-    assert s(20) == pytest.approx(0.01)
-    assert s(80) == pytest.approx(0.0005) and s(99) == pytest.approx(0.0005)
-    assert s(50) == pytest.approx(0.0005 + 0.5 * 0.0095 * (1 + math.cos(math.pi * 30 / 60)))
+    cfg = OptimConfig(schedule="warmcos", epochs=20, warmup_epochs=2, warmup_start_factor=0.0)
+    s = LRSchedule.from_config(cfg, base_lr=0.02, steps_per_epoch=10)
+    for step in [0, 5, 20, 21, 100, 199, 200]:
+        assert s(step) == pytest.approx(_yolox_warm_cos(0.02, 200, 20, 0.0, step), abs=1e-12), step
+
+
+@pytest.mark.parametrize("recipe", [
+    dict(base_lr=0.01, warmup_steps=4000, warmup_start_factor=0.0, milestones=(243, 324), epochs=405),  # PP-YOLO 1x
+    dict(base_lr=0.01, warmup_steps=500, warmup_start_factor=1 / 3, milestones=(8, 11), epochs=12),  # FCOS 1x
+])
+def test_piecewise_schedule_matches_paddle(recipe):
+    spe = 97
+    cfg = OptimConfig(schedule="piecewise", epochs=recipe["epochs"], warmup_steps=recipe["warmup_steps"],
+                      warmup_start_factor=recipe["warmup_start_factor"], milestones=recipe["milestones"],
+                      gamma=0.1)
+    s = LRSchedule.from_config(cfg, base_lr=recipe["base_lr"], steps_per_epoch=spe)
+    m0, m1 = (m * spe for m in recipe["milestones"])
+    w = recipe["warmup_steps"]
+    for step in sorted({0, 1, w // 2, w - 1, w, w + 1, m0 - 1, m0, m0 + 1, m1 - 1, m1, recipe["epochs"] * spe - 1}):
+        want = _paddle_piecewise(recipe["base_lr"], w, recipe["warmup_start_factor"], recipe["milestones"],
+                                 0.1, spe, step)
+        assert s(step) == pytest.approx(want, rel=1e-12, abs=1e-15), step
+    assert s(m1) == pytest.approx(recipe["base_lr"] * 0.01)
 
 
 def test_unknown_schedule_is_a_clear_error():
@@ -214,27 +278,27 @@ def test_unwrap_compiled_module():
 def test_channels_last_step_matches_nchw():
     """`--channels-last` changes the memory layout only: one PPYOLOE-s train step in NHWC
     gives the losses and updated weights of the same step in NCHW."""
-    from fastdet.config import apply_overrides, get_preset
+    from fastdet import recipes
+    from fastdet.config import apply_overrides
     from fastdet.engine.step import TrainStep, synthetic_batch
-    from fastdet.engine.trainer import build_detector, build_optimizer_and_ema
     from fastdet.train import build_parser, resolve_config
 
     assert resolve_config(build_parser().parse_args(["--channels-last"])).data.channels_last is True
     assert resolve_config(build_parser().parse_args([])).data.channels_last is False
-    cfg = apply_overrides(get_preset("ppyoloe", "s"), {"model.num_classes": 4})
+    cfg = apply_overrides(recipes.get_preset("ppyoloe", "s"), {"model.num_classes": 4})
     cpu = torch.device("cpu")
     results = []
     for nhwc in (False, True):
         torch.manual_seed(0)
-        model = build_detector(cfg, 4)
+        model = recipes.build_detector(cfg)
         if nhwc:
             model = model.to(memory_format=torch.channels_last)
         model.train()
-        opt, ema, _ = build_optimizer_and_ema(cfg, model, 2, cpu)
+        opt, ema, _ = build_optimizer_and_ema(cfg.optim, model, 2, cpu)
         step = TrainStep(model, model, opt, ema, cpu, None, clip_grad_norm=cfg.optim.clip_grad_norm)
         batch = synthetic_batch(2, 64, 64, 8, cpu, torch.Generator().manual_seed(1), nhwc)
         assert batch["images"].is_contiguous(memory_format=torch.channels_last) == nhwc
-        step(batch, model.loss_kwargs(0))
+        step(batch, recipes.phase(cfg, 0).loss_kwargs)
         results.append((step.read_losses(), [p.detach().clone() for p in model.parameters()]))
     (l0, p0), (l1, p1) = results
     assert l0.keys() == l1.keys() and l0

@@ -75,7 +75,7 @@ def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 def test_load_detector_matches_the_trainers_eval_model(tiny, det, demo_small):
     images, _ = preprocess_images(val_images(demo_small), det.info.preprocess, IMG)
-    evaluated = tiny.trainer.ema.module.eval()  # what Trainer.evaluate scores
+    evaluated = tiny.trainer.ema.averaged().eval()  # what Trainer.evaluate scores
     with torch.no_grad():
         ref = evaluated(images)
         plain = load_detector(tiny.ckpt, fuse=False)(images)

@@ -1,6 +1,7 @@
 """PP-YOLOE: registry, contract over every size, the published params/FLOPs table, RepVGG
-fusion, the assigner switch, graph capture and compilation, cross-rank normalisation,
-and a small overfit run on demo images."""
+fusion, its recipe's phases (the assigner switch, the stages), inductor compilation,
+cross-rank normalisation, and a small overfit run on demo images. The contract shared by
+every family (padded ground truth, graph breaks, compiled vs eager) is tests/test_contract.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from PIL import Image
 
-from fastdet.config import ModelConfig
+from fastdet.config import ModelConfig, apply_overrides
 from fastdet.data.coco import coco_layout, load_coco
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.targets import pad_targets
@@ -22,7 +23,8 @@ from fastdet.losses import all_reduce_mean
 from fastdet.models import build_model, build_model_from_config
 from fastdet.models.flops import count_flops, count_params, profile
 from fastdet.models.layers import RepVGGBlock
-from fastdet.models.ppyoloe import PPYOLOEHead
+from fastdet.models.ppyoloe import PPYOLOEHead, PPYOLOEOptions
+from fastdet.recipes import build_detector, demo_overrides, get_preset, loss_variants, phase, predict_kwargs
 
 SIZES = ("s", "m", "l", "x")
 # PaddleDetection model zoo, 80 classes, 640x640: params (M), FLOPs (G).
@@ -60,17 +62,15 @@ def test_registry_errors_are_one_line():
         build_model("yolo9", "s")
     with pytest.raises(ValueError, match=r"unknown size 'xl' for ppyoloe: available are s, m, l, x"):
         build_model("ppyoloe", "xl")
-    with pytest.raises(ValueError, match=r"unknown option 'use_l1'.*static_assigner_epoch"):
+    with pytest.raises(ValueError, match=r"unknown option 'use_l1'.*use_alpha"):
         build_model("ppyoloe", "s", use_l1=True)
     with pytest.raises(ValueError, match="num_classes"):
         build_model("ppyoloe", "s", num_classes=0)
 
 
-def test_build_from_config_passes_family_fields():
-    model = build_model_from_config(ModelConfig(arch="ppyoloe", size="s", num_classes=5, static_assigner_epoch=7))
+def test_build_from_config():
+    model = build_model_from_config(ModelConfig(arch="ppyoloe", size="s", num_classes=5), PPYOLOEOptions())
     assert model.head.num_classes == 5
-    assert model.loss_kwargs(6) == {"static_assigner": True}
-    assert model.loss_kwargs(7) == {"static_assigner": False}
 
 
 def test_bad_inputs_get_a_sentence():
@@ -233,71 +233,41 @@ def test_anchor_geometry():
     assert stride[:4, 0].tolist() == [32.0] * 4 and stride[-1, 0] == 8.0
 
 
-def test_loss_kwargs_select_the_assigner():
-    model = build_model("ppyoloe", "s", num_classes=3, static_assigner_epoch=2)
+def test_phase_selects_the_assigner():
+    """The recipe's phase: ATSS before family.static_assigner_epoch, then task-aligned."""
+    cfg = apply_overrides(get_preset("ppyoloe", "s"), {"model.num_classes": 3, "family.static_assigner_epoch": 2})
+    model = build_detector(cfg)
     perturb_predictors(model)
     x, t = toy_batch()
     model.eval()  # same BatchNorm statistics for every call
     with torch.no_grad():
         atss = model(x, t, static_assigner=True)
         tal = model(x, t, static_assigner=False)
-        via_epoch = [model(x, t, **model.loss_kwargs(e)) for e in (0, 1, 2)]
+        via_epoch = [model(x, t, **phase(cfg, e).loss_kwargs) for e in (0, 1, 2)]
     assert not torch.equal(atss["total_loss"], tal["total_loss"])
     for got, want in zip(via_epoch, (atss, atss, tal)):
         assert torch.equal(got["total_loss"], want["total_loss"])
+    assert loss_variants(cfg, 0, 299) == [{"static_assigner": True}, {"static_assigner": False}]
+    assert loss_variants(cfg, 2, 299) == [{"static_assigner": False}]
 
 
-def test_padded_ground_truth_changes_nothing():
-    """More padded slots, holding junk, give the same losses."""
-    model = build_model("ppyoloe", "s", num_classes=3).eval()
-    perturb_predictors(model)
-    x, t = toy_batch()
-    junk = dict(
-        gt_boxes=torch.cat([t["gt_boxes"], torch.tensor([5.0, 5.0, 60.0, 50.0]).expand(2, 4, 4)], 1),
-        gt_labels=torch.cat([t["gt_labels"], torch.full((2, 4), 2)], 1),
-        gt_mask=torch.cat([t["gt_mask"], torch.zeros(2, 4, dtype=torch.bool)], 1),
-    )
-    with torch.no_grad():
-        for static in (True, False):
-            a = model(x, t, static_assigner=static)
-            b = model(x, junk, static_assigner=static)
-            for k in LOSS_KEYS:
-                torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+def test_phase_stages_follow_the_recipe_and_the_demo():
+    from fastdet.data.stages import Distort, ExpandCrop, Flip, Normalize, Resize
+
+    cfg = get_preset("ppyoloe", "s")
+    assert phase(cfg, 0).stages == (Distort(0.5), ExpandCrop(0.5, 4.0, True), Flip(0.5),
+                                     Resize("stretch", interp="random"), Normalize(IMAGENET_MEAN, IMAGENET_STD))
+    assert phase(cfg, 299).stages == phase(cfg, 0).stages
+    demo = apply_overrides(cfg, demo_overrides("ppyoloe"))
+    assert phase(demo, 0).stages[:2] == (ExpandCrop(0.0, 4.0, False), Flip(0.5))  # a p=0 Distort is left out
+    off = apply_overrides(cfg, {"data.augment": False})
+    assert phase(off, 0).stages == (Resize("stretch", interp="linear"), Normalize(IMAGENET_MEAN, IMAGENET_STD))
+    with pytest.raises(ValueError, match="flip_prob"):
+        phase(apply_overrides(cfg, {"family.flip_prob": 1.5}), 0)
+    assert predict_kwargs(cfg) == dict(score_thresh=0.01, iou_thresh=0.7, max_det=300, pre_nms_topk=1000)
 
 
 # --------------------------------------------------------------------------- graph capture
-
-
-@pytest.mark.parametrize("static", [True, False])
-def test_training_forward_has_no_graph_breaks(static):
-    torch._dynamo.reset()
-    model = build_model("ppyoloe", "s", num_classes=3)
-    x, t = toy_batch()
-    explanation = torch._dynamo.explain(model)(x, t, static_assigner=static)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
-
-
-def test_fullgraph_compiled_training_matches_eager():
-    """The whole training forward + backward of the real s model through dynamo and AOT
-    autograd (functionalised, joint graph, partitioned) as one graph (``fullgraph``), with
-    the task-aligned assigner; the explain test above covers ATSS's capture, the inductor
-    test below both assigners' compiled numerics."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    eager = build_model("ppyoloe", "s", num_classes=3)
-    perturb_predictors(eager)
-    compiled_model = copy.deepcopy(eager)
-    step = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
-    x, t = toy_batch()
-    want = eager(x, t, static_assigner=False)
-    got = step(x, t, static_assigner=False)
-    for k in LOSS_KEYS:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
-    want["total_loss"].backward()
-    got["total_loss"].backward()
-    for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_inductor_compiled_head_loss_matches_eager():

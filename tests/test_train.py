@@ -115,7 +115,7 @@ def _flat(d, prefix=""):
 
 def test_compiled_training_cli(demo_small, tmp_path):
     r = run(train_cmd(demo_small, tmp_path, "--max-steps", "2", "--compile",
-                      "--set", "model.static_assigner_epoch=100"))
+                      "--set", "family.static_assigner_epoch=100"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in r.stdout
     assert "COCO AP" in r.stdout

@@ -34,6 +34,17 @@ class DistInfo:
         return self.launched
 
 
+def resolve_device(name: str) -> torch.device:
+    """``run.device``: ``"auto"`` is CUDA when visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible (use --device cpu)")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu, cuda or auto, got {name!r}")
+    return torch.device(name)
+
+
 def init_distributed(device_type: str, cuda_graphs: bool = False) -> DistInfo:
     """Initialise the default process group from torchrun's environment, if present.
 

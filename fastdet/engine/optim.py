@@ -1,4 +1,4 @@
-"""Parameter groups, capturable momentum SGD and AdamW, and the learning-rate schedules.
+"""Parameter groups, capturable momentum SGD and AdamW, and the registry of learning-rate schedules.
 
 The optimizers keep each group's learning rate as a 0-d tensor on the training device
 and do their update with foreach kernels only, so a step has no host sync and can be
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from fastdet.config import OptimConfig
+from fastdet.ops.ema import ModelEMA
 
 _NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
@@ -186,52 +188,113 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float,
     raise ValueError(f"optim.optimizer: expected 'sgd' or 'adamw', got {cfg.optimizer!r}")
 
 
-@dataclass(frozen=True)
-class LRSchedule:
-    """Learning rate as a pure function of the global step.
+def build_optimizer_and_ema(cfg: OptimConfig, model: nn.Module, world_batch: int, device: torch.device
+                            ) -> tuple[_DeviceLROptimizer, ModelEMA | None, float]:
+    """The optimizer (LR scaled linearly by the global batch), the EMA, and that base LR."""
+    base_lr = cfg.base_lr * world_batch / cfg.ref_batch
+    optimizer = build_optimizer(cfg, model, base_lr, device)
+    ema = ModelEMA(model, decay=cfg.ema_decay, kind=cfg.ema_type) if cfg.ema else None
+    return optimizer, ema, base_lr
 
-    ``cosine`` (PP-YOLOE): linear warmup from ``start_factor * lr`` over ``warmup``
-    steps, then ``lr * 0.5 * (1 + cos(pi * step / (cosine_epochs * steps_per_epoch)))``
-    (PaddleDetection CosineDecay with ``max_epochs`` = cosine_epochs, which runs past the
-    training length on purpose, so the LR never reaches 0).
-    ``warmcos`` (YOLOX ``yoloxwarmcos``): quadratic warmup from 0, cosine to
-    ``min_lr_ratio * lr``, held at the minimum for the last ``no_aug_epochs``.
-    """
+
+@dataclass(frozen=True)
+class ScheduleArgs:
+    """What a schedule function may read (steps are global optimizer steps)."""
 
     base_lr: float
-    kind: str
     steps_per_epoch: int
     epochs: int
     cosine_epochs: int
-    warmup: int
+    warmup: int  # steps
     start_factor: float
     min_lr_ratio: float
     no_aug_epochs: int
+    milestones: tuple[int, ...]  # epochs
+    gamma: float
+
+
+def _linear_warmup(step: int, a: ScheduleArgs) -> float:
+    """``start_factor`` of the LR at step 0, rising linearly to 1 at ``warmup`` (Paddle LinearWarmup)."""
+    alpha = step / a.warmup
+    return a.start_factor * (1 - alpha) + alpha
+
+
+def cosine(step: int, a: ScheduleArgs) -> float:
+    """PP-YOLOE: linear warm-up, then ``lr * 0.5 * (1 + cos(pi * step / (cosine_epochs *
+    steps_per_epoch)))`` (PaddleDetection CosineDecay with ``max_epochs`` = cosine_epochs,
+    which runs past the training length on purpose, so the LR never reaches 0)."""
+    total = max(1, a.cosine_epochs * a.steps_per_epoch)
+    if step < a.warmup:
+        return a.base_lr * _linear_warmup(step, a)
+    return a.base_lr * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+
+
+def warmcos(step: int, a: ScheduleArgs) -> float:
+    """YOLOX ``warmcos``: linear warm-up from ``start_factor * lr``, then cosine from the
+    end of warm-up to 0 at the end of training."""
+    total = a.epochs * a.steps_per_epoch
+    if step < a.warmup:
+        return a.base_lr * _linear_warmup(step, a)
+    span = max(1, total - a.warmup)
+    return a.base_lr * 0.5 * (1.0 + math.cos(math.pi * min(step - a.warmup, span) / span))
+
+
+def yoloxwarmcos(step: int, a: ScheduleArgs) -> float:
+    """YOLOX ``yoloxwarmcos``: quadratic warm-up ``lr * (step / warmup)^2`` from 0, cosine
+    down to ``min_lr_ratio * lr`` (YOLOX: 0.05), held there for the last ``no_aug_epochs``."""
+    total = a.epochs * a.steps_per_epoch
+    no_aug = a.no_aug_epochs * a.steps_per_epoch
+    min_lr = a.base_lr * a.min_lr_ratio
+    if step < a.warmup:
+        return a.base_lr * (step / a.warmup) ** 2
+    if step >= total - no_aug:
+        return min_lr
+    span = max(1, total - a.warmup - no_aug)
+    return min_lr + 0.5 * (a.base_lr - min_lr) * (1.0 + math.cos(math.pi * (step - a.warmup) / span))
+
+
+def piecewise(step: int, a: ScheduleArgs) -> float:
+    """PaddleDetection LinearWarmup + PiecewiseDecay (PP-YOLO, FCOS): linear warm-up from
+    ``start_factor * lr``, then ``lr * gamma^k`` with k the milestones (epochs) passed."""
+    factor = _linear_warmup(step, a) if step < a.warmup else 1.0
+    passed = sum(step >= m * a.steps_per_epoch for m in a.milestones)
+    return a.base_lr * factor * a.gamma ** passed
+
+
+# optim.schedule -> lr(step, args). A schedule is one small function of the global step.
+SCHEDULES: dict[str, Callable[[int, ScheduleArgs], float]] = {
+    "cosine": cosine,
+    "warmcos": warmcos,
+    "yoloxwarmcos": yoloxwarmcos,
+    "piecewise": piecewise,
+}
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Learning rate as a pure function of the global step: ``SCHEDULES[kind](step, args)``.
+
+    The trainer writes the value into the optimizer's device LR tensors
+    (``set_lr``, no recompile, no sync) before each step.
+    """
+
+    kind: str
+    args: ScheduleArgs
+
+    @property
+    def base_lr(self) -> float:
+        return self.args.base_lr
 
     @classmethod
     def from_config(cls, cfg: OptimConfig, base_lr: float, steps_per_epoch: int) -> "LRSchedule":
-        if cfg.schedule not in ("cosine", "warmcos"):
-            raise ValueError(f"optim.schedule: expected 'cosine' or 'warmcos', got {cfg.schedule!r}")
+        if cfg.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule: expected one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
         warmup = (round(cfg.warmup_epochs * steps_per_epoch) if cfg.warmup_epochs > 0
                   else cfg.warmup_steps)
-        return cls(base_lr, cfg.schedule, steps_per_epoch, cfg.epochs, cfg.cosine_epochs,
-                   warmup, cfg.warmup_start_factor, cfg.min_lr_ratio, cfg.no_aug_epochs)
+        args = ScheduleArgs(base_lr, steps_per_epoch, cfg.epochs, cfg.cosine_epochs, warmup,
+                            cfg.warmup_start_factor, cfg.min_lr_ratio, cfg.no_aug_epochs,
+                            tuple(cfg.milestones), cfg.gamma)
+        return cls(cfg.schedule, args)
 
     def __call__(self, step: int) -> float:
-        lr = self.base_lr
-        if self.kind == "cosine":
-            total = max(1, self.cosine_epochs * self.steps_per_epoch)
-            if step < self.warmup:
-                alpha = step / self.warmup
-                return lr * (self.start_factor * (1 - alpha) + alpha)
-            return lr * 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
-        # warmcos
-        total = self.epochs * self.steps_per_epoch
-        no_aug = self.no_aug_epochs * self.steps_per_epoch
-        min_lr = lr * self.min_lr_ratio
-        if step < self.warmup:
-            return lr * (step / self.warmup) ** 2
-        if step >= total - no_aug:
-            return min_lr
-        span = max(1, total - self.warmup - no_aug)
-        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * (step - self.warmup) / span))
+        return SCHEDULES[self.kind](step, self.args)

@@ -1,7 +1,8 @@
 """The plain training loop: data -> step -> log, with checkpoints and evaluation.
 
-Nothing here names an architecture: the model declares what changes during training
-(``model.loss_kwargs(epoch)``) and the loop passes it back in.
+Nothing here names an architecture: the family's recipe (``fastdet.recipes``) says what
+changes during training (``phase(cfg, epoch)``: the loss arguments, the augmentation
+stages, schedule switches) and the loop passes it on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fastdet import recipes
 from fastdet.config import Config
 from fastdet.data.coco import load_coco, resolve_data
 from fastdet.data.loader import build_eval_loader, build_train_loader
@@ -27,12 +29,10 @@ from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, r
                                        save_checkpoint, set_rng_state)
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
-from fastdet.engine.optim import LRSchedule, build_optimizer
+from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
-from fastdet.models import ARCHITECTURES, build_model_from_config
-from fastdet.ops.ema import ModelEMA
 
 log = logging.getLogger("fastdet")
 
@@ -41,38 +41,8 @@ class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss, a recompile after warm-up)."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible (use --device cpu)")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"--device: expected cpu, cuda or auto, got {name!r}")
-    return torch.device(name)
-
-
 def output_dir(cfg: Config) -> Path:
     return Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
-
-
-def build_detector(cfg: Config, num_classes: int) -> nn.Module:
-    return build_model_from_config(replace(cfg.model, num_classes=num_classes))
-
-
-def predict_kwargs(cfg: Config) -> dict[str, Any]:
-    m = cfg.model
-    return dict(score_thresh=m.score_thresh, iou_thresh=m.nms_iou, max_det=m.max_det,
-                pre_nms_topk=m.pre_nms_topk)
-
-
-def build_optimizer_and_ema(cfg: Config, model: nn.Module, world_batch: int, device: torch.device
-                            ) -> tuple[torch.optim.Optimizer, ModelEMA | None, float]:
-    """The optimizer (LR scaled linearly by the global batch), the EMA, and that base LR."""
-    base_lr = cfg.optim.base_lr * world_batch / cfg.optim.ref_batch
-    optimizer = build_optimizer(cfg.optim, model, base_lr, device)
-    ema = (ModelEMA(model, decay=cfg.optim.ema_decay, kind=cfg.optim.ema_type)
-           if cfg.optim.ema else None)
-    return optimizer, ema, base_lr
 
 
 def freeze_bn_stats(model: nn.Module) -> None:
@@ -83,8 +53,28 @@ def freeze_bn_stats(model: nn.Module) -> None:
 
 
 class Trainer:
+    """Set up in small named steps (process, data, model, loaders, restore, step), then
+    :meth:`train`."""
+
     def __init__(self, cfg: Config):
-        self.device = resolve_device(cfg.run.device)
+        cfg = recipes.resolve(cfg)
+        self._setup_process(cfg)
+        self.cfg = self._load_data(cfg)
+        self._build_model()
+        self._build_loaders()
+        self.epoch, self.step, self.best_ap = 0, 0, -1.0
+        self.val_predictions: Path | None = None  # the last drawn set (engine/previews.py)
+        if self.cfg.run.resume:
+            self._resume()
+        elif self.cfg.run.ckpt:
+            self._finetune(self.cfg.run.ckpt)
+        self._build_step()
+        self._start_run_files()
+
+    # ------------------------------------------------------------------ set-up steps
+    def _setup_process(self, cfg: Config) -> None:
+        """Device, process group, output directory, logging and seeds."""
+        self.device = dist.resolve_device(cfg.run.device)
         if cfg.compile.cuda_graphs and self.device.type != "cuda":
             raise ValueError("--cuda-graphs needs a CUDA device (this run is on the CPU): drop the flag")
         if cfg.run.sync_debug and self.device.type != "cuda":
@@ -105,46 +95,51 @@ class Trainer:
         setup_logging(self.out, self.dist.is_main)
         dist.seed_everything(cfg.run.seed, self.dist.rank)
 
-        paths = resolve_data(cfg.data)
-        self.train_set = load_coco(paths.train_ann, paths.train_images, train=True,
-                                   keep_empty=cfg.data.keep_empty_train,
-                                   check_images=cfg.data.check_images, cache_dir=cfg.data.cache_dir)
+    def _load_data(self, cfg: Config) -> Config:
+        """The train and val sets; returns ``cfg`` with ``model.num_classes`` set from them."""
+        d = cfg.data
+        paths = resolve_data(d)
+        self.train_set = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=d.keep_empty_train,
+                                   check_images=d.check_images, cache_dir=d.cache_dir)
         self.val_set = load_coco(paths.val_ann, paths.val_images, train=False,
-                                 check_images=cfg.data.check_images, cache_dir=cfg.data.cache_dir)
+                                 check_images=d.check_images, cache_dir=d.cache_dir)
         if len(self.train_set) == 0:
             raise ValueError(f"{paths.train_ann}: no usable training images ({self.train_set.report.summary()})")
         if self.train_set.cat_ids != self.val_set.cat_ids:
             raise ValueError(f"{paths.val_ann}: categories differ from {paths.train_ann}")
-        cfg = replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
-        self.cfg = cfg
+        return replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
 
-        self.model = build_detector(cfg, self.train_set.num_classes).to(self.device)
+    def _build_model(self) -> None:
+        """The detector on the device, the AMP dtype, the optimizer and the EMA."""
+        cfg = self.cfg
+        self.model = recipes.build_detector(cfg).to(self.device)
         if cfg.data.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)
-        world_batch = cfg.data.batch_size * self.dist.world_size
+        self.world_batch = cfg.data.batch_size * self.dist.world_size
         self.optimizer, self.ema, self.base_lr = build_optimizer_and_ema(
-            cfg, self.model, world_batch, self.device)
+            cfg.optim, self.model, self.world_batch, self.device)
 
-        self.train_loader = build_train_loader(cfg, self.train_set, rank=self.dist.rank,
-                                               world_size=self.dist.world_size,
-                                               device=self.device, seed=cfg.run.seed)
-        self.val_loader = build_eval_loader(cfg, self.val_set, rank=self.dist.rank,
-                                            world_size=self.dist.world_size, device=self.device)
+    def _build_loaders(self) -> None:
+        """The loaders (the training one asks the recipe for each epoch's stages) and the
+        LR schedule, which needs the number of steps per epoch."""
+        cfg, d = self.cfg, self.dist
+        self.train_loader = build_train_loader(
+            cfg.data, self.train_set, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages,
+            rank=d.rank, world_size=d.world_size, device=self.device, seed=cfg.run.seed)
+        self.val_loader = build_eval_loader(
+            cfg.data, self.val_set, preprocess=recipes.family(cfg.model.arch).preprocess,
+            rank=d.rank, world_size=d.world_size, device=self.device)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"the training set has {len(self.train_set)} images, fewer than one batch of "
-                f"{world_batch}: lower --batch-size")
+                f"{self.world_batch}: lower --batch-size")
         self.schedule = LRSchedule.from_config(cfg.optim, self.base_lr, self.steps_per_epoch)
-        self.epoch, self.step, self.best_ap = 0, 0, -1.0
-        self.val_predictions: Path | None = None  # the last drawn set (engine/previews.py)
 
-        if cfg.run.resume:
-            self._resume()
-        elif cfg.run.ckpt:
-            self._finetune(cfg.run.ckpt)
-
+    def _build_step(self) -> None:
+        """The (compiled, DDP-wrapped when distributed) train step, TensorBoard and the profiler."""
+        cfg = self.cfg
         self.train_step = TrainStep(
             self.model, self.model, self.optimizer, self.ema, self.device, self.amp_dtype,
             clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
@@ -154,13 +149,16 @@ class Trainer:
             backend=cfg.compile.backend)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
+
+    def _start_run_files(self) -> None:
+        """The resolved config next to the run; a fresh run in an old directory starts its logs anew."""
         if self.dist.is_main:
-            cfg.dump(self.out / "config.yaml")
-            if not cfg.run.resume:  # a fresh run in an old directory starts its logs anew
+            self.cfg.dump(self.out / "config.yaml")
+            if not self.cfg.run.resume:
                 for name in ("metrics.jsonl", "eval.jsonl"):
                     (self.out / name).unlink(missing_ok=True)
 
-    # ------------------------------------------------------------------ set-up helpers
+    # ------------------------------------------------------------------ helpers
     def _ddp_wrapper(self) -> Callable[[nn.Module], nn.Module]:
         """Convert BatchNorm to SyncBatchNorm where it can be, and return what wraps the
         step's (compiled) module in DDP: TrainStep calls it, so that DDP wraps the compiled
@@ -229,10 +227,10 @@ class Trainer:
             save_checkpoint(self.out / f"{name}.pth", self._state())
 
     def evaluate(self) -> dict[str, float]:
-        model = self.ema.module if self.ema is not None else self.model
+        model = self.ema.averaged() if self.ema is not None else self.model
         t = time.perf_counter()
         rng = rng_state()  # evaluation must not perturb the training's random streams
-        stats = evaluate(model, self.val_loader, self.val_set, self.amp_dtype, predict_kwargs(self.cfg))
+        stats = evaluate(model, self.val_loader, self.val_set, self.amp_dtype, recipes.predict_kwargs(self.cfg))
         set_rng_state(rng)
         log.info("eval (%s weights) epoch %d: AP %.4f  AP50 %.4f  AP75 %.4f  (%.1f s)",
                  "EMA" if self.ema is not None else "model", self.epoch, stats["AP"],
@@ -242,8 +240,8 @@ class Trainer:
             with open(self.out / "eval.jsonl", "a") as f:
                 f.write(json.dumps({"epoch": self.epoch, "step": self.step, **stats}) + "\n")
             self.val_predictions = log_val_predictions(
-                model, self.val_set.records, ARCHITECTURES[self.cfg.model.arch].preprocess,
-                self.cfg.data.img_size, predict_kwargs(self.cfg), self.val_set.class_names,
+                model, self.val_set.records, recipes.family(self.cfg.model.arch).preprocess,
+                self.cfg.data.img_size, recipes.predict_kwargs(self.cfg), self.val_set.class_names,
                 self.tb, self.out, self.step)
         return stats
 
@@ -281,7 +279,9 @@ class Trainer:
             last = self.step >= total_steps
             if epoch_done or last:
                 self.save("latest")
-            if last or (epoch_done and self.epoch % run.eval_interval == 0):
+            # The phase of the epoch just finished may switch the interval (YOLOX: every epoch at the end).
+            interval = recipes.phase(cfg, self.epoch - 1).eval_interval or run.eval_interval
+            if last or (epoch_done and self.epoch % interval == 0):
                 stats = self.evaluate()
                 if stats["AP"] > self.best_ap:
                     self.best_ap = stats["AP"]
@@ -321,11 +321,9 @@ class Trainer:
         last_epoch = cfg.optim.epochs - 1
         if cfg.run.max_steps > 0:
             last_epoch = min(last_epoch, (cfg.run.max_steps - 1) // self.steps_per_epoch)
-        variants = []
-        for e in range(self.epoch, last_epoch + 1):
-            kw = self.model.loss_kwargs(e)
-            if kw not in variants:
-                variants.append(kw)
+        # Every phase the rest of the run goes through: its distinct loss arguments x the
+        # loader's size buckets, so that nothing compiles after warm-up.
+        variants = recipes.loss_variants(cfg, self.epoch, last_epoch)
         t = time.perf_counter()
         self.train_step.warmup([(s, s) for s in sizes], cfg.data.batch_size, cfg.data.max_boxes,
                                variants, channels_last=cfg.data.channels_last)
@@ -340,7 +338,7 @@ class Trainer:
         self._train_mode()  # evaluation may have left the model in eval mode
         self.train_loader.set_epoch(self.epoch)
         skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
-        kw = self.model.loss_kwargs(self.epoch)
+        kw = recipes.phase(cfg, self.epoch).loss_kwargs
         timer, data_time, n_images = Timer(), 0.0, 0
         nvtx = self.train_step.nvtx
         it = iter(self.train_loader)

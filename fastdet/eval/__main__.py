@@ -13,7 +13,7 @@ import logging
 import sys
 import torch
 
-from fastdet.config import Config, ConfigError, apply_overrides
+from fastdet.config import ConfigError, apply_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,20 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from fastdet import recipes
     from fastdet.data.coco import DataError, load_coco, resolve_data
     from fastdet.data.loader import build_eval_loader
     from fastdet.engine import dist
     from fastdet.engine.checkpoint import load_checkpoint
     from fastdet.engine.logging import setup_logging
     from fastdet.engine.step import resolve_amp
-    from fastdet.engine.trainer import build_detector, predict_kwargs, resolve_device
     from fastdet.eval.coco import evaluate
 
     try:
         ck = load_checkpoint(args.ckpt)
         if "config" not in ck:
             raise ValueError(f"{args.ckpt}: not a fastdet checkpoint (no 'config' entry)")
-        cfg = Config.from_dict(ck["config"])
+        cfg = recipes.config_from_dict(ck["config"])
         over = {"run.device": args.device}
         for key, val in (("data.data", args.data), ("data.val_ann", args.val_ann),
                          ("data.val_images", args.val_images), ("data.img_size", args.img_size),
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("data.val_ann", "data.val_images", "data.train_ann", "data.train_images"):
                 over.setdefault(key, None)
         cfg = apply_overrides(cfg, over)
-        device = resolve_device(cfg.run.device)
+        device = dist.resolve_device(cfg.run.device)
         info = dist.init_distributed(device.type)
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank)
@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         if ck.get("cat_ids") and list(ck["cat_ids"]) != list(val.cat_ids):
             raise ValueError(f"{paths.val_ann}: categories differ from the checkpoint's "
                              f"({len(val.cat_ids)} vs {len(ck['cat_ids'])})")
-        model = build_detector(cfg, val.num_classes).to(device)
+        model = recipes.build_detector(cfg, val.num_classes).to(device)
         weights = ck["ema"] if args.weights == "ema" and ck.get("ema") else ck["model"]
         if "module" in weights:  # ModelEMA.state_dict() layout
             weights = weights["module"]
         model.load_state_dict(weights)
-        loader = build_eval_loader(cfg, val, rank=info.rank, world_size=info.world_size, device=device)
-        stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), predict_kwargs(cfg))
+        loader = build_eval_loader(cfg.data, val, preprocess=recipes.family(cfg.model.arch).preprocess,
+                                   rank=info.rank, world_size=info.world_size, device=device)
+        stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), recipes.predict_kwargs(cfg))
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ def build_model(arch: str, size: str, num_classes: int = 80, **family_options: A
     """Build ``arch`` (e.g. ``"ppyoloe"``) of ``size`` (e.g. ``"s"``) for ``num_classes`` classes.
 
     ``family_options`` are the family builder's keyword options (PP-YOLOE:
-    ``static_assigner_epoch``, ``use_alpha``, ``width_mult``, ``depth_mult``).
+    ``use_alpha``, ``width_mult``, ``depth_mult``).
     """
     fam = _family(arch, size)
     if not isinstance(num_classes, int) or num_classes < 1:
@@ -54,8 +54,10 @@ def build_model(arch: str, size: str, num_classes: int = 80, **family_options: A
     return fam.build(size, num_classes, **family_options)
 
 
-def build_model_from_config(model_cfg: Any) -> Detector:
-    """Build from a :class:`fastdet.config.ModelConfig`, passing the fields the family reads."""
+def build_model_from_config(model_cfg: Any, family_options: Any = None) -> Detector:
+    """Build from a :class:`fastdet.config.ModelConfig`, passing the family builder the
+    fields of ``family_options`` (the config's ``family`` section) it names in
+    ``ArchFamily.config_fields``."""
     fam = _family(model_cfg.arch, model_cfg.size)
-    options = {f: getattr(model_cfg, f) for f in fam.config_fields}
+    options = {f: getattr(family_options, f) for f in fam.config_fields}
     return build_model(model_cfg.arch, model_cfg.size, model_cfg.num_classes, **options)

@@ -1,20 +1,23 @@
 """The base detector (backbone -> neck -> head) and the post-processing every family shares.
 
-A family subclasses :class:`Detector` only for what differs (``loss_kwargs``); its head
-computes the loss (``head.loss(feats, targets, **kwargs) -> dict``) and the dense
+A family subclasses :class:`Detector` only for what differs (e.g. its own ``predict``);
+its head computes the loss (``head.loss(feats, targets, **kwargs) -> dict``) and the dense
 predictions (``head.inference(feats) -> (boxes [B,A,4] xyxy px, scores [B,A,C])``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torchvision
 from torch import Tensor, nn
 
 from fastdet.data.preprocess import Preprocess
+
+if TYPE_CHECKING:
+    from fastdet.models.recipe import Recipe
 
 TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
 
@@ -24,22 +27,25 @@ class ArchFamily:
     """What the registry knows of an architecture family.
 
     ``build(size, num_classes, **options) -> Detector``; ``config_fields`` names the
-    ``ModelConfig`` fields the family reads as options (see
-    ``fastdet.models.build_model_from_config``); ``preprocess`` is how evaluation,
-    prediction and export feed the network (``fastdet.data.preprocess``).
+    fields of the family's options (the config's ``family`` section) that ``build``
+    takes as keyword options (see ``fastdet.models.build_model_from_config``);
+    ``preprocess`` is how evaluation, prediction and export feed the network
+    (``fastdet.data.preprocess``); ``recipe`` is how the family trains (presets, demo,
+    options, phases, post-processing: ``fastdet.models.recipe``).
     """
 
     build: Callable[..., "Detector"]
     sizes: tuple[str, ...]
     config_fields: tuple[str, ...] = field(default_factory=tuple)
     preprocess: Preprocess = field(default_factory=Preprocess)
+    recipe: Optional["Recipe"] = None
 
 
 class Detector(nn.Module):
     """``backbone -> neck -> head``.
 
-    ``model(images, targets, **model.loss_kwargs(epoch))`` returns the head's dict of
-    named losses (including ``total_loss``); ``model(images)`` returns the dense
+    ``model(images, targets, **phase.loss_kwargs)`` (the family recipe's phase of the
+    epoch, ``fastdet.models.recipe``) returns the head's dict of named losses (including ``total_loss``); ``model(images)`` returns the dense
     predictions ``(boxes [B,A,4] xyxy input px, scores [B,A,C] probabilities)``, and
     :meth:`predict` adds multiclass NMS. Both paths have static shapes and no host syncs.
     """
@@ -68,10 +74,6 @@ class Detector(nn.Module):
         if missing:
             raise ValueError(f"targets lack {', '.join(missing)} (expected keys {', '.join(TARGET_KEYS)})")
         return self.head.loss(feats, targets, **loss_kwargs)
-
-    def loss_kwargs(self, epoch: int) -> dict[str, Any]:
-        """Arguments of the training forward that change over training (none by default)."""
-        return {}
 
     @torch.no_grad()
     def predict(

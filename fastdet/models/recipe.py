@@ -1,0 +1,111 @@
+"""How a model family declares its training recipe, next to its model.
+
+A family's :class:`Recipe` holds everything about training it that is not the network:
+
+- ``options``: the type of the config's ``family`` section (a frozen dataclass
+  subclassing :class:`fastdet.config.FamilyOptions`), overridable with
+  ``--set family.<field>=value``;
+- ``base`` / ``sizes``: the published recipe as ``{"section.field": value}`` overrides
+  of the shared defaults, common to all sizes and per size (``get_preset`` applies
+  both, type-checked);
+- ``demo``: the overrides for the built-in demo set (``--data demo``);
+- ``phase(epoch, epochs, cfg) -> Phase``: everything that changes over training, as a
+  pure function of the epoch: the loss keyword arguments (they key the compiled
+  graphs), the augmentation stages (``fastdet.data.stages``) and any schedule switch;
+- ``predict(options) -> dict``: the keyword arguments of ``Detector.predict``
+  (post-processing: NMS thresholds, kind).
+
+The trainer asks the recipe through ``fastdet.recipes`` and never names a family. A
+new family declares, in its model module::
+
+    @dataclass(frozen=True)
+    class MyOptions(NMSOptions):
+        no_aug_epochs: int = 15
+
+    def my_phase(epoch, epochs, cfg):
+        late = epoch >= epochs - cfg.family.no_aug_epochs
+        return Phase({"use_l1": late}, (Flip(), Resize("letterbox", 114.0), Normalize(None)))
+
+    RECIPE = Recipe(options=MyOptions, phase=my_phase, sizes={"s": {"data.batch_size": 64}})
+    FAMILY = ArchFamily(build=build_my, sizes=("s",), recipe=RECIPE)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from fastdet.config import Config, FamilyOptions
+from fastdet.data.stages import Normalize, Resize, Stage, check_stages
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one epoch of training uses.
+
+    ``loss_kwargs``: passed to ``model(images, targets, **loss_kwargs)``; each distinct
+    value is one compiled variant, all of them compiled at warm-up.
+    ``stages``: the augmentation, a ``fastdet.data.stages`` list ending in Resize,
+    Normalize; the loader rebuilds its chain when the tuple changes.
+    ``eval_interval``: a schedule switch: evaluate every this many epochs during the
+    phase (None: ``run.eval_interval``; YOLOX evaluates every epoch once mosaic is off).
+    """
+
+    loss_kwargs: Mapping[str, Any]
+    stages: tuple[Stage, ...]
+    eval_interval: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_kwargs", dict(self.loss_kwargs))
+        object.__setattr__(self, "stages", check_stages(self.stages))
+
+
+def check_probabilities(options: Any, *names: str) -> None:
+    """A one-line ``ValueError`` naming ``family.<name>`` unless each is in [0, 1]."""
+    for name in names:
+        p = getattr(options, name)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"family.{name}: expected a probability in [0, 1], got {p}")
+
+
+def without_augmentation(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """Only the Resize and Normalize of ``stages`` (``data.augment`` off), the resize at one
+    fixed interpolation (linear when the recipe draws one at random)."""
+    out: list[Stage] = []
+    for s in stages:
+        if isinstance(s, Resize):
+            out.append(Resize(s.mode, s.pad_value, "linear" if s.interp == "random" else s.interp,
+                              s.short, s.max_long))
+        elif isinstance(s, Normalize):
+            out.append(s)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class NMSOptions(FamilyOptions):
+    """Post-processing options most families share: class-aware NMS after a score
+    threshold and a pre-NMS top-k (``fastdet.models.detector.multiclass_nms``). A family
+    subclasses it for its options and may redeclare a field to change its default."""
+
+    score_thresh: float = 0.01
+    nms_iou: float = 0.7
+    max_det: int = 300
+    pre_nms_topk: int = 1000
+
+
+def nms_kwargs(options: Any) -> dict[str, Any]:
+    """``Detector.predict`` keyword arguments from :class:`NMSOptions` fields."""
+    return dict(score_thresh=options.score_thresh, iou_thresh=options.nms_iou,
+                max_det=options.max_det, pre_nms_topk=options.pre_nms_topk)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A family's training recipe (see the module docstring)."""
+
+    options: type[FamilyOptions]
+    phase: Callable[[int, int, Config], Phase]
+    base: Mapping[str, Any] = field(default_factory=dict)
+    sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    demo: Mapping[str, Any] = field(default_factory=dict)
+    predict: Callable[[Any], dict[str, Any]] = nms_kwargs

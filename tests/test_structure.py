@@ -1,0 +1,51 @@
+"""The layering the design keeps: no import loop between the trainer and evaluation,
+config below everything, and nothing in engine/ or data/ naming a model family."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import fastdet
+from fastdet.models import ARCHITECTURES
+
+PKG = Path(fastdet.__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    """Every fastdet module ``path`` imports, at any depth of its code (lazy imports too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fastdet"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("fastdet"))
+    return out
+
+
+def test_evaluation_does_not_import_the_trainer():
+    for path in (PKG / "eval").glob("*.py"):
+        assert not {m for m in _imports(path) if m.startswith("fastdet.engine.trainer")}, path.name
+
+
+def test_config_imports_no_other_fastdet_module():
+    assert not _imports(PKG / "config.py")
+
+
+def test_engine_and_data_name_no_family():
+    names = set(ARCHITECTURES)
+    for sub in ("engine", "data"):
+        for path in (PKG / sub).glob("*.py"):
+            text = path.read_text().lower()
+            assert not [n for n in names if f'"{n}"' in text or f"models.{n}" in text], path
+
+
+def test_eval_cli_loads_without_the_trainer():
+    code = ("import sys, fastdet.eval.__main__ as m, fastdet.eval.coco, fastdet.recipes, fastdet.data.loader, "
+            "fastdet.engine.dist, fastdet.engine.step, fastdet.engine.checkpoint; "
+            "assert 'fastdet.engine.trainer' not in sys.modules, 'trainer imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
