@@ -24,7 +24,7 @@ new family declares, in its model module::
 
     def my_phase(epoch, epochs, cfg):
         late = epoch >= epochs - cfg.family.no_aug_epochs
-        return Phase({"use_l1": late}, (Flip(), Resize("letterbox", 114.0), Normalize(None)))
+        return Phase({"use_l1": late}, (Flip(), Resize("letterbox", 114.0), Normalize(None, None)))
 
     RECIPE = Recipe(options=MyOptions, phase=my_phase, sizes={"s": {"data.batch_size": 64}})
     FAMILY = ArchFamily(build=build_my, sizes=("s",), recipe=RECIPE)
