@@ -198,7 +198,7 @@ part tests 240 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_gpu.xml" tests
 # task-aligned assigner from epoch 1 (the demo set: 48 steps per epoch at batch 8, so
 # 60 steps reach epoch 1; warm-up compiles and captures all 4 buckets first).
 SMOKE=(--arch ppyoloe --size s --data demo --device "$DEVICE" --epochs 2 --max-steps 60
-       --log-interval 12 --set data.train_sizes=192,256 --set model.static_assigner_epoch=1
+       --log-interval 12 --set data.train_sizes=192,256 --set family.static_assigner_epoch=1
        --set run.progress=false)
 if "$PY" -c "import nvidia.dali" > /dev/null 2>&1; then
     SMOKE+=(--loader dali)
