@@ -121,15 +121,12 @@ class Trainer:
             cfg.optim, self.model, self.world_batch, self.device)
 
     def _build_loaders(self) -> None:
-        """The loaders (the training one asks the recipe for each epoch's stages) and the
-        LR schedule, which needs the number of steps per epoch."""
+        """The loaders and the LR schedule, which needs the number of steps per epoch."""
         cfg, d = self.cfg, self.dist
-        self.train_loader = build_train_loader(
-            cfg.data, self.train_set, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages,
-            rank=d.rank, world_size=d.world_size, device=self.device, seed=cfg.run.seed)
-        self.val_loader = build_eval_loader(
-            cfg.data, self.val_set, preprocess=recipes.family(cfg.model.arch).preprocess,
-            rank=d.rank, world_size=d.world_size, device=self.device)
+        self.train_loader = build_train_loader(cfg, self.train_set, rank=d.rank, world_size=d.world_size,
+                                               device=self.device, seed=cfg.run.seed)
+        self.val_loader = build_eval_loader(cfg, self.val_set, rank=d.rank, world_size=d.world_size,
+                                            device=self.device)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
             raise ValueError(
