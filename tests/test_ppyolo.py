@@ -144,6 +144,23 @@ def test_padded_boxes_and_absent_scores():
     assert model(x, t3)["loss_cls"] < base["loss_cls"]
 
 
+def test_extreme_size_logits_stay_finite():
+    """An untrained model in eval mode can emit size logits that overflow exp(): the losses
+    and the decoded boxes stay finite."""
+    torch.manual_seed(0)
+    model = build_ppyolo("r18vd", num_classes=3).eval()
+    with torch.no_grad():
+        for conv in model.head.outputs:
+            bias = conv.bias.view(3, -1)  # [na, 5 + C]
+            bias[:, 2] = 200.0  # w: exp overflows
+            bias[:, 3] = -200.0  # h: exp underflows to 0
+    x, t = toy_batch()
+    losses = model(x, t)
+    assert all(torch.isfinite(v) for v in losses.values()), losses
+    boxes, scores = model(x)
+    assert torch.isfinite(boxes).all() and torch.isfinite(scores).all()
+
+
 def test_ignore_rule_drops_negatives_that_overlap_a_box():
     torch.manual_seed(0)
     model = build_ppyolo("r18vd", num_classes=3).eval()

@@ -220,6 +220,16 @@ def _iou_paired(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
     return inter / (area_a + area_b - inter + eps)
 
 
+# Log-sizes are clamped to +-10 (a box e^10 = 22026 times its anchor) before exp(): no
+# real prediction comes near, but an untrained model in eval mode (BatchNorm statistics
+# still at their initial values) can overflow exp() to inf and turn the IoU into NaN.
+_LOG_SIZE_LIMIT = 10.0
+
+
+def _size(t: Tensor) -> Tensor:
+    return t.clamp(-_LOG_SIZE_LIMIT, _LOG_SIZE_LIMIT).exp()
+
+
 def _per_image(v: Tensor) -> Tensor:
     """[B, ...] -> summed over anchors and cells, averaged over the batch (Paddle's reduction)."""
     return v.flatten(1).sum(1).mean()
@@ -306,8 +316,8 @@ class YOLOv3Head(nn.Module):
         """xyxy boxes [B, na, H, W, 4] in px from cell offsets and log sizes."""
         s = float(self.strides[i])
         anchor = getattr(self, f"anchor_wh{i}")  # [na, 2]
-        w = tw.exp() * anchor[:, 0, None, None]
-        h = th.exp() * anchor[:, 1, None, None]
+        w = _size(tw) * anchor[:, 0, None, None]
+        h = _size(th) * anchor[:, 1, None, None]
         return _cxcywh_to_xyxy((x + gx) * s, (y + gy) * s, w, h)
 
     # ------------------------------------------------------------------ inference
@@ -381,8 +391,8 @@ class YOLOv3Head(nn.Module):
             # IoU of decoded prediction and target, both in cell units (IoU is scale-free).
             anchor = getattr(self, f"anchor_wh{i}") / float(self.strides[i])  # [na, 2] cells
             aw, ah = anchor[:, 0, None, None], anchor[:, 1, None, None]
-            pbox = _cxcywh_to_xyxy(x + gx, y + gy, w.exp() * aw, h.exp() * ah)
-            tbox = _cxcywh_to_xyxy(tx + gx, ty + gy, tw.exp() * aw, th.exp() * ah)
+            pbox = _cxcywh_to_xyxy(x + gx, y + gy, _size(w) * aw, _size(h) * ah)
+            tbox = _cxcywh_to_xyxy(tx + gx, ty + gy, _size(tw) * aw, _size(th) * ah)
             iou = _iou_paired(pbox, tbox)  # [B, na, H, W]
             sums["loss_iou"].append(_per_image(self.iou_loss_weight * (1.0 - iou * iou) * weight))
             if ioup is not None:
