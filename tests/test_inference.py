@@ -109,7 +109,9 @@ def test_load_detector_carries_names_preprocessing_and_nms(tiny, det):
     assert info.class_names == ("circle", "rectangle", "triangle", "cross")
     assert info.cat_ids == (1, 3, 7, 12)
     assert info.preprocess == ARCHITECTURES[tiny.arch].preprocess
-    assert info.predict_kwargs == {"score_thresh": 0.01, "iou_thresh": 0.7, "max_det": 300, "pre_nms_topk": 1000}
+    from fastdet import recipes
+
+    assert info.predict_kwargs == recipes.predict_kwargs(tiny.trainer.cfg)  # the recipe's NMS settings
 
 
 def test_detect_maps_boxes_to_original_pixels(det, demo_small):
