@@ -31,6 +31,7 @@ import torch
 
 from fastdet.config import Config, DataConfig
 from fastdet.data.loader import build_train_loader, dali_unavailable_reason
+from fastdet.data.stages import stages_from_data
 
 
 def _sync(device: torch.device) -> None:
@@ -66,6 +67,7 @@ def measure_loader(
     *,
     windows: int = 4,
     seed: int = 0,
+    stages: tuple | None = None,
 ) -> dict[str, Any]:
     """Throughput of the training loader of ``backend`` ("dali" | "torch") on ``device``.
 
@@ -73,7 +75,8 @@ def measure_loader(
     (each window's images/s), ``images``, ``seconds`` (timed part), ``startup_s``
     (build + warm-up), ``batches_per_epoch``, ``backend``, ``device``, ``batch_size``,
     ``sizes``, ``num_workers``, ``augment``; or ``skipped`` with the reason when the
-    back end cannot run here.
+    back end cannot run here. ``stages``: the stage list of every epoch (default:
+    ``cfg.data``'s PP-YOLOE stages).
     """
     device = torch.device(device)
     cfg = replace(cfg, data=replace(cfg.data, loader=backend))
@@ -92,7 +95,9 @@ def measure_loader(
     windows = max(1, min(windows, n_batches))
     per_window = max(1, n_batches // windows)
     t0 = time.perf_counter()
-    loader = build_train_loader(cfg, dataset, rank=0, world_size=1, device=device, seed=seed)
+    stage_list = stages if stages is not None else stages_from_data(cfg.data)
+    loader = build_train_loader(cfg.data, dataset, stages_for_epoch=lambda e: stage_list, rank=0, world_size=1,
+                                device=device, seed=seed)
     stream = _Batches(loader)
     for _ in range(warmup):
         stream.next()

@@ -55,6 +55,7 @@ class DataConfig:
     # Training size buckets: one is drawn per batch (PP-YOLOE BatchRandomResize).
     train_sizes: tuple[int, ...] = tuple(range(320, 769, 32))
     multiscale: bool = True
+    size_period: int = 1  # steps between two size draws (YOLOX: 10; PP-YOLOE: every batch)
     max_boxes: int = 100  # M of the padded ground truth [B, M, 4]
     num_workers: int = 4
     # Off: the family's phases keep only their Resize and Normalize stages.

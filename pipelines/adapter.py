@@ -23,20 +23,22 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from fastdet.config import Config
-from fastdet.data.augment import AugmentSpec, ImageDecodeError, decode_image, spec_from_config
-from fastdet.data.loader import EvalSchedule, LoaderError, TrainSchedule, empty_batch
-from fastdet.data.records import BATCH_KEYS, ImageRecord
-from fastdet.pipelines.detection import OUTPUTS, detection_pipeline
+from fastdet.data import stages as S
+from fastdet.data.augment import ImageDecodeError, decode_image
+from fastdet.data.layout import BATCH_KEYS, empty_batch
+from fastdet.data.preprocess import Preprocess
+from fastdet.data.records import ImageRecord
+from fastdet.data.schedule import EvalSchedule, LoaderError, TrainSchedule
+from fastdet.pipelines.detection import OUTPUTS, detection_pipeline, unused_outputs
 from fastdet.pipelines.sources import EvalSource, TrainSource, _RecordSource
 
 log = logging.getLogger(__name__)
 
 
-def verified_records(dataset: Any, cfg: Config) -> tuple[list[ImageRecord], int]:
+def verified_records(dataset: Any, data) -> tuple[list[ImageRecord], int]:
     """``(records that decode, number left out)``; trusts a set loaded with ``check_images="decode"``."""
     records = list(dataset.records)
-    if cfg.data.check_images == "decode":  # the loaders assume the set was loaded with cfg.data.check_images
+    if data.check_images == "decode":  # the loaders assume the set was loaded with data.check_images
         return records, 0
     # The COCO layer's checker, keyed like load_coco's (image dir + file name), so its
     # cache of earlier "decode" checks is reused and this one is cached for the next run.
@@ -54,7 +56,7 @@ def verified_records(dataset: Any, cfg: Config) -> tuple[list[ImageRecord], int]
     report = getattr(dataset, "report", None)
     for d, items in by_dir.items():
         idx = [i for i, _ in items]
-        checks = coco._check_images(d, [name for _, name in items], "decode", cfg.data.cache_dir)
+        checks = coco._check_images(d, [name for _, name in items], "decode", data.cache_dir)
         for i, (status, w, h, _) in zip(idx, checks):
             if status == "ok" and (w, h) != (records[i].width, records[i].height):
                 status = "size mismatch"
@@ -78,15 +80,13 @@ def verified_records(dataset: Any, cfg: Config) -> tuple[list[ImageRecord], int]
 class _DaliLoader:
     backend = "dali"
 
-    def __init__(
-        self, cfg: Config, records: list[ImageRecord], *, device: torch.device, augment: Optional[AugmentSpec]
-    ) -> None:
-        d = cfg.data
+    def __init__(self, data, records: list[ImageRecord], *, device: torch.device) -> None:
+        d = data
         self.records = records
         self.device = device
         self.max_boxes = d.max_boxes
         self.channels_last = d.channels_last
-        self.augment = augment
+        self.stages: Optional[tuple] = None  # the stage list the pipeline is built from
         self.num_threads = max(1, int(d.num_workers))
         self.boxes_truncated = 0  # boxes beyond max_boxes (the smallest ones)
         self.left_out = 0  # records that failed the decode check (set by the builder)
@@ -104,7 +104,7 @@ class _DaliLoader:
         self._pipe = detection_pipeline(
             source,
             device=self._pixels,
-            augment=self.augment,
+            stage_list=self.stages,
             max_boxes=self.max_boxes,
             channels_last=self.channels_last,
             batch_size=batch_size,
@@ -171,46 +171,53 @@ class DaliTrainLoader(_DaliLoader):
 
     def __init__(
         self,
-        cfg: Config,
+        data,
         records: list[ImageRecord],
         schedule: TrainSchedule,
         *,
+        stages_for_epoch,
         device: torch.device,
         seed: int,
         rank: int,
-        spec: Optional[AugmentSpec] = None,
     ) -> None:
-        # spec: the augmentation (default: the one cfg.data describes; None when it is off).
-        spec = spec if spec is not None else spec_from_config(cfg.data)
-        super().__init__(cfg, records, device=device, augment=spec)
+        super().__init__(data, records, device=device)
         self.schedule = schedule
+        self.stages_for_epoch = stages_for_epoch
         self.seed = int(seed)
         self.rank = int(rank)
+        self.rebuilds = 0  # pipelines built so far (a test counts them)
         self.epoch = 0
         self._next: tuple[int, int] | None = None  # (epoch, step) the stream yields next
+        self.set_epoch(0)
 
     def __len__(self) -> int:
         return self.schedule.steps_per_epoch
 
     @property
-    def sizes(self) -> tuple[int, ...]:
+    def sizes(self) -> tuple[tuple[int, int], ...]:
         return self.schedule.sizes
 
     def set_epoch(self, epoch: int) -> None:
+        """Asks the epoch's stage list; a different tuple drops the pipeline (rebuilt at the next pass)."""
         self.epoch = int(epoch)
+        stages = S.check_stages(self.stages_for_epoch(self.epoch))
+        if stages != self.stages:
+            self.close()
+            self.stages = stages
+            self.schedule.set_interp(S.resize_of(stages).interp)
 
     def _restart(self, epoch: int) -> None:
         # The augmentation RNG differs per rank and per restart point, and is fixed by the seed.
         seed = int(np.random.SeedSequence([self.seed, self.rank, epoch]).generate_state(1)[0] >> 1)
-        a = self.augment
         source = TrainSource(
             self.records,
             self.schedule,
             epoch,
             reader_threads=self.num_threads,
-            with_wh=a is not None and (a.expand_prob > 0 or a.crop),
+            unused=unused_outputs(self.stages),
         )
         self._build(source, self.schedule.batch_size, seed)
+        self.rebuilds += 1
         self._next = (epoch, 0)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -227,17 +234,22 @@ class DaliTrainLoader(_DaliLoader):
 class DaliEvalLoader(_DaliLoader):
     """Evaluation batches of an :class:`EvalSchedule` (every record once over all ranks)."""
 
-    def __init__(self, cfg: Config, records: list[ImageRecord], schedule: EvalSchedule, *, device: torch.device) -> None:
-        super().__init__(cfg, records, device=device, augment=None)
+    def __init__(self, data, records: list[ImageRecord], schedule: EvalSchedule, *, preprocess: Preprocess,
+                 device: torch.device) -> None:
+        super().__init__(data, records, device=device)
         self.schedule = schedule
+        p = preprocess
+        # Preprocess.__call__ as a stage list; DALI's cubic kernel differs slightly from torch's.
+        self.stages = (S.Resize(p.resize, pad_value=p.pad_value, interp=p.interp, short=p.short, max_long=p.max_long),
+                       S.Normalize(p.mean, p.std))
         self._next = -1  # the non-empty step the stream yields next (-1: no pipeline)
 
     def __len__(self) -> int:
         return self.schedule.steps
 
     @property
-    def sizes(self) -> tuple[int, ...]:
-        return (self.schedule.size,)
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        return self.schedule.sizes
 
     def set_epoch(self, epoch: int) -> None:
         """Evaluation is the same every epoch."""
@@ -246,11 +258,12 @@ class DaliEvalLoader(_DaliLoader):
         s = self.schedule
         if s.nonempty_steps:
             if self._pipe is None or self._next != 0:
-                self._build(EvalSource(self.records, s, reader_threads=self.num_threads), s.batch_size, seed=0)
+                source = EvalSource(self.records, s, reader_threads=self.num_threads, unused=unused_outputs(self.stages))
+                self._build(source, s.batch_size, seed=0)
                 self._next = 0
             for step in range(s.nonempty_steps):
                 batch = self._next_batch()
                 self._next = (step + 1) % s.nonempty_steps
                 yield batch
         for _ in range(s.steps - s.nonempty_steps):
-            yield empty_batch(s.size, self.max_boxes, channels_last=self.channels_last, device=self.device)
+            yield empty_batch(s.sizes[0], self.max_boxes, channels_last=self.channels_last, device=self.device)

@@ -1,30 +1,29 @@
-"""The DALI detection pipeline: COCO records → PP-YOLOE-augmented, padded batches.
+"""The DALI detection pipeline: records → augmented, padded batches, built from a stage list.
 
-One graph serves training and evaluation (``augment=False``: decode, resize,
-normalise; the evaluation source asks for bicubic at ``img_size``)::
+One graph serves training and evaluation (evaluation: the stage list
+``(Resize, Normalize)`` of the family's ``Preprocess``)::
 
-    read ─ decode ─ [distort ─ expand_crop ─ flip] ─ resize ─ normalize ─┐
-                                                       boxes ─ targets ─┴─ outputs
+    read ─ decode ─ [stages in the list's order] ─ resize ─ normalize ─┐
+                                               boxes ─ targets ───────┴─ outputs
 
-Python ``if`` appears only on build-time parameters. Later stages slot in without
-reshaping it: mosaic and mixup (YOLOX) take and return ``(images, boxes, labels)``
-between the geometric stages and ``resize`` (``fn.multi_paste`` / ``fn.batch_permutation``
-on the same relative boxes); per-level target building (FCOS, PP-YOLO) is a stage on
-the padded targets, before ``outputs``.
+The graph is built from the ``tuple[Stage, ...]`` (``fastdet.data.stages``); Python
+``if`` appears only on build-time parameters. Pixels live on ``device`` ("gpu" after
+the mixed decoder, "cpu" in CPU-only mode); boxes, labels, scores and the random
+parameters stay on the CPU. The outputs are ``fastdet.data.layout``'s fields, in
+order, then ``overflow`` (CPU).
 """
 
 from __future__ import annotations
 
 import nvidia.dali.fn as fn
-from typing import Optional
-
+import nvidia.dali.types as types
 from nvidia.dali import pipeline_def
 
-from fastdet.data.augment import AugmentSpec
+from fastdet.data import stages as S
+from fastdet.data.layout import BATCH_KEYS
 from fastdet.pipelines import stages
 
-# The pipeline's outputs, in order; the first six are BATCH_KEYS, `overflow` stays on the CPU.
-OUTPUTS = ("images", "gt_boxes", "gt_labels", "gt_mask", "image_ids", "orig_sizes", "overflow")
+OUTPUTS = BATCH_KEYS + ("overflow",)
 
 
 def read(source):
@@ -36,24 +35,49 @@ def read(source):
     return dict(zip(names, nodes))
 
 
+def unused_outputs(stage_list: tuple) -> tuple[str, ...]:
+    """The source outputs the graph of ``stage_list`` does not read (DALI warns about them)."""
+    unused = []
+    if not any(isinstance(s, S.ExpandCrop) and (s.expand_prob > 0 or s.crop) for s in stage_list):
+        unused.append("wh")
+    if S.resize_of(stage_list).interp != "random":
+        unused.append("interp")
+    return tuple(unused)
+
+
 @pipeline_def
-def detection_pipeline(source, *, device: str, augment: Optional[AugmentSpec], max_boxes: int, channels_last: bool):
-    """Build-time args: ``device`` "gpu" | "cpu" (pipeline ``device_id=None``), ``augment``
-    (None: resize only), ``max_boxes`` (M), ``channels_last`` (HWC images instead of CHW)."""
+def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int, channels_last: bool):
+    """Build-time args: ``device`` "gpu" | "cpu" (pipeline ``device_id=None``), ``stage_list``
+    (``fastdet.data.stages``, validated), ``max_boxes`` (M), ``channels_last`` (HWC images)."""
     s = read(source)
     images = stages.decode(s["encoded"], device)
-    boxes, labels, mirror = s["boxes"], s["labels"], None
-    if augment is not None:
-        if augment.distort_prob > 0:
-            images = stages.distort(images, augment.distort_prob)
-        if augment.expand_prob > 0 or augment.crop:
-            images, boxes, labels = stages.expand_crop(images, boxes, labels, s["wh"], augment)
-        if augment.flip_prob > 0:
-            boxes, mirror = stages.flip(boxes, augment.flip_prob)
-    images = stages.resize(images, s["size"], s["interp"])
-    images = stages.normalize(images, mirror, channels_last)
-    gt_boxes, gt_labels, gt_mask, overflow = stages.targets(boxes, labels, s["size"], max_boxes)
-    outs = [images, gt_boxes, gt_labels, gt_mask, s["image_id"], s["orig_hw"]]
+    boxes, labels, scores, mirror = s["boxes"], s["labels"], None, None
+    for st in stage_list:
+        if isinstance(st, S.Distort):
+            if st.prob > 0:
+                images = stages.distort(images, st.prob)
+        elif isinstance(st, S.ExpandCrop):
+            if st.expand_prob > 0 or st.crop:
+                images, boxes, labels, scores = stages.expand_crop(images, boxes, labels, s["wh"], st, scores)
+        elif isinstance(st, S.Flip):
+            if st.prob > 0:
+                boxes, coin = stages.flip(boxes, st.prob)
+                if S.resize_of(stage_list).mode == "stretch":
+                    mirror = coin  # in crop_mirror_normalize, after the stretch (one pass fewer)
+                else:
+                    images = fn.flip(images, horizontal=coin)  # before the canvas padding
+        elif isinstance(st, S.Resize):
+            hw_in = fn.cast(images.shape(), dtype=types.FLOAT)
+            images, box_scale = stages.resize(images, s["size"], s.get("interp"), st)
+            scale_factors = box_scale / fn.stack(hw_in[1], hw_in[0])
+        elif isinstance(st, S.Normalize):
+            images = stages.normalize(images, mirror, channels_last, st)
+        else:
+            raise NotImplementedError(f"{type(st).__name__} is not in the DALI pipeline yet; use --loader torch")
+    gt_boxes, gt_labels, gt_mask, gt_scores, overflow = stages.targets(boxes, labels, box_scale, max_boxes, scores)
+    named = dict(images=images, gt_boxes=gt_boxes, gt_labels=gt_labels, gt_mask=gt_mask, gt_scores=gt_scores,
+                 image_ids=s["image_id"], orig_sizes=s["orig_hw"], scale_factors=scale_factors)
+    outs = [named[k] for k in BATCH_KEYS]
     if device == "gpu":
-        outs = [outs[0]] + [o.gpu() for o in outs[1:]]
+        outs = [o if k == "images" else o.gpu() for k, o in zip(BATCH_KEYS, outs)]
     return (*outs, overflow)

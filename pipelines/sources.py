@@ -9,7 +9,7 @@ corrupt images skipped), so the pipelines read exactly those.
 
 The callbacks run in batch mode with ``batch_info=True`` and are pure functions of
 the iteration number: batch ``g`` of the stream is step ``g % steps`` of epoch
-``start_epoch + g // steps`` of the shared :class:`~fastdet.data.loader.TrainSchedule`
+``start_epoch + g // steps`` of the shared :class:`~fastdet.data.schedule.TrainSchedule`
 (the same record indices, size and interpolation as the torch back end). They never
 raise ``StopIteration``, so DALI's prefetching runs on across epoch boundaries
 without a stall or a reset. Evaluation cycles over its rank's batches the same way;
@@ -24,7 +24,7 @@ Per sample the callbacks emit (CPU):
     wh        float32 [2]     (width, height) of the image (only for the geometric stages)
     image_id  int64 []        COCO id
     orig_hw   int64 [2]       (height, width)
-    size      float32 [2]     (S, S), the batch's network input size
+    size      float32 [2]     (H, W), the batch's network input canvas
     interp    int32 []        DALI interpolation of the batch's resize
 """
 
@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from fastdet.data.loader import INTERPS, EvalSchedule, TrainSchedule
+from fastdet.data.schedule import INTERPS, EvalSchedule, TrainSchedule
 from fastdet.data.records import ImageRecord
 
 SOURCE_OUTPUTS = ("encoded", "boxes", "labels", "wh", "image_id", "orig_hw", "size", "interp")
@@ -52,9 +52,10 @@ def _read(path: str) -> np.ndarray:
 class _RecordSource:
     """Shared part: per-record arrays prepared once, threaded file reads."""
 
-    def __init__(self, records: list[ImageRecord], reader_threads: int, with_wh: bool) -> None:
-        # An output the graph does not consume makes DALI warn: `wh` only feeds expand/crop.
-        self.outputs = tuple(n for n in SOURCE_OUTPUTS if with_wh or n != "wh")
+    def __init__(self, records: list[ImageRecord], reader_threads: int, unused: tuple[str, ...]) -> None:
+        # An output the graph does not consume makes DALI warn: `wh` only feeds expand/crop,
+        # `interp` only a Resize with a random interpolation.
+        self.outputs = tuple(n for n in SOURCE_OUTPUTS if n not in unused)
         self.files = [r.file for r in records]
         self.boxes = [
             (r.boxes.reshape(-1, 4) / np.array([r.width, r.height, r.width, r.height], np.float32)).astype(np.float32)
@@ -68,14 +69,14 @@ class _RecordSource:
         self._pool = ThreadPoolExecutor(max(1, reader_threads), thread_name_prefix="fastdet-read")
         self.recent: OrderedDict[int, list[str]] = OrderedDict()  # iteration -> files, for error messages
 
-    def emit(self, iteration: int, indices: np.ndarray, size: int, interp: int) -> tuple[list[np.ndarray], ...]:
+    def emit(self, iteration: int, indices: np.ndarray, hw: tuple[int, int], interp: int) -> tuple[list[np.ndarray], ...]:
         idx = [int(i) for i in indices]
         files = [self.files[i] for i in idx]
         self.recent[iteration] = files
         while len(self.recent) > _RECENT:
             self.recent.popitem(last=False)
         n = len(idx)
-        size_arr = np.array([size, size], np.float32)
+        size_arr = np.array(hw, np.float32)
         interp_arr = np.array(_DALI_INTERP[INTERPS[interp]], np.int32)
         out = {
             "encoded": list(self._pool.map(_read, files)),
@@ -103,9 +104,9 @@ class TrainSource(_RecordSource):
         start_epoch: int,
         *,
         reader_threads: int = 4,
-        with_wh: bool = True,
+        unused: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(records, reader_threads, with_wh)
+        super().__init__(records, reader_threads, unused)
         self.schedule = schedule
         self.start_epoch = int(start_epoch)
 
@@ -113,17 +114,18 @@ class TrainSource(_RecordSource):
         g = info.iteration  # never reset: this source never ends an epoch for DALI
         steps = self.schedule.steps_per_epoch
         plan = self.schedule.batch(self.start_epoch + g // steps, g % steps)
-        return self.emit(g, plan.indices, plan.size, plan.interp)
+        return self.emit(g, plan.indices, plan.hw, plan.interp)
 
 
 class EvalSource(_RecordSource):
     """Batch ``g`` = this rank's non-empty evaluation batch ``g % nonempty_steps``; endless."""
 
-    def __init__(self, records: list[ImageRecord], schedule: EvalSchedule, *, reader_threads: int = 4) -> None:
-        super().__init__(records, reader_threads, with_wh=False)
+    def __init__(self, records: list[ImageRecord], schedule: EvalSchedule, *, reader_threads: int = 4,
+                 unused: tuple[str, ...] = ("wh",)) -> None:
+        super().__init__(records, reader_threads, unused)
         self.schedule = schedule
 
     def __call__(self, info) -> tuple[list[np.ndarray], ...]:
         g = info.iteration
         plan = self.schedule.batch(g % self.schedule.nonempty_steps)
-        return self.emit(g, plan.indices, plan.size, plan.interp)
+        return self.emit(g, plan.indices, plan.hw, plan.interp)

@@ -28,7 +28,7 @@ import nvidia.dali.math as dmath
 import nvidia.dali.types as types
 
 from fastdet.data import augment as A
-from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
+from fastdet.data import stages as S
 
 
 def _maybe(p: float, value, neutral: float):
@@ -57,17 +57,18 @@ def distort(images, prob: float):
     return fn.hsv(images, hue=h, saturation=s, dtype=types.UINT8)
 
 
-def expand_crop(images, boxes, labels, wh, spec: A.AugmentSpec):
+def expand_crop(images, boxes, labels, wh, spec: S.ExpandCrop, scores=None):
     """RandomExpand (virtual canvas) + RandomCrop (``random_bbox_crop``) in one cut.
 
     Args:
         images: uint8 HWC on the pixel device.
         boxes: [N, 4] xyxy relative to the image; labels: [N] int32.
         wh: float32 [2] (width, height) of the image.
-        spec: ``expand_prob``, ``expand_max_ratio`` and ``crop`` are read at build time.
+        spec: ``expand_prob``, ``max_ratio`` and ``crop`` are read at build time.
+        scores: [N] float32 per-box scores (after a PP-YOLO mixup) or None (all ones).
 
     Returns:
-        ``(window images, boxes [K, 4] relative to the window, labels [K])``.
+        ``(window images, boxes [K, 4] relative to the window, labels [K], scores [K] or None)``.
 
     ``random_bbox_crop`` takes PaddleDetection RandomCrop's parameters; its window
     sampling differs in one detail: it draws each side's scale in [0.3, 1] and rejects
@@ -76,7 +77,7 @@ def expand_crop(images, boxes, labels, wh, spec: A.AugmentSpec):
     canvas, aspect 0.5..2, the best box over the threshold, centre-pruned boxes.
     """
     w, h = wh[0], wh[1]
-    ratio = _maybe(spec.expand_prob, fn.random.uniform(range=[1.0, spec.expand_max_ratio]), 1.0)
+    ratio = _maybe(spec.expand_prob, fn.random.uniform(range=[1.0, spec.max_ratio]), 1.0)
     cw, ch = dmath.floor(w * ratio), dmath.floor(h * ratio)  # canvas px
     ox = dmath.floor(fn.random.uniform(range=[0.0, 1.0]) * (cw - w))  # image offset on the canvas, px
     oy = dmath.floor(fn.random.uniform(range=[0.0, 1.0]) * (ch - h))
@@ -84,8 +85,8 @@ def expand_crop(images, boxes, labels, wh, spec: A.AugmentSpec):
     canvas_boxes = boxes * fn.stack(sx, sy, sx, sy) + fn.stack(tx, ty, tx, ty)
 
     if not spec.crop:
-        return _cut(images, canvas_boxes, labels, 0.0, 0.0, 1.0, 1.0, cw, ch, ox, oy)
-    anchor, shape, win_boxes, win_labels = fn.random_bbox_crop(
+        return (*_cut(images, canvas_boxes, labels, 0.0, 0.0, 1.0, 1.0, cw, ch, ox, oy), scores)
+    anchor, shape, win_boxes, win_labels, kept = fn.random_bbox_crop(
         canvas_boxes,
         labels,
         bbox_layout="xyXY",
@@ -99,12 +100,19 @@ def expand_crop(images, boxes, labels, wh, spec: A.AugmentSpec):
         # Bounded: after every threshold had its attempts, the best candidate is taken.
         total_num_attempts=A.CROP_ATTEMPTS * (len(A.CROP_THRESHOLDS) + 1),
         quiet=True,
+        output_bbox_indices=True,
     )
+    if scores is not None:
+        scores = fn.python_function(scores, kept, function=_gather, num_outputs=1)
     # An image without boxes is not cropped (PaddleDetection RandomCrop returns early).
     has = fn.cast(boxes.shape()[0] > 0, dtype=types.FLOAT)
     ax, ay = anchor[0] * has, anchor[1] * has
     aw, ah = shape[0] * has + (1.0 - has), shape[1] * has + (1.0 - has)
-    return _cut(images, win_boxes, win_labels, ax, ay, aw, ah, cw, ch, ox, oy)
+    return (*_cut(images, win_boxes, win_labels, ax, ay, aw, ah, cw, ch, ox, oy), scores)
+
+
+def _gather(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values[idx.astype(np.int64)])
 
 
 def _cut(images, win_boxes, labels, ax, ay, aw, ah, cw, ch, ox, oy):
@@ -142,42 +150,65 @@ def flip(boxes, prob: float):
     return fn.bb_flip(boxes, ltrb=True, horizontal=coin), coin
 
 
-def resize(images, size, interp):
-    """Stretch to the batch's square size (float32 [2] per sample), no antialiasing (cv2-like)."""
-    return fn.resize(
-        images,
-        size=size,
-        interp_type=fn.cast(interp, dtype=types.INTERP_TYPE),
-        antialias=False,
-        dtype=types.UINT8,
-    )
+def resize(images, size, interp, st: S.Resize):
+    """To the batch's canvas ``size`` (float32 [2] (H, W) per sample), no antialiasing (cv2-like).
+
+    Returns ``(images, box_scale)``: ``box_scale`` float32 [2] (x, y) turns boxes relative
+    to the image entering the resize into input px. stretch: the canvas; letterbox and
+    keep_ratio: ``r · (w, h)`` with ``r`` as ``fastdet.data.augment.resize_scale``, the
+    content ``floor(r · (h, w))`` pasted top-left on the canvas filled with ``pad_value``.
+    """
+    interp_type = fn.cast(interp, dtype=types.INTERP_TYPE) if st.interp == "random" else _DALI_INTERP[st.interp]
+    kw = dict(interp_type=interp_type, antialias=False, dtype=types.UINT8)
+    H, W = size[0], size[1]
+    if st.mode == "stretch":
+        return fn.resize(images, size=size, **kw), fn.stack(W, H)
+    hw = fn.cast(images.shape(), dtype=types.FLOAT)
+    h, w = hw[0], hw[1]
+    r = dmath.min(H / h, W / w)
+    if st.mode == "keep_ratio":
+        short = dmath.min(H, W)
+        r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * (st.max_long / st.short) / dmath.max(h, w)))
+    ch = dmath.clamp(dmath.floor(h * r), 1.0, H)
+    cw = dmath.clamp(dmath.floor(w * r), 1.0, W)
+    content = fn.resize(images, size=fn.stack(ch, cw), **kw)
+    zero = fn.cast(H * 0.0, dtype=types.INT32)
+    canvas = fn.slice(content, fn.stack(zero, zero), fn.cast(fn.stack(W, H), dtype=types.INT32), axis_names="WH",
+                      out_of_bounds_policy="pad", fill_values=[float(st.pad_value)] * 3)
+    return canvas, fn.stack(w * r, h * r)
 
 
-def normalize(images, mirror, channels_last: bool):
-    """ImageNet mean/std on 0..255, float32, CHW (or HWC for a channels-last model)."""
+_DALI_INTERP = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC}
+
+
+def normalize(images, mirror, channels_last: bool, st: S.Normalize):
+    """float32 input: mean/std on 0..255 (or raw 0..255 when ``st.mean`` is None), CHW (or HWC)."""
     kw = {} if mirror is None else {"mirror": mirror}
+    mean, std = (st.mean, st.std) if st.mean is not None else ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
     return fn.crop_mirror_normalize(
         images,
         dtype=types.FLOAT,
         output_layout="HWC" if channels_last else "CHW",
-        mean=list(IMAGENET_MEAN),
-        std=list(IMAGENET_STD),
+        mean=list(mean),
+        std=list(std),
         **kw,
     )
 
 
-def _finalize(boxes: np.ndarray, labels: np.ndarray, size: np.ndarray, *, max_boxes: int):
-    # size is (S_h, S_w); boxes are xyxy relative.
-    scale = np.array([size[1], size[0], size[1], size[0]], np.float32)
-    b, lab, mask, overflow = A.finalize_targets(boxes.reshape(-1, 4) * scale, labels, max_boxes)
-    return b, lab, mask, np.array(overflow, np.int64)
+def _finalize(boxes: np.ndarray, labels: np.ndarray, box_scale: np.ndarray, *scores, max_boxes: int):
+    # boxes are xyxy relative to the image entering the resize; box_scale is (x, y) px.
+    scale = np.array([box_scale[0], box_scale[1]] * 2, np.float32)
+    b = boxes.reshape(-1, 4) * scale
+    s = scores[0] if scores else np.ones(len(b), np.float32)
+    t = A.finalize(b, labels, s, max_boxes)
+    return t["gt_boxes"], t["gt_labels"], t["gt_mask"], t["gt_scores"], np.array(t["overflow"], np.int64)
 
 
-def targets(boxes, labels, size, max_boxes: int):
-    """Pixels of the input, < 1 px dropped, the M largest kept and padded (``fastdet.data.targets``).
+def targets(boxes, labels, box_scale, max_boxes: int, scores=None):
+    """Pixels of the input, < 1 px dropped, the M largest kept and padded (``fastdet.data.augment.finalize``).
 
-    Returns ``(gt_boxes [M, 4] f32, gt_labels [M] i64, gt_mask [M] bool, overflow [] i64)`` per sample, CPU.
+    Returns ``(gt_boxes [M, 4] f32, gt_labels [M] i64, gt_mask [M] bool, gt_scores [M] f32,
+    overflow [] i64)`` per sample, CPU.
     """
-    return fn.python_function(
-        boxes, labels, size, function=partial(_finalize, max_boxes=max_boxes), num_outputs=4
-    )
+    ins = (boxes, labels, box_scale) + ((scores,) if scores is not None else ())
+    return fn.python_function(*ins, function=partial(_finalize, max_boxes=max_boxes), num_outputs=5)

@@ -34,8 +34,20 @@ from fastdet.data.loader import (  # noqa: E402
     build_train_loader,
     resolve_backend,
 )
-from fastdet.data.records import BATCH_KEYS, ImageRecord  # noqa: E402
+from fastdet.data.layout import BATCH_KEYS  # noqa: E402
+from fastdet.data.preprocess import Preprocess  # noqa: E402
+from fastdet.data.records import ImageRecord  # noqa: E402
+from fastdet.data.stages import stages_from_data  # noqa: E402
 from fastdet.pipelines.sources import EvalSource, TrainSource  # noqa: E402
+
+
+def train_loader(cfg, ds, **kw):
+    """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: stages_from_data(cfg.data), **kw)
+
+
+def eval_loader(cfg, ds, **kw):
+    return build_eval_loader(cfg.data, ds, preprocess=Preprocess(), **kw)
 
 
 def cfg_for(tmp: Path, **data) -> Config:
@@ -94,7 +106,7 @@ def test_train_source_is_keyed_by_iteration_across_epochs(monkeypatch):
         out = dict(zip(names, src(SimpleNamespace(iteration=g, epoch_idx=0))))
         plan = sched.batch(2 + g // 3, g % 3)
         assert [bytes(e).decode() for e in out["encoded"]] == [recs[i].file for i in plan.indices]
-        assert all(s.tolist() == [plan.size, plan.size] for s in out["size"])
+        assert all(s.tolist() == list(plan.hw) for s in out["size"])
         assert len({int(i) for i in out["interp"]}) == 1
         np.testing.assert_allclose(out["boxes"][0], [[0.1, 0.1, 0.6, 0.9]], rtol=1e-6)
         assert out["orig_hw"][0].tolist() == [50, 100] and out["wh"][0].tolist() == [100, 50]
@@ -128,7 +140,7 @@ def set_with_corrupt(tmp_path, demo_train):
 
 def test_dali_loader_only_sees_decodable_images(set_with_corrupt, tmp_path):
     ds, bad = set_with_corrupt
-    loader = build_train_loader(cfg_for(tmp_path), ds, rank=0, world_size=1, device="cpu", seed=0)
+    loader = train_loader(cfg_for(tmp_path), ds, rank=0, world_size=1, device="cpu", seed=0)
     assert loader.left_out == 1 and "1 images that do not decode left out" in loader.report()
     assert ds.report.calls == [("corrupt", 1, [bad.file])]
     ids = [i for _ in range(3) for b in loader for i in b["image_ids"].tolist()]
@@ -139,7 +151,7 @@ def test_dali_names_the_file_it_cannot_decode(set_with_corrupt, tmp_path):
     ds, bad = set_with_corrupt
     # check_images="decode" says the set was verified; it was not, so DALI meets the file.
     cfg = cfg_for(tmp_path, check_images="decode", eval_batch_size=5)
-    loader = build_eval_loader(cfg, ds, rank=0, world_size=1, device="cpu")
+    loader = eval_loader(cfg, ds, rank=0, world_size=1, device="cpu")
     with pytest.raises(LoaderError) as e:
         list(loader)
     msg = str(e.value)
@@ -150,16 +162,16 @@ def test_dali_names_the_file_it_cannot_decode(set_with_corrupt, tmp_path):
 
 def test_backend_choice(monkeypatch, tmp_path):
     cpu = torch.device("cpu")
-    assert resolve_backend(cfg_for(tmp_path, loader="auto"), cpu) == "torch"
-    assert resolve_backend(cfg_for(tmp_path, loader="dali"), cpu) == "dali"  # CPU-only DALI
-    assert resolve_backend(cfg_for(tmp_path, loader="torch"), cpu) == "torch"
+    assert resolve_backend(cfg_for(tmp_path, loader="auto").data, cpu) == "torch"
+    assert resolve_backend(cfg_for(tmp_path, loader="dali").data, cpu) == "dali"  # CPU-only DALI
+    assert resolve_backend(cfg_for(tmp_path, loader="torch").data, cpu) == "torch"
     with pytest.raises(LoaderError, match="data.loader must be one of"):
-        resolve_backend(cfg_for(tmp_path, loader="fast"), cpu)
+        resolve_backend(cfg_for(tmp_path, loader="fast").data, cpu)
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # as if not installed
     with pytest.raises(LoaderError) as e:
-        resolve_backend(cfg_for(tmp_path, loader="dali"), cpu)
+        resolve_backend(cfg_for(tmp_path, loader="dali").data, cpu)
     assert str(e.value).startswith("--loader dali: nvidia-dali is not installed") and "\n" not in str(e.value)
-    assert resolve_backend(cfg_for(tmp_path, loader="auto"), torch.device("cuda", 0)) == "torch"
+    assert resolve_backend(cfg_for(tmp_path, loader="auto").data, torch.device("cuda", 0)) == "torch"
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -169,15 +181,15 @@ def test_backend_choice(monkeypatch, tmp_path):
 def test_gpu_pipeline_outputs_on_the_device(demo_train, tmp_path):
     cfg = cfg_for(tmp_path, batch_size=4, max_boxes=8)
     dev = torch.device("cuda", 0)
-    loader = build_train_loader(cfg, demo_train, rank=0, world_size=1, device=dev, seed=0)
+    loader = train_loader(cfg, demo_train, rank=0, world_size=1, device=dev, seed=0)
     assert loader.backend == "dali"
-    cpu = build_train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=0)
+    cpu = train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=0)
     for batch, ref in zip(loader, cpu):
         for k in BATCH_KEYS:
             assert batch[k].device.type == "cuda", k
             assert batch[k].dtype == ref[k].dtype and batch[k].shape == ref[k].shape, k
         assert torch.equal(batch["image_ids"].cpu(), ref["image_ids"])
         assert torch.isfinite(batch["images"]).all()
-    ev = build_eval_loader(cfg, demo_train, rank=0, world_size=1, device=dev)
+    ev = eval_loader(cfg, demo_train, rank=0, world_size=1, device=dev)
     n = sum(b["images"].shape[0] for b in ev)
     assert n == len(demo_train.records)

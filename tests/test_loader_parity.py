@@ -27,9 +27,27 @@ from fastdet.data.loader import (
     build_train_loader,
     train_sizes,
 )
-from fastdet.data.records import BATCH_KEYS, IMAGENET_MEAN, IMAGENET_STD, ImageRecord
+from fastdet.data.layout import BATCH_KEYS
+from fastdet.data.preprocess import Preprocess
+from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD, ImageRecord
+from fastdet.data.stages import stages_from_data
 from fastdet.data.torch_backend import TorchTrainLoader
 from fastdet.pipelines.adapter import DaliTrainLoader
+
+
+def train_loader(cfg, ds, **kw):
+    """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: stages_from_data(cfg.data), **kw)
+
+
+def eval_loader(cfg, ds, **kw):
+    return build_eval_loader(cfg.data, ds, preprocess=Preprocess(), **kw)
+
+
+def pp_stages(**data) -> tuple:
+    """PP-YOLOE's stages with some of DataConfig's augmentation fields set."""
+    return stages_from_data(DataConfig(**data))
+
 
 BACKENDS = ("dali", "torch")
 SIZES = (96, 128, 160)
@@ -101,12 +119,12 @@ def rect_set(tmp_path_factory):
     return records
 
 
-def geometry_loader(backend: str, records, spec: A.AugmentSpec, tmp: Path, seed: int = 0):
+def geometry_loader(backend: str, records, spec: tuple, tmp: Path, seed: int = 0):
     cfg = make_cfg(backend, tmp, batch_size=4, train_sizes=(128, 160))
     sched = TrainSchedule(len(records), 4, rank=0, world_size=1, seed=seed, sizes=(128, 160), random_interp=True)
     cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
     kw = dict(seed=seed, rank=0) if backend == "dali" else {}
-    return cls(cfg, records, sched, device=torch.device("cpu"), spec=spec, **kw)
+    return cls(cfg.data, records, sched, stages_for_epoch=lambda e: spec, device=torch.device("cpu"), **kw)
 
 
 def rect_pixel_box(img: np.ndarray, white: float) -> np.ndarray | None:
@@ -132,6 +150,7 @@ def run_geometry(backend, records, spec, tmp, *, adaptive=False, epochs=2):
         for batch in loader:
             imgs = pixels(batch["images"])
             size = imgs.shape[1]
+            assert imgs.shape[1] == imgs.shape[2]
             for b in range(imgs.shape[0]):
                 ids = int(batch["image_ids"][b])
                 m = batch["gt_mask"][b]
@@ -150,7 +169,7 @@ def run_geometry(backend, records, spec, tmp, *, adaptive=False, epochs=2):
     return out
 
 
-NO_AUG = A.AugmentSpec(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=0.0)
+NO_AUG = pp_stages(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=0.0)
 
 
 def scaled(rec: ImageRecord, size: int) -> np.ndarray:
@@ -167,22 +186,24 @@ def test_geometry_resize(backend, rect_set, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_geometry_flip(backend, rect_set, tmp_path):
     by_id = {r.image_id: r for r in rect_set}
-    spec = A.AugmentSpec(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=1.0)
+    spec = pp_stages(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=1.0)
     for s in run_geometry(backend, rect_set, spec, tmp_path):
         x0, y0, x1, y1 = scaled(by_id[s["id"]], s["size"])
         np.testing.assert_allclose(s["box"], [s["size"] - x1, y0, s["size"] - x0, y1], atol=1e-3)
 
 
-def test_spec_from_config_stage_by_stage():
-    assert A.spec_from_config(DataConfig(augment=False)) is None
-    assert A.spec_from_config(DataConfig()) == A.PPYOLOE
-    spec = A.spec_from_config(DataConfig(distort_prob=0.0, expand_prob=0.25, expand_max_ratio=1.5,
-                                         crop=False, flip_prob=1.0))
-    assert spec == A.AugmentSpec(distort_prob=0.0, expand_prob=0.25, expand_max_ratio=1.5, crop=False, flip_prob=1.0)
+def test_stages_from_data_stage_by_stage():
+    from fastdet.data import stages as S
+
+    assert stages_from_data(DataConfig(augment=False)) == (S.Resize("stretch", interp="linear"), S.Normalize())
+    assert stages_from_data(DataConfig()) == (S.Distort(0.5), S.ExpandCrop(0.5, 4.0, True), S.Flip(0.5),
+                                              S.Resize("stretch", interp="random"), S.Normalize())
+    got = pp_stages(distort_prob=0.0, expand_prob=0.25, expand_max_ratio=1.5, crop=False, flip_prob=1.0)
+    assert got == (S.ExpandCrop(0.25, 1.5, False), S.Flip(1.0), S.Resize("stretch", interp="random"), S.Normalize())
     with pytest.raises(ValueError, match="data.flip_prob"):
-        A.spec_from_config(DataConfig(flip_prob=1.5))
+        pp_stages(flip_prob=1.5)
     with pytest.raises(ValueError, match="data.expand_max_ratio"):
-        A.spec_from_config(DataConfig(expand_max_ratio=0.5))
+        pp_stages(expand_max_ratio=0.5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -193,7 +214,8 @@ def test_config_augmentation_reaches_the_loader(backend, rect_set, tmp_path):
     sched = TrainSchedule(len(rect_set), 4, rank=0, world_size=1, seed=0, sizes=(128,), random_interp=False)
     cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
     kw = dict(seed=0, rank=0) if backend == "dali" else {}
-    loader = cls(cfg, rect_set, sched, device=torch.device("cpu"), **kw)
+    loader = cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: stages_from_data(cfg.data),
+                 device=torch.device("cpu"), **kw)
     by_id = {r.image_id: r for r in rect_set}
     checked = 0
     for batch in loader:
@@ -210,7 +232,7 @@ def test_config_augmentation_reaches_the_loader(backend, rect_set, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_geometry_expand(backend, rect_set, tmp_path):
     by_id = {r.image_id: r for r in rect_set}
-    spec = A.AugmentSpec(distort_prob=0.0, expand_prob=1.0, crop=False, flip_prob=0.0)
+    spec = pp_stages(distort_prob=0.0, expand_prob=1.0, crop=False, flip_prob=0.0)
     samples = run_geometry(backend, rect_set, spec, tmp_path)
     shrunk, fill_frac = 0, []
     for s in samples:
@@ -228,7 +250,7 @@ def test_geometry_expand(backend, rect_set, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_geometry_crop(backend, rect_set, tmp_path):
     by_id = {r.image_id: r for r in rect_set}
-    spec = A.AugmentSpec(distort_prob=0.0, expand_prob=0.0, crop=True, flip_prob=0.0)
+    spec = pp_stages(distort_prob=0.0, expand_prob=0.0, crop=True, flip_prob=0.0)
     samples = run_geometry(backend, rect_set, spec, tmp_path)
     cropped = sum(
         s["box"] is None or not np.allclose(s["box"], scaled(by_id[s["id"]], s["size"]), atol=0.5) for s in samples
@@ -238,7 +260,7 @@ def test_geometry_crop(backend, rect_set, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_geometry_full_chain(backend, rect_set, tmp_path):
-    samples = run_geometry(backend, rect_set, A.PPYOLOE, tmp_path, adaptive=True, epochs=3)
+    samples = run_geometry(backend, rect_set, pp_stages(), tmp_path, adaptive=True, epochs=3)
     assert sum(s["box"] is not None for s in samples) >= len(samples) // 2
 
 
@@ -257,7 +279,7 @@ def test_padding_truncation_and_tiny_boxes(backend, tmp_path):
     recs = [ImageRecord(i + 1, str(f), 200, 200, boxes, labels) for i in range(4)]
     ds = SimpleNamespace(records=recs, ann_file=tmp_path / "x.json")
     cfg = make_cfg(backend, tmp_path, augment=False, multiscale=False, img_size=96, max_boxes=8)
-    loader = build_train_loader(cfg, ds, rank=0, world_size=1, device="cpu", seed=0)
+    loader = train_loader(cfg, ds, rank=0, world_size=1, device="cpu", seed=0)
     (batch,) = list(loader)
     assert batch["gt_boxes"].shape == (4, 8, 4) and batch["gt_boxes"].dtype == torch.float32
     assert batch["gt_labels"].dtype == torch.int64 and batch["gt_mask"].dtype == torch.bool
@@ -276,7 +298,7 @@ def test_masks_for_images_without_boxes(backend, demo_train, tmp_path):
     empty = ImageRecord(999, recs[0].file, recs[0].width, recs[0].height, np.zeros((0, 4), np.float32),
                         np.zeros(0, np.int64))
     ds = SimpleNamespace(records=[empty] * 4, ann_file=demo_train.ann_file)
-    loader = build_train_loader(make_cfg(backend, tmp_path), ds, rank=0, world_size=1, device="cpu", seed=0)
+    loader = train_loader(make_cfg(backend, tmp_path), ds, rank=0, world_size=1, device="cpu", seed=0)
     for batch in loader:
         assert not batch["gt_mask"].any()
         assert (batch["gt_boxes"] == 0).all() and (batch["gt_labels"] == 0).all()
@@ -287,7 +309,7 @@ def test_masks_for_images_without_boxes(backend, demo_train, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_multiscale_one_size_per_batch(backend, demo_train, tmp_path):
     cfg = make_cfg(backend, tmp_path)
-    loader = build_train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=3)
+    loader = train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=3)
     sched = TrainSchedule(len(demo_train.records), 4, rank=0, world_size=1, seed=3, sizes=SIZES, random_interp=True)
     seen = []
     for epoch in range(2):
@@ -306,7 +328,7 @@ def test_multiscale_one_size_per_batch(backend, demo_train, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_determinism(backend, demo_train, tmp_path):
     def run(seed):
-        loader = build_train_loader(make_cfg(backend, tmp_path), demo_train, rank=0, world_size=1, device="cpu",
+        loader = train_loader(make_cfg(backend, tmp_path), demo_train, rank=0, world_size=1, device="cpu",
                                     seed=seed)
         return collect(loader, passes=2)
 
@@ -321,7 +343,7 @@ def test_determinism(backend, demo_train, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_set_epoch_jumps_and_reshuffles(backend, demo_train, tmp_path):
     cfg = make_cfg(backend, tmp_path, augment=False)
-    loader = build_train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=1)
+    loader = train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=1)
     e0 = [b["image_ids"].tolist() for b in loader]
     e1 = [b["image_ids"].tolist() for b in loader]  # the next pass is epoch 1
     loader.set_epoch(0)
@@ -357,7 +379,7 @@ def test_ranks_see_disjoint_training_images(backend, demo_train, tmp_path):
     cfg = make_cfg(backend, tmp_path, augment=False, batch_size=3)
     ids = []
     for rank in range(2):
-        loader = build_train_loader(cfg, demo_train, rank=rank, world_size=2, device="cpu", seed=0)
+        loader = train_loader(cfg, demo_train, rank=rank, world_size=2, device="cpu", seed=0)
         ids.append({i for b in loader for i in b["image_ids"].tolist()})
         assert len(loader) == (len(demo_train.records) // 2) // 3
     assert not ids[0] & ids[1]
@@ -370,7 +392,7 @@ def test_ranks_see_disjoint_training_images(backend, demo_train, tmp_path):
 def test_eval_covers_every_image_once(backend, world, count, demo_val, tmp_path):
     ds = SimpleNamespace(records=demo_val.records[:count], ann_file=demo_val.ann_file)
     cfg = make_cfg(backend, tmp_path, eval_batch_size=2)
-    loaders = [build_eval_loader(cfg, ds, rank=r, world_size=world, device="cpu") for r in range(world)]
+    loaders = [eval_loader(cfg, ds, rank=r, world_size=world, device="cpu") for r in range(world)]
     steps = -(-(-(-count // world)) // 2)  # ceil(ceil(count / world) / 2)
     assert [len(l) for l in loaders] == [steps] * world  # every rank runs the same number of steps
     for _ in range(2):  # and again on the next evaluation
@@ -396,8 +418,8 @@ def test_eval_covers_every_image_once(backend, world, count, demo_val, tmp_path)
 def _parity_batches(backend, ds, tmp, train):
     cfg = make_cfg(backend, tmp, augment=False)
     if train:
-        return collect(build_train_loader(cfg, ds, rank=0, world_size=1, device="cpu", seed=2))
-    return collect(build_eval_loader(cfg, ds, rank=0, world_size=1, device="cpu"))
+        return collect(train_loader(cfg, ds, rank=0, world_size=1, device="cpu", seed=2))
+    return collect(eval_loader(cfg, ds, rank=0, world_size=1, device="cpu"))
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train-linear", "eval-cubic"])
@@ -417,9 +439,9 @@ def test_backends_agree_without_augmentation(train, demo_train, demo_val, tmp_pa
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_channels_last_layout(backend, demo_train, tmp_path):
-    cl = build_train_loader(make_cfg(backend, tmp_path, augment=False, channels_last=True), demo_train, rank=0,
+    cl = train_loader(make_cfg(backend, tmp_path, augment=False, channels_last=True), demo_train, rank=0,
                             world_size=1, device="cpu", seed=0)
-    nchw = build_train_loader(make_cfg(backend, tmp_path, augment=False), demo_train, rank=0, world_size=1,
+    nchw = train_loader(make_cfg(backend, tmp_path, augment=False), demo_train, rank=0, world_size=1,
                               device="cpu", seed=0)
     a, b = next(iter(cl)), next(iter(nchw))
     assert a["images"].shape == b["images"].shape
@@ -436,8 +458,8 @@ def test_eval_schedule_counts():
 
 
 def test_train_sizes_follow_config():
-    assert train_sizes(make_cfg("torch", Path("."))) == SIZES
-    assert train_sizes(make_cfg("torch", Path("."), multiscale=False, img_size=320)) == (320,)
+    assert train_sizes(make_cfg("torch", Path(".")).data) == SIZES
+    assert train_sizes(make_cfg("torch", Path("."), multiscale=False, img_size=320).data) == (320,)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

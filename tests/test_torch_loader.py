@@ -19,8 +19,20 @@ import torch
 from fastdet.config import Config, DataConfig
 from fastdet.data import augment as A
 from fastdet.data.coco import load_coco
+from fastdet.data.layout import BATCH_KEYS
 from fastdet.data.loader import build_eval_loader, build_train_loader
-from fastdet.data.records import BATCH_KEYS, ImageRecord
+from fastdet.data.preprocess import Preprocess
+from fastdet.data.records import ImageRecord
+from fastdet.data.stages import stages_from_data
+
+
+def train_loader(cfg, ds, **kw):
+    """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: stages_from_data(cfg.data), **kw)
+
+
+def eval_loader(cfg, ds, **kw):
+    return build_eval_loader(cfg.data, ds, preprocess=Preprocess(), **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -88,17 +100,18 @@ def test_expand_and_extract():
 
 def test_finalize_drops_small_boxes_and_pads():
     boxes = np.array([[0, 0, 0.9, 5], [0, 0, 5, 5], [1, 1, 3, 1.5]], np.float32)
-    b, l, m, overflow = A.finalize_targets(boxes, np.array([1, 2, 3]), 4)
-    assert m.tolist() == [True, False, False, False] and l.tolist() == [2, 0, 0, 0] and overflow == 0
-    np.testing.assert_array_equal(b[0], [0, 0, 5, 5])
+    t = A.finalize(boxes, np.array([1, 2, 3]), np.array([1.0, 0.25, 1.0], np.float32), 4)
+    assert t["gt_mask"].tolist() == [True, False, False, False] and t["gt_labels"].tolist() == [2, 0, 0, 0]
+    assert t["overflow"] == 0 and t["gt_scores"].tolist() == [0.25, 0, 0, 0]
+    np.testing.assert_array_equal(t["gt_boxes"][0], [0, 0, 5, 5])
 
 
 # --------------------------------------------------------------------------- workers
 
 def test_workers_give_the_same_batches(demo_train):
     """Per-sample seeds come from the sampler, so the number of workers changes nothing."""
-    inline = build_train_loader(cfg_for(num_workers=0), demo_train, rank=0, world_size=1, device="cpu", seed=9)
-    pooled = build_train_loader(cfg_for(num_workers=2), demo_train, rank=0, world_size=1, device="cpu", seed=9)
+    inline = train_loader(cfg_for(num_workers=0), demo_train, rank=0, world_size=1, device="cpu", seed=9)
+    pooled = train_loader(cfg_for(num_workers=2), demo_train, rank=0, world_size=1, device="cpu", seed=9)
     steps = len(demo_train.records) // 4
     assert inline.backend == pooled.backend == "torch" and len(inline) == len(pooled) == steps
     n = 0
@@ -135,7 +148,7 @@ def broken_set(tmp_path: Path, demo_train):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_training_substitutes_and_counts_undecodable_images(broken_set, workers, caplog):
     ds, bad, wrong = broken_set
-    loader = build_train_loader(cfg_for(num_workers=workers, batch_size=3), ds, rank=0, world_size=1, device="cpu",
+    loader = train_loader(cfg_for(num_workers=workers, batch_size=3), ds, rank=0, world_size=1, device="cpu",
                                 seed=0)
     seen = []
     for _ in range(3):
@@ -153,7 +166,7 @@ def test_training_substitutes_and_counts_undecodable_images(broken_set, workers,
 
 def test_evaluation_leaves_out_and_counts_undecodable_images(broken_set):
     ds, bad, wrong = broken_set
-    loader = build_eval_loader(cfg_for(), ds, rank=0, world_size=1, device="cpu")
+    loader = eval_loader(cfg_for(), ds, rank=0, world_size=1, device="cpu")
     ids = [i for b in loader for i in b["image_ids"].tolist()]
     assert sorted(ids) == sorted(r.image_id for r in ds.records[:7])
     assert loader.dropped == 2 and "2 evaluation images left out" in loader.report()

@@ -1,13 +1,10 @@
-"""PP-YOLOE's training augmentation on numpy images, box-aware (the torch back end's).
+"""The stages of ``fastdet.data.stages`` on numpy images, box-aware (the torch back end's).
 
-The chain (PaddleDetection ``configs/ppyoloe/_base_/ppyoloe_reader.yml``)::
+:func:`run_stages` runs one sample through a stage list in its order; the DALI
+pipelines (``fastdet.pipelines``) build the same chain on the device. Each stage and
+where its parameters come from:
 
-    decode → RandomDistort → RandomExpand → RandomCrop → RandomFlip → (per batch) resize → normalise
-
-and it is the same chain the DALI pipelines (``fastdet.pipelines``) run on the device.
-Parameters and where they come from:
-
-- distort: brightness, contrast, saturation in [0.5, 1.5] and hue in [-18, 18]
+- Distort: brightness, contrast, saturation in [0.5, 1.5] and hue in [-18, 18]
   degrees, each applied with probability 0.5 (PaddleDetection ``RandomDistort``).
   The operations are DALI's, so both back ends compute the same thing:
   ``brightness_contrast`` (``b * (128 + c * (x - 128))``) then ``hsv`` (a linear map in
@@ -15,33 +12,47 @@ Parameters and where they come from:
   adds the "brightness" delta to 0..255 values (a no-op in effect) and multiplies by
   the "contrast" delta; it also applies the four in a random order, here the order is
   fixed. Values are rounded and clipped to uint8 after each of the two steps.
-- expand: with probability 0.5 the image is placed at a random integer offset on a
-  canvas ``ratio`` in [1, 4] times larger, filled with the ImageNet mean. The canvas is
-  never materialised: the crop window is cut from the original with that fill.
-- crop: PaddleDetection ``RandomCrop`` (SSD-style): thresholds [0, .1, .3, .5, .7, .9]
-  plus "no crop" in random order, 50 attempts each, scale [0.3, 1] and aspect ratio
+- ExpandCrop: with probability 0.5 the image is placed at a random integer offset on
+  a canvas ``ratio`` in [1, 4] times larger, filled with the ImageNet mean (never
+  materialised: the crop window is cut from the original with that fill); then
+  PaddleDetection ``RandomCrop`` (SSD-style): thresholds [0, .1, .3, .5, .7, .9] plus
+  "no crop" in random order, 50 attempts each, scale [0.3, 1] and aspect ratio
   [0.5, 2] relative to the canvas, IoU with the best box (``cover_all_box=False``);
-  boxes whose centre leaves the window are dropped, the others clipped to it. An image
-  without boxes is not cropped.
-- flip: horizontal with probability 0.5.
-- resize: every image of a batch to one square size, no kept ratio, no antialiasing
-  (cv2 semantics, as PaddleDetection), by the batch's interpolation.
+  boxes whose centre leaves the window are dropped, the others clipped to it. An
+  image without boxes is not cropped.
+- Flip: horizontal with probability ``prob``.
+- Mosaic, RandomAffine, MixUp: the plans of ``fastdet.data.geometry`` (YOLOX,
+  PaddleDetection), drawn from :func:`plan_rng`, executed here with torch's
+  resampling (bilinear, no antialiasing; ``warp_affine`` is cv2.warpAffine's bilinear
+  with a constant border).
+- HSV: YOLOX ``augment_hsv`` on OpenCV's 8-bit HSV (H 0..180), additive gains.
+- Resize: to the batch's (H, W) canvas: stretch (no kept ratio, the batch's
+  interpolation, cv2 semantics as PaddleDetection), top-left letterbox (YOLOX
+  ``preproc``) or keep-ratio (FCOS), filled with ``pad_value``.
+- Normalize: ImageNet-style mean/std on 0..255, or raw 0..255 floats.
 - targets: boxes narrower or lower than 1 px of the network input are dropped, the
-  rest padded to ``max_boxes`` (``fastdet.data.targets.pad_one``: the largest are kept).
+  rest padded to ``max_boxes`` (``fastdet.data.targets.pad_one``: the largest are
+  kept), with their scores (1, or a PP-YOLO mixup's λ / 1 − λ).
+
+The draws of Distort, ExpandCrop, Flip and HSV come from the sample's generator in
+list order, so PP-YOLOE's batches are the ones the fixed chain gave before stage lists.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from fastdet.data.loader import INTERPS
+from fastdet.data import geometry as G
+from fastdet.data import stages as S
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
-from fastdet.data.targets import pad_one
+from fastdet.data.schedule import INTERPS
+from fastdet.data.targets import keep_largest, pad_one
 
 # RandomDistort: (low, high) of each factor.
 BRIGHTNESS = (0.5, 1.5)
@@ -57,37 +68,6 @@ CROP_ASPECT = (0.5, 2.0)
 CROP_ATTEMPTS = 50
 MIN_BOX_SIZE = 1.0  # px of the network input; narrower or lower boxes are dropped
 
-
-@dataclass(frozen=True)
-class AugmentSpec:
-    """Which stages run and how often; both back ends build their chain from it.
-
-    ``PPYOLOE`` is the recipe. A stage with probability 0 (or ``crop=False``) is left out
-    of the DALI graph at build time.
-    """
-
-    distort_prob: float = 0.5  # each of brightness, contrast, saturation, hue
-    expand_prob: float = 0.5
-    expand_max_ratio: float = 4.0
-    crop: bool = True
-    flip_prob: float = 0.5
-
-
-PPYOLOE = AugmentSpec()
-
-
-def spec_from_config(data_cfg) -> "AugmentSpec | None":
-    """The training augmentation a :class:`fastdet.config.DataConfig` asks for (None: off)."""
-    if not data_cfg.augment:
-        return None
-    for name in ("distort_prob", "expand_prob", "flip_prob"):
-        if not 0.0 <= getattr(data_cfg, name) <= 1.0:
-            raise ValueError(f"data.{name}: expected a probability in [0, 1], got {getattr(data_cfg, name)}")
-    if data_cfg.expand_max_ratio < 1.0:
-        raise ValueError(f"data.expand_max_ratio: expected >= 1, got {data_cfg.expand_max_ratio}")
-    return AugmentSpec(distort_prob=data_cfg.distort_prob, expand_prob=data_cfg.expand_prob,
-                       expand_max_ratio=data_cfg.expand_max_ratio, crop=data_cfg.crop,
-                       flip_prob=data_cfg.flip_prob)
 
 _MEAN_T = torch.tensor(IMAGENET_MEAN, dtype=torch.float32)
 _INV_STD_T = 1.0 / torch.tensor(IMAGENET_STD, dtype=torch.float32)
@@ -189,12 +169,8 @@ def _iou(boxes: np.ndarray, windows: np.ndarray) -> np.ndarray:
 
 def crop_boxes(boxes: np.ndarray, labels: np.ndarray, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Boxes [N, 4] whose centre lies in ``window`` (xyxy), clipped and shifted to its origin."""
-    centers = (boxes[:, :2] + boxes[:, 2:]) / 2
-    out = boxes.copy()
-    out[:, :2] = np.maximum(boxes[:, :2], window[:2]) - window[:2]
-    out[:, 2:] = np.minimum(boxes[:, 2:], window[2:]) - window[:2]
-    keep = ((window[:2] <= centers) & (centers < window[2:])).all(axis=1) & (out[:, :2] < out[:, 2:]).all(axis=1)
-    return out[keep], labels[keep]
+    out, keep = _crop(boxes, window)
+    return out, labels[keep]
 
 
 def random_crop_window(rng: np.random.Generator, boxes: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -246,8 +222,9 @@ def extract(img: np.ndarray, x0: int, y0: int, x1: int, y1: int, fill: tuple[int
     return out
 
 
-def resize(img: np.ndarray, size: int, interp: int) -> torch.Tensor:
-    """uint8 [H, W, 3] → uint8 [3, size, size] (HWC in memory), pixel-centre aligned, no antialiasing.
+def resize(img: np.ndarray, size, interp: int) -> torch.Tensor:
+    """uint8 [H, W, 3] → uint8 [3, H', W'] (HWC in memory) for ``size`` (H', W') or a square
+    side, pixel-centre aligned, no antialiasing.
 
     torch's uint8 kernels: nearest and linear match DALI's resize within one level;
     cubic is cv2's (a = -0.75, as PaddleDetection), DALI's cubic kernel differs slightly.
@@ -255,7 +232,8 @@ def resize(img: np.ndarray, size: int, interp: int) -> torch.Tensor:
     mode = _TORCH_MODES[INTERPS[interp]]
     x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]  # [1, 3, H, W], channels-last strides
     kw = {} if mode == "nearest-exact" else {"align_corners": False, "antialias": False}
-    return F.interpolate(x, size=(size, size), mode=mode, **kw)[0]
+    hw = (size, size) if isinstance(size, int) else tuple(int(v) for v in size)
+    return F.interpolate(x, size=hw, mode=mode, **kw)[0]
 
 
 def normalize(img: torch.Tensor, *, channels_last: bool) -> torch.Tensor:
@@ -265,61 +243,310 @@ def normalize(img: torch.Tensor, *, channels_last: bool) -> torch.Tensor:
     return img.contiguous().float().sub_(_MEAN_T.view(3, 1, 1)).mul_(_INV_STD_T.view(3, 1, 1))
 
 
+def resize_hwc(img: np.ndarray, hw: tuple[int, int], mode: str = "linear") -> np.ndarray:
+    """uint8 [H, W, 3] → uint8 [h, w, 3], pixel-centre aligned, no antialiasing (cv2 semantics)."""
+    if img.shape[:2] == tuple(hw):
+        return img
+    x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]
+    m = _TORCH_MODES[mode]
+    kw = {} if m == "nearest-exact" else {"align_corners": False, "antialias": False}
+    return F.interpolate(x, size=tuple(int(v) for v in hw), mode=m, **kw)[0].permute(1, 2, 0).numpy()
+
+
+def place(img: np.ndarray, canvas_hw: tuple[int, int], xy: tuple[int, int], fill: float) -> np.ndarray:
+    """``img`` [h, w, 3] with its top-left at ``xy`` (may be negative) on a ``canvas_hw`` canvas of ``fill``."""
+    ch, cw = canvas_hw
+    x, y = xy
+    return extract(img, -x, -y, cw - x, ch - y, fill=(int(fill),) * 3)
+
+
+def warp_affine(img: np.ndarray, M: np.ndarray, out_hw: tuple[int, int], fill: float) -> np.ndarray:
+    """cv2.warpAffine (bilinear, constant border ``fill``): ``out[y, x] = img[M⁻¹ (x, y)]``, uint8 [H, W, 3]."""
+    h, w = img.shape[:2]
+    oh, ow = out_hw
+    inv = np.linalg.inv(np.vstack([M, [0.0, 0.0, 1.0]]))[:2]
+    ys, xs = np.meshgrid(np.arange(oh, dtype=np.float64), np.arange(ow, dtype=np.float64), indexing="ij")
+    u = inv[0, 0] * xs + inv[0, 1] * ys + inv[0, 2]
+    v = inv[1, 0] * xs + inv[1, 1] * ys + inv[1, 2]
+    # Pixel centres at integer coordinates (cv2) → grid_sample's [-1, 1] over pixel edges.
+    grid = np.stack([(2 * u + 1) / w - 1, (2 * v + 1) / h - 1], -1).astype(np.float32)
+    x = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None].float() - fill
+    out = F.grid_sample(x, torch.from_numpy(grid)[None], mode="bilinear", padding_mode="zeros", align_corners=False)
+    return out[0].add_(fill).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+# OpenCV's 8-bit HSV: H in 0..180 (degrees / 2), S and V in 0..255.
+def rgb_to_hsv(img: np.ndarray) -> np.ndarray:
+    x = img.astype(np.float32)
+    r, g, b = x[..., 0], x[..., 1], x[..., 2]
+    v = x.max(-1)
+    d = v - x.min(-1)
+    s = np.where(v > 0, 255.0 * d / np.maximum(v, 1e-6), 0.0)
+    dd = np.maximum(d, 1e-6)
+    h = np.where(v == r, 60.0 * (g - b) / dd, np.where(v == g, 120.0 + 60.0 * (b - r) / dd, 240.0 + 60.0 * (r - g) / dd))
+    h = np.where(d == 0, 0.0, h) % 360.0
+    return np.stack([np.rint(h / 2) % 180, np.rint(s), v], -1).astype(np.int16)
+
+
+def hsv_to_rgb(hsv: np.ndarray) -> np.ndarray:
+    h = hsv[..., 0].astype(np.float32) * 2.0
+    s = hsv[..., 1].astype(np.float32) / 255.0
+    v = hsv[..., 2].astype(np.float32)
+    c = v * s
+    hp = h / 60.0
+    xx = c * (1 - np.abs(hp % 2 - 1))
+    z = np.zeros_like(c)
+    k = np.floor(hp).astype(np.int64) % 6
+    r = np.choose(k, [c, xx, z, z, xx, c])
+    g = np.choose(k, [xx, c, c, xx, z, z])
+    b = np.choose(k, [z, z, xx, c, c, xx])
+    m = v - c
+    return _to_uint8(np.stack([r + m, g + m, b + m], -1))
+
+
+def hsv_gains(rng: np.random.Generator, st: S.HSV) -> Optional[np.ndarray]:
+    """YOLOX augment_hsv's draw: int16 [3] additive (h, s, v) gains, each on or off; None when not drawn."""
+    if rng.random() >= st.prob:
+        return None
+    gains = rng.uniform(-1, 1, 3) * np.array([st.hgain, st.sgain, st.vgain])
+    gains *= rng.integers(0, 2, 3)
+    return gains.astype(np.int16)
+
+
+def augment_hsv(img: np.ndarray, gains: np.ndarray) -> np.ndarray:
+    """YOLOX ``augment_hsv`` (current): hue += g0 mod 180, saturation and value += g1, g2 clipped."""
+    hsv = rgb_to_hsv(img)
+    hsv[..., 0] = (hsv[..., 0] + gains[0]) % 180
+    hsv[..., 1] = np.clip(hsv[..., 1] + gains[1], 0, 255)
+    hsv[..., 2] = np.clip(hsv[..., 2] + gains[2], 0, 255)
+    return hsv_to_rgb(hsv)
+
+
 # --------------------------------------------------------------------------- the chain
 
 @dataclass
-class Sample:
-    image: torch.Tensor  # uint8 [3, S, S]
+class Work:
+    """One sample between stages: uint8 [h, w, 3] RGB and its boxes [N, 4] xyxy px, labels [N], scores [N]."""
+
+    img: np.ndarray
+    boxes: np.ndarray
+    labels: np.ndarray
+    scores: np.ndarray
+    mosaicked: bool = False
+
+    @classmethod
+    def of(cls, img: np.ndarray, boxes: np.ndarray, labels: np.ndarray) -> "Work":
+        boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
+        return cls(img, boxes, np.asarray(labels, np.int64).reshape(-1), np.ones(len(boxes), np.float32))
+
+    def keep(self, mask: np.ndarray) -> None:
+        self.labels, self.scores = self.labels[mask], self.scores[mask]
+
+
+@dataclass
+class Result:
+    image: torch.Tensor  # uint8 [3, H, W] (HWC in memory)
     boxes: np.ndarray  # [N, 4] float32 xyxy px of the network input
     labels: np.ndarray  # [N] int64
+    scores: np.ndarray  # [N] float32
+    scale: tuple[float, float]  # (sx, sy) of the final resize: input px per px before it
 
 
-def transform(
-    img: np.ndarray,
-    boxes: np.ndarray,
-    labels: np.ndarray,
+def plan_rng(sample_seed: int) -> np.random.Generator:
+    """The generator of the planned stages (Mosaic, RandomAffine, MixUp): the DALI source draws
+    the same plans from it. The other stages draw from the sample's own generator."""
+    return np.random.default_rng([sample_seed, 0x9EA7])
+
+
+def run_stages(
+    w: Work,
+    stages: tuple,
     *,
-    size: int,
+    hw: tuple[int, int],
     interp: int,
-    rng: np.random.Generator | None,
-    spec: AugmentSpec = PPYOLOE,
-) -> Sample:
-    """One image through the chain of ``spec`` (``rng=None``: no augmentation, resize only).
+    rng: Optional[np.random.Generator],
+    prng: Optional[np.random.Generator] = None,
+    partners: Sequence[Work] = (),
+) -> Result:
+    """One sample through ``stages`` (``fastdet.data.stages``; ``rng=None``: only Resize).
 
     Args:
-        img: uint8 [H, W, 3] RGB.
-        boxes: [N, 4] float32 xyxy px of ``img``.
-        labels: [N] int64.
-        size: the batch's square input size.
-        interp: index into ``INTERPS``.
+        w: the sample as decoded.
+        hw: the batch's (H, W) canvas; interp: index into ``INTERPS`` for a "random" Resize.
+        rng: draws of Distort, ExpandCrop, Flip, HSV (the order is PP-YOLOE's chain's, so its
+            batches are unchanged); prng: draws of the planned stages (:func:`plan_rng`).
+        partners: the records drawn for Mosaic (3) and MixUp (1), in stage order, as decoded.
+    """
+    queue = list(partners)
+    for st in stages:
+        if rng is None and not isinstance(st, (S.Resize, S.Normalize)):
+            continue
+        if isinstance(st, S.Distort):
+            if st.prob > 0:
+                w.img = random_distort(w.img, rng, st.prob)
+        elif isinstance(st, S.ExpandCrop):
+            _expand_crop(w, st, rng)
+        elif isinstance(st, S.Flip):
+            if rng.random() < st.prob:
+                wd = w.img.shape[1]
+                w.img = w.img[:, ::-1]
+                b = w.boxes
+                w.boxes = np.stack([wd - b[:, 2], b[:, 1], wd - b[:, 0], b[:, 3]], axis=1).reshape(-1, 4)
+        elif isinstance(st, S.Mosaic):
+            _mosaic(w, st, prng, hw, [queue.pop(0) for _ in range(3)])
+        elif isinstance(st, S.RandomAffine):
+            if w.mosaicked or not st.after_mosaic_only:
+                M, s = G.affine_matrix(prng, st.degrees, st.translate, st.scale, st.shear, hw)
+                w.img = warp_affine(w.img, M, hw, st.pad_value)
+                w.boxes, keep = G.affine_boxes(w.boxes, M, s, hw)
+                w.boxes = w.boxes[keep]
+                w.keep(keep)
+        elif isinstance(st, S.MixUp):
+            _mixup(w, st, prng, hw, queue.pop(0))
+        elif isinstance(st, S.HSV):
+            gains = hsv_gains(rng, st)
+            if gains is not None:
+                w.img = augment_hsv(w.img, gains)
+        elif isinstance(st, S.Resize):
+            return _resize(w, st, hw, interp)
+    raise ValueError("a stage list ends with one Resize then one Normalize")
+
+
+def _expand_crop(w: Work, st: S.ExpandCrop, rng: np.random.Generator) -> None:
+    h, wd = w.img.shape[:2]
+    cw, ch, ox, oy = random_expand(rng, wd, h, st.expand_prob, st.max_ratio)
+    boxes = w.boxes + np.array([ox, oy, ox, oy], np.float32)  # canvas px
+    win = random_crop_window(rng, boxes, cw, ch) if st.crop else np.array([0, 0, cw, ch], np.int64)
+    w.boxes, keep = _crop(boxes, win.astype(np.float32))
+    w.keep(keep)
+    x0, y0, x1, y1 = (int(v) for v in win)
+    w.img = extract(w.img, x0 - ox, y0 - oy, x1 - ox, y1 - oy)
+
+
+def _mosaic(w: Work, st: S.Mosaic, prng: np.random.Generator, hw: tuple[int, int], others: list[Work]) -> None:
+    recs = [w] + others
+    sizes = [(r.img.shape[1], r.img.shape[0]) for r in recs]
+    plan = G.mosaic_plan(prng, st.prob, st.center_range, hw, sizes)
+    if plan is None:
+        return
+    canvas = np.full((*plan.canvas_hw, 3), int(st.pad_value), np.uint8)
+    for r, t in zip(recs, plan.tiles):
+        tile = resize_hwc(r.img, t.hw, "linear")
+        x, y = t.xy
+        x0, y0 = max(x, 0), max(y, 0)
+        x1, y1 = min(x + t.hw[1], plan.canvas_hw[1]), min(y + t.hw[0], plan.canvas_hw[0])
+        if x1 > x0 and y1 > y0:
+            canvas[y0:y1, x0:x1] = tile[y0 - y : y1 - y, x0 - x : x1 - x]
+    w.boxes = G.mosaic_boxes(plan, sizes, [r.boxes for r in recs])
+    w.labels = np.concatenate([r.labels for r in recs])
+    w.scores = np.concatenate([r.scores for r in recs])
+    w.img, w.mosaicked = canvas, True
+
+
+def _mixup(w: Work, st: S.MixUp, prng: np.random.Generator, hw: tuple[int, int], p: Work) -> None:
+    th, tw = w.img.shape[:2]
+    if st.kind == "yolox":
+        plan, boxes, keep = G.yolox_mixup_plan(prng, st.prob, st.scale, hw, (th, tw), len(w.boxes) > 0,
+                                               (p.img.shape[1], p.img.shape[0]), p.boxes)
+        if plan is None:
+            return
+        other = mixup_partner_pixels(p.img, plan)
+        w.img = (0.5 * w.img.astype(np.float32) + 0.5 * other.astype(np.float32)).astype(np.uint8)
+        w.boxes = np.concatenate([w.boxes, boxes])
+        w.labels = np.concatenate([w.labels, p.labels[keep]])
+        w.scores = np.concatenate([w.scores, p.scores[keep]])
+        return
+    lam = G.ppyolo_mixup_factor(prng, st.prob, st.alpha, st.beta)
+    if lam is None or lam >= 1.0:
+        return
+    if lam <= 0.0:
+        w.img, w.boxes, w.labels, w.scores = p.img, p.boxes, p.labels, p.scores
+        return
+    ph, pw = p.img.shape[:2]
+    out = np.zeros((max(th, ph), max(tw, pw), 3), np.float32)
+    out[:th, :tw] = w.img.astype(np.float32) * lam
+    out[:ph, :pw] += p.img.astype(np.float32) * (1.0 - lam)
+    w.img = out.astype(np.uint8)  # PaddleDetection truncates
+    w.boxes = np.concatenate([w.boxes, p.boxes])
+    w.labels = np.concatenate([w.labels, p.labels])
+    w.scores = np.concatenate([w.scores * lam, p.scores * (1.0 - lam)]).astype(np.float32)
+
+
+def mixup_partner_pixels(img: np.ndarray, plan: G.YoloxMixupPlan) -> np.ndarray:
+    """The YOLOX mixup partner's pixels on the target: letterbox, jitter, flip, crop; uint8 [th, tw, 3]."""
+    letter = place(resize_hwc(img, plan.letter_hw, "linear"), plan.input_hw, (0, 0), 114)
+    jit = resize_hwc(letter, plan.jitter_hw, "linear")
+    if plan.flip:
+        jit = jit[:, ::-1]
+    ox, oy = plan.offset
+    th, tw = plan.target_hw
+    return place(jit, (th, tw), (-ox, -oy), 0)
+
+
+def _crop(boxes: np.ndarray, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    centers = (boxes[:, :2] + boxes[:, 2:]) / 2
+    out = boxes.copy()
+    out[:, :2] = np.maximum(boxes[:, :2], window[:2]) - window[:2]
+    out[:, 2:] = np.minimum(boxes[:, 2:], window[2:]) - window[:2]
+    keep = ((window[:2] <= centers) & (centers < window[2:])).all(axis=1) & (out[:, :2] < out[:, 2:]).all(axis=1)
+    return out[keep], keep
+
+
+def resize_scale(st: S.Resize, h: int, w: int, hw: tuple[int, int]) -> tuple[tuple[int, int], tuple[float, float]]:
+    """``((content h, w), (sx, sy))`` of the Resize stage for an ``h`` x ``w`` image on the ``hw`` canvas.
+
+    stretch: the whole canvas; letterbox: ``r = min(H / h, W / w)``, content ``int(h r), int(w r)``
+    and boxes scaled by ``r`` (YOLOX ``preproc``); keep_ratio: the same ratio further capped
+    by the recipe's short / long side at this canvas's scale (FCOS Resize keep_ratio).
+    """
+    H, W = hw
+    if st.mode == "stretch":
+        return (H, W), (W / w, H / h)
+    r = min(H / h, W / w)
+    if st.mode == "keep_ratio":
+        short = min(H, W)
+        r = min(r, short / min(h, w), short * st.max_long / st.short / max(h, w))
+    return (max(1, min(H, int(h * r))), max(1, min(W, int(w * r)))), (r, r)
+
+
+def _resize(w: Work, st: S.Resize, hw: tuple[int, int], interp: int) -> Result:
+    h, wd = w.img.shape[:2]
+    mode = INTERPS[interp] if st.interp == "random" else st.interp
+    if st.mode == "stretch":
+        # Relative to the image, then to the input: the DALI graph does the same two steps.
+        rel = w.boxes / np.array([wd, h, wd, h], np.float32)
+        out = resize(w.img, hw, INTERPS.index(mode))
+        boxes = (rel * np.array([hw[1], hw[0], hw[1], hw[0]], np.float32)).astype(np.float32)
+        return Result(out, boxes, w.labels, w.scores, (hw[1] / wd, hw[0] / h))
+    content, (sx, sy) = resize_scale(st, h, wd, hw)
+    img = place(resize_hwc(w.img, content, mode), hw, (0, 0), st.pad_value)
+    boxes = (w.boxes * np.array([sx, sy, sx, sy], np.float32)).astype(np.float32)
+    return Result(torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1), boxes, w.labels, w.scores, (sx, sy))
+
+
+def to_input(img: torch.Tensor, norm: S.Normalize, *, channels_last: bool) -> torch.Tensor:
+    """uint8 [3, H, W] → float32 network input per ``norm``, [3, H, W] (or [H, W, 3] when channels_last)."""
+    if norm.mean is not None and tuple(norm.mean) == IMAGENET_MEAN and tuple(norm.std) == IMAGENET_STD:
+        return normalize(img, channels_last=channels_last)  # PP-YOLOE's exact arithmetic
+    x = img.permute(1, 2, 0).contiguous().float() if channels_last else img.contiguous().float()
+    if norm.mean is None:
+        return x
+    mean = torch.tensor(norm.mean, dtype=torch.float32)
+    inv = 1.0 / torch.tensor(norm.std, dtype=torch.float32)
+    if not channels_last:
+        mean, inv = mean.view(3, 1, 1), inv.view(3, 1, 1)
+    return x.sub_(mean).mul_(inv)
+
+
+def finalize(boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, max_boxes: int) -> dict[str, np.ndarray]:
+    """Boxes under ``MIN_BOX_SIZE`` px dropped, the ``max_boxes`` largest kept and padded.
+
+    Returns the sample's target fields of ``fastdet.data.layout`` and ``overflow``.
     """
     boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
-    labels = np.asarray(labels, np.int64).reshape(-1)
-    if rng is not None:
-        if spec.distort_prob > 0:
-            img = random_distort(img, rng, spec.distort_prob)
-        h, w = img.shape[:2]
-        cw, ch, ox, oy = random_expand(rng, w, h, spec.expand_prob, spec.expand_max_ratio)
-        boxes = boxes + np.array([ox, oy, ox, oy], np.float32)  # canvas px
-        win = random_crop_window(rng, boxes, cw, ch) if spec.crop else np.array([0, 0, cw, ch], np.int64)
-        boxes, labels = crop_boxes(boxes, labels, win.astype(np.float32))
-        x0, y0, x1, y1 = (int(v) for v in win)
-        img = extract(img, x0 - ox, y0 - oy, x1 - ox, y1 - oy)
-        if rng.random() < spec.flip_prob:
-            img = img[:, ::-1]
-            boxes = np.stack([(x1 - x0) - boxes[:, 2], boxes[:, 1], (x1 - x0) - boxes[:, 0], boxes[:, 3]], axis=1)
-    h, w = img.shape[:2]
-    # Relative to the (cropped) image, then to the input: the DALI graph does the same two steps.
-    rel = boxes / np.array([w, h, w, h], np.float32)
-    out = resize(img, size, interp)
-    return Sample(out, (rel * np.float32(size)).astype(np.float32), labels)
-
-
-def finalize_targets(
-    boxes: np.ndarray, labels: np.ndarray, max_boxes: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Drop boxes under ``MIN_BOX_SIZE`` px, pad to ``max_boxes``: ``(boxes [M,4], labels [M], mask [M], overflow)``."""
-    boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
-    labels = np.asarray(labels, np.int64).reshape(-1)
     keep = ((boxes[:, 2] - boxes[:, 0]) >= MIN_BOX_SIZE) & ((boxes[:, 3] - boxes[:, 1]) >= MIN_BOX_SIZE)
-    return pad_one(boxes[keep], labels[keep], max_boxes)
+    b, lab, s = boxes[keep], np.asarray(labels, np.int64).reshape(-1)[keep], np.asarray(scores, np.float32)[keep]
+    out_b, out_l, out_m, overflow = pad_one(b, lab, max_boxes)
+    out_s = np.zeros(max_boxes, np.float32)
+    out_s[: int(out_m.sum())] = s[keep_largest(b, max_boxes)]
+    return {"gt_boxes": out_b, "gt_labels": out_l, "gt_mask": out_m, "gt_scores": out_s, "overflow": overflow}

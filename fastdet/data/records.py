@@ -2,7 +2,7 @@
 
 Records come from :func:`fastdet.data.coco.load_coco`; the DALI pipelines
 (``fastdet.pipelines``) and the torch reference loader (``fastdet.data.torch_backend``)
-both turn a list of records into batches of the same layout (see ``BATCH_KEYS``).
+both turn a list of records into batches of the same layout (``fastdet.data.layout``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from fastdet.data.layout import BATCH_KEYS as _BATCH_KEYS
 
 
 @dataclass(frozen=True)
@@ -22,15 +24,8 @@ class ImageRecord:
     labels: np.ndarray  # [N] int64 contiguous labels 0..C-1
 
 
-# The batch dict every back end yields, on the training device:
-#   images      float32 [B, 3, H, W]  RGB, normalised with IMAGENET_MEAN/STD (on 0..255 values)
-#   gt_boxes    float32 [B, M, 4]     xyxy pixels of the network input (after augmentation and resize)
-#   gt_labels   int64   [B, M]        contiguous labels; 0 where padded
-#   gt_mask     bool    [B, M]        True for real boxes
-#   image_ids   int64   [B]           COCO image ids
-#   orig_sizes  int64   [B, 2]        (height, width) of the original image
-# M is DataConfig.max_boxes for every batch, so compiled steps see static shapes.
-BATCH_KEYS = ("images", "gt_boxes", "gt_labels", "gt_mask", "image_ids", "orig_sizes")
+# The padded batch built from these records is fastdet.data.layout's (defined there, once).
+BATCH_KEYS = _BATCH_KEYS
 
 # ImageNet statistics on 0..255 RGB values (PP-YOLOE NormalizeImage, is_scale then mean/std).
 IMAGENET_MEAN = (123.675, 116.28, 103.53)

@@ -56,11 +56,11 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
+from fastdet.data.layout import STEP_KEYS as INPUT_KEYS
+from fastdet.data.layout import TARGET_KEYS
 from fastdet.engine.logging import Nvtx
 from fastdet.ops import dispatch
 
-TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
-INPUT_KEYS = ("images",) + TARGET_KEYS
 # Slots of the loss accumulator, allocated at construction (before any warm-up or capture)
 # because the loss names are only known after the first forward.
 MAX_LOSSES = 16
@@ -338,4 +338,5 @@ def synthetic_batch(batch_size: int, h: int, w: int, max_boxes: int, device: tor
         "gt_boxes": boxes.to(device),
         "gt_labels": labels.to(device),
         "gt_mask": mask.to(device),
+        "gt_scores": mask.float().to(device),
     }

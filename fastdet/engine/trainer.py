@@ -123,9 +123,15 @@ class Trainer:
     def _build_loaders(self) -> None:
         """The loaders and the LR schedule, which needs the number of steps per epoch."""
         cfg, d = self.cfg, self.dist
-        self.train_loader = build_train_loader(cfg, self.train_set, rank=d.rank, world_size=d.world_size,
-                                               device=self.device, seed=cfg.run.seed)
-        self.val_loader = build_eval_loader(cfg, self.val_set, rank=d.rank, world_size=d.world_size,
+        # The family's phase decides each epoch's augmentation; the loader rebuilds its
+        # chain only when the stage list changes.
+        self.train_loader = build_train_loader(cfg.data, self.train_set,
+                                               stages_for_epoch=lambda epoch: recipes.phase(cfg, epoch).stages,
+                                               rank=d.rank, world_size=d.world_size, device=self.device,
+                                               seed=cfg.run.seed)
+        self.val_loader = build_eval_loader(cfg.data, self.val_set,
+                                            preprocess=recipes.family(cfg.model.arch).preprocess,
+                                            rank=d.rank, world_size=d.world_size,
                                             device=self.device)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
@@ -322,7 +328,7 @@ class Trainer:
         # loader's size buckets, so that nothing compiles after warm-up.
         variants = recipes.loss_variants(cfg, self.epoch, last_epoch)
         t = time.perf_counter()
-        self.train_step.warmup([(s, s) for s in sizes], cfg.data.batch_size, cfg.data.max_boxes,
+        self.train_step.warmup(list(sizes), cfg.data.batch_size, cfg.data.max_boxes,
                                variants, channels_last=cfg.data.channels_last)
         log.info("warm-up: %d size bucket(s) x %d loss variant(s) compiled%s in %.1f s",
                  len(sizes), len(variants), " and captured" if cfg.compile.cuda_graphs else "",

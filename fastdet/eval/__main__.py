@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         if "module" in weights:  # ModelEMA.state_dict() layout
             weights = weights["module"]
         model.load_state_dict(weights)
-        loader = build_eval_loader(cfg, val, rank=info.rank, world_size=info.world_size, device=device)
+        loader = build_eval_loader(cfg.data, val, preprocess=recipes.family(cfg.model.arch).preprocess,
+                                   rank=info.rank, world_size=info.world_size, device=device)
         stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), recipes.predict_kwargs(cfg))
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"fastdet.eval: error: {e}", file=sys.stderr)

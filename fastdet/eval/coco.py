@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fastdet.data.preprocess import boxes_to_original
 from fastdet.engine import dist
-from fastdet.models import rescale_boxes
 
 log = logging.getLogger("fastdet")
 
@@ -46,9 +46,10 @@ def predict_coco(model: nn.Module, loader: Iterable[dict[str, Tensor]], cat_ids:
             dets = model.predict(images, **predict_kwargs)
         ids = batch["image_ids"].tolist()
         sizes = batch["orig_sizes"].cpu()
-        for det, image_id, orig in zip(dets, ids, sizes):
+        scales = batch["scale_factors"].cpu()  # [B, 2] (sx, sy): letterbox and keep-ratio map back too
+        for det, image_id, orig, scale in zip(dets, ids, sizes, scales):
             seen.add(int(image_id))
-            boxes = rescale_boxes(det["boxes"].float().cpu(), images.shape[-2:], orig)
+            boxes = boxes_to_original(det["boxes"].float().cpu(), scale, orig)
             xywh = boxes.numpy().astype(np.float64)
             xywh[:, 2:] -= xywh[:, :2]
             scores = det["scores"].float().cpu().numpy()

@@ -14,12 +14,11 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
+from fastdet.data.layout import REQUIRED_TARGET_KEYS
 from fastdet.data.preprocess import Preprocess
 
 if TYPE_CHECKING:
     from fastdet.models.recipe import Recipe
-
-TARGET_KEYS = ("gt_boxes", "gt_labels", "gt_mask")
 
 
 @dataclass(frozen=True)
@@ -70,9 +69,9 @@ class Detector(nn.Module):
         feats = self.features(images)
         if targets is None:
             return self.head.inference(feats)
-        missing = [k for k in TARGET_KEYS if k not in targets]
+        missing = [k for k in REQUIRED_TARGET_KEYS if k not in targets]
         if missing:
-            raise ValueError(f"targets lack {', '.join(missing)} (expected keys {', '.join(TARGET_KEYS)})")
+            raise ValueError(f"targets lack {', '.join(missing)} (expected keys {', '.join(REQUIRED_TARGET_KEYS)})")
         return self.head.loss(feats, targets, **loss_kwargs)
 
     @torch.no_grad()
