@@ -29,9 +29,9 @@ if __package__ in (None, ""):  # run as a script: make `fastdet` importable from
 
 import torch
 
+from fastdet import recipes
 from fastdet.config import Config, DataConfig
 from fastdet.data.loader import build_train_loader, dali_unavailable_reason
-from fastdet.data.stages import stages_from_data
 
 
 def _sync(device: torch.device) -> None:
@@ -95,7 +95,7 @@ def measure_loader(
     windows = max(1, min(windows, n_batches))
     per_window = max(1, n_batches // windows)
     t0 = time.perf_counter()
-    stage_list = stages if stages is not None else stages_from_data(cfg.data)
+    stage_list = stages if stages is not None else recipes.phase(cfg, 0).stages
     loader = build_train_loader(cfg.data, dataset, stages_for_epoch=lambda e: stage_list, rank=0, world_size=1,
                                 device=device, seed=seed)
     stream = _Batches(loader)

@@ -402,7 +402,7 @@ class Bench:
 
     def run_e2e_mode(self, name: str) -> dict[str, Any]:
         from fastdet.data.loader import build_train_loader
-        from fastdet.data.stages import stages_from_data
+        from fastdet import recipes
 
         backend, vname = {"e2e_seed": ("torch", "eager_fp32"), "e2e_torch": ("torch", self.args.e2e_step),
                           "e2e_dali": ("dali", self.args.e2e_step)}[name]
@@ -425,8 +425,8 @@ class Bench:
             model, step, schedule, kw = self.build_step(v)
             t0 = time.perf_counter()
             compile_s = self.warm_step(step, kw, v) if (v.compile or v.cuda_graphs) else 0.0
-            data = self.loader_cfg(backend, v).data
-            loader = build_train_loader(data, ds, stages_for_epoch=lambda e: stages_from_data(data), rank=0,
+            lcfg = self.loader_cfg(backend, v)
+            loader = build_train_loader(lcfg.data, ds, stages_for_epoch=lambda e: recipes.phase(lcfg, e).stages, rank=0,
                                         world_size=1, device=self.device, seed=a.seed)
             stream = EpochStream(loader)
             k, data_wait = 0, 0.0

@@ -58,17 +58,9 @@ class DataConfig:
     size_period: int = 1  # steps between two size draws (YOLOX: 10; PP-YOLOE: every batch)
     max_boxes: int = 100  # M of the padded ground truth [B, M, 4]
     num_workers: int = 4
-    # Off: the family's phases keep only their Resize and Normalize stages.
+    # Off: the family's phases keep only their Resize and Normalize stages (the stages
+    # themselves, and their probabilities, are the family's: ``family.*`` options).
     augment: bool = True
-    # PP-YOLOE's stage probabilities, read by both loader back ends until they build their
-    # chain from the recipe's stages (issue 14, data half); they then move into PP-YOLOE's
-    # family options. Colour distortion, zoom-out onto a mean-filled canvas,
-    # IoU-constrained crop, flip.
-    distort_prob: float = 0.5
-    expand_prob: float = 0.5
-    expand_max_ratio: float = 4.0
-    crop: bool = True
-    flip_prob: float = 0.5
     keep_empty_train: bool = False  # train on images without annotations too
     # Image files checked when the annotations are read: "none", "open" (exists, header
     # readable, size matches the JSON) or "decode" (every pixel; cached under cache_dir).
@@ -190,7 +182,7 @@ class Config:
 
         ``fastdet.recipes.config_from_dict`` looks that type up from ``model.arch``. A dict
         written before the family section existed (family options such as
-        ``model.static_assigner_epoch`` or ``model.score_thresh`` among the shared sections) is
+        ``model.static_assigner_epoch`` or ``data.flip_prob`` among the shared sections) is
         read with those fields moved into ``family``.
         """
         if not isinstance(d, dict):

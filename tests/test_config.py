@@ -44,8 +44,7 @@ def test_ppyoloe_presets_match_published_recipe(size):
     o = cfg.family
     assert (o.score_thresh, o.pre_nms_topk, o.nms_iou, o.max_det) == (0.01, 1000, 0.7, 300)
     # ppyoloe_reader.yml: RandomDistort, RandomExpand (ratio 4), RandomCrop, RandomFlip, all p 0.5.
-    d = cfg.data
-    assert (d.distort_prob, d.expand_prob, d.expand_max_ratio, d.crop, d.flip_prob) == (0.5, 0.5, 4.0, True, 0.5)
+    assert (o.distort_prob, o.expand_prob, o.expand_max_ratio, o.crop, o.flip_prob) == (0.5, 0.5, 4.0, True, 0.5)
     assert cfg.data.train_sizes == tuple(range(320, 769, 32)) and len(cfg.data.train_sizes) == 15
 
 
@@ -147,10 +146,10 @@ def test_demo_overrides_apply_to_every_preset():
 
 def test_family_options_are_overridable_and_type_checked():
     cfg = apply_overrides(get_preset("ppyoloe", "s"), parse_set_args(
-        ["family.static_assigner_epoch=30", "family.max_det=50", "family.nms_iou=0.6"]))
-    assert cfg.family.static_assigner_epoch == 30 and cfg.family.max_det == 50 and cfg.family.nms_iou == 0.6
-    with pytest.raises(ConfigError, match=r"family.nms_iou: expected a number, got 'tight'"):
-        apply_overrides(cfg, {"family.nms_iou": "tight"})
+        ["family.static_assigner_epoch=30", "family.flip_prob=0", "family.nms_iou=0.6"]))
+    assert cfg.family.static_assigner_epoch == 30 and cfg.family.flip_prob == 0.0 and cfg.family.nms_iou == 0.6
+    with pytest.raises(ConfigError, match=r"family.flip_prob: expected a number, got 'often'"):
+        apply_overrides(cfg, {"family.flip_prob": "often"})
     with pytest.raises(ConfigError, match=r"unknown config field 'family.use_l1'"):
         apply_overrides(cfg, {"family.use_l1": "true"})
     # The shared sections no longer hold family settings.
@@ -163,8 +162,11 @@ def test_config_dict_of_the_previous_layout_still_loads():
     old = get_preset("ppyoloe", "s").to_dict()
     family = old.pop("family")
     old["model"].update(static_assigner_epoch=8, score_thresh=0.02, nms_iou=0.7, max_det=300, pre_nms_topk=1000)
+    old["data"].update(distort_prob=0.0, expand_prob=0.0, expand_max_ratio=4.0, crop=False, flip_prob=0.5)
     cfg = config_from_dict(old)
-    assert cfg.family == PPYOLOEOptions(**{**family, "static_assigner_epoch": 8, "score_thresh": 0.02})
+    want = PPYOLOEOptions(**{**family, "static_assigner_epoch": 8, "score_thresh": 0.02,
+                             "distort_prob": 0.0, "expand_prob": 0.0, "crop": False})
+    assert cfg.family == want
     assert cfg.model == get_preset("ppyoloe", "s").model
     old["model"]["mystery"] = 1
     with pytest.raises(ConfigError, match=r"unknown config field model.mystery"):

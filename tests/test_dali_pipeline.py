@@ -23,6 +23,7 @@ import nvidia.dali.fn as fn  # noqa: E402
 import nvidia.dali.types as types  # noqa: E402
 from nvidia.dali import pipeline_def  # noqa: E402
 
+from fastdet import recipes  # noqa: E402
 from fastdet.config import Config, DataConfig  # noqa: E402
 from fastdet.data import augment as A  # noqa: E402
 from fastdet.data.coco import load_coco  # noqa: E402
@@ -37,13 +38,12 @@ from fastdet.data.loader import (  # noqa: E402
 from fastdet.data.layout import BATCH_KEYS  # noqa: E402
 from fastdet.data.preprocess import Preprocess  # noqa: E402
 from fastdet.data.records import ImageRecord  # noqa: E402
-from fastdet.data.stages import stages_from_data  # noqa: E402
 from fastdet.pipelines.sources import EvalSource, TrainSource  # noqa: E402
 
 
 def train_loader(cfg, ds, **kw):
     """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
-    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: stages_from_data(cfg.data), **kw)
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages, **kw)
 
 
 def eval_loader(cfg, ds, **kw):

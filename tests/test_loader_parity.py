@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from fastdet import recipes
 from fastdet.config import Config, DataConfig
 from fastdet.data import augment as A
 from fastdet.data.coco import load_coco
@@ -30,23 +32,23 @@ from fastdet.data.loader import (
 from fastdet.data.layout import BATCH_KEYS
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD, ImageRecord
-from fastdet.data.stages import stages_from_data
 from fastdet.data.torch_backend import TorchTrainLoader
+from fastdet.models.ppyoloe import PPYOLOEOptions
 from fastdet.pipelines.adapter import DaliTrainLoader
 
 
 def train_loader(cfg, ds, **kw):
-    """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
-    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: stages_from_data(cfg.data), **kw)
+    """The loader API with the stages of cfg's recipe (PP-YOLOE) every epoch, as the trainer asks."""
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages, **kw)
 
 
 def eval_loader(cfg, ds, **kw):
     return build_eval_loader(cfg.data, ds, preprocess=Preprocess(), **kw)
 
 
-def pp_stages(**data) -> tuple:
-    """PP-YOLOE's stages with some of DataConfig's augmentation fields set."""
-    return stages_from_data(DataConfig(**data))
+def pp_stages(**family) -> tuple:
+    """PP-YOLOE's stages with some of its augmentation options (the family section) set."""
+    return recipes.phase(Config(family=PPYOLOEOptions(**family)), 0).stages
 
 
 BACKENDS = ("dali", "torch")
@@ -192,29 +194,30 @@ def test_geometry_flip(backend, rect_set, tmp_path):
         np.testing.assert_allclose(s["box"], [s["size"] - x1, y0, s["size"] - x0, y1], atol=1e-3)
 
 
-def test_stages_from_data_stage_by_stage():
+def test_recipe_stages_stage_by_stage():
     from fastdet.data import stages as S
 
-    assert stages_from_data(DataConfig(augment=False)) == (S.Resize("stretch", interp="linear"), S.Normalize())
-    assert stages_from_data(DataConfig()) == (S.Distort(0.5), S.ExpandCrop(0.5, 4.0, True), S.Flip(0.5),
-                                              S.Resize("stretch", interp="random"), S.Normalize())
+    assert recipes.phase(Config(data=DataConfig(augment=False)), 0).stages == (
+        S.Resize("stretch", interp="linear"), S.Normalize())
+    assert pp_stages() == (S.Distort(0.5), S.ExpandCrop(0.5, 4.0, True), S.Flip(0.5),
+                           S.Resize("stretch", interp="random"), S.Normalize())
     got = pp_stages(distort_prob=0.0, expand_prob=0.25, expand_max_ratio=1.5, crop=False, flip_prob=1.0)
     assert got == (S.ExpandCrop(0.25, 1.5, False), S.Flip(1.0), S.Resize("stretch", interp="random"), S.Normalize())
-    with pytest.raises(ValueError, match="data.flip_prob"):
+    with pytest.raises(ValueError, match="family.flip_prob"):
         pp_stages(flip_prob=1.5)
-    with pytest.raises(ValueError, match="data.expand_max_ratio"):
+    with pytest.raises(ValueError, match="family.expand_max_ratio"):
         pp_stages(expand_max_ratio=0.5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_config_augmentation_reaches_the_loader(backend, rect_set, tmp_path):
-    # No spec passed: the loader builds it from cfg.data (here: always flip, nothing else).
-    cfg = make_cfg(backend, tmp_path, batch_size=4, train_sizes=(128,), augment=True, distort_prob=0.0,
-                   expand_prob=0.0, crop=False, flip_prob=1.0)
+    # The stages come from cfg's recipe, its options set in the family section (here: always flip, nothing else).
+    cfg = replace(make_cfg(backend, tmp_path, batch_size=4, train_sizes=(128,), augment=True),
+                  family=PPYOLOEOptions(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=1.0))
     sched = TrainSchedule(len(rect_set), 4, rank=0, world_size=1, seed=0, sizes=(128,), random_interp=False)
     cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
     kw = dict(seed=0, rank=0) if backend == "dali" else {}
-    loader = cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: stages_from_data(cfg.data),
+    loader = cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages,
                  device=torch.device("cpu"), **kw)
     by_id = {r.image_id: r for r in rect_set}
     checked = 0

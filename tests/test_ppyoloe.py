@@ -262,8 +262,8 @@ def test_phase_stages_follow_the_recipe_and_the_demo():
     assert phase(demo, 0).stages[:2] == (ExpandCrop(0.0, 4.0, False), Flip(0.5))  # a p=0 Distort is left out
     off = apply_overrides(cfg, {"data.augment": False})
     assert phase(off, 0).stages == (Resize("stretch", interp="linear"), Normalize(IMAGENET_MEAN, IMAGENET_STD))
-    with pytest.raises(ValueError, match="data.flip_prob"):
-        phase(apply_overrides(cfg, {"data.flip_prob": 1.5}), 0)
+    with pytest.raises(ValueError, match="flip_prob"):
+        phase(apply_overrides(cfg, {"family.flip_prob": 1.5}), 0)
     assert predict_kwargs(cfg) == dict(score_thresh=0.01, iou_thresh=0.7, max_det=300, pre_nms_topk=1000)
 
 

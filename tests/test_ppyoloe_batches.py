@@ -4,7 +4,7 @@ The digests were taken on main before the loader took stage lists (commit 49ba6d
 ``TorchTrainLoader(cfg, records, schedule)`` with its built-in PP-YOLOE chain, and
 ``TorchEvalLoader`` with its bicubic stretch): random-pixel PNGs with a few boxes each,
 three epochs with and without augmentation over three sizes, and one evaluation pass.
-The stage list ``stages_from_data(DataConfig())`` and ``Preprocess()`` must give the
+The stage list PP-YOLOE's recipe (``recipes.phase``) and ``Preprocess()`` must give the
 same bytes for every field the old batch had.
 """
 
@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
-from fastdet.config import DataConfig
+from fastdet import recipes
+from fastdet.config import Config, DataConfig
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import ImageRecord
 from fastdet.data.schedule import EvalSchedule, TrainSchedule
-from fastdet.data.stages import stages_from_data
 from fastdet.data.torch_backend import TorchEvalLoader, TorchTrainLoader
 
 OLD_KEYS = ("images", "gt_boxes", "gt_labels", "gt_mask", "image_ids", "orig_sizes")
@@ -60,7 +60,7 @@ def test_train_batches_match_main(records):
         data = DataConfig(loader="torch", batch_size=4, train_sizes=(64, 96, 128), max_boxes=6, num_workers=0,
                           augment=aug)
         sched = TrainSchedule(8, 4, rank=0, world_size=1, seed=5, sizes=(64, 96, 128), random_interp=aug)
-        loader = TorchTrainLoader(data, records, sched, stages_for_epoch=lambda e: stages_from_data(data),
+        loader = TorchTrainLoader(data, records, sched, stages_for_epoch=lambda e: recipes.phase(Config(data=data), e).stages,
                                   device=torch.device("cpu"))
         for e in range(3):
             loader.set_epoch(e)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastdet import recipes
 from fastdet.config import Config, DataConfig
 from fastdet.data import augment as A
 from fastdet.data.coco import load_coco
@@ -23,12 +24,11 @@ from fastdet.data.layout import BATCH_KEYS
 from fastdet.data.loader import build_eval_loader, build_train_loader
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import ImageRecord
-from fastdet.data.stages import stages_from_data
 
 
 def train_loader(cfg, ds, **kw):
     """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
-    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: stages_from_data(cfg.data), **kw)
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages, **kw)
 
 
 def eval_loader(cfg, ds, **kw):

@@ -175,30 +175,6 @@ def partners_needed(stages: tuple[Stage, ...]) -> int:
     return sum(3 if isinstance(s, Mosaic) else 1 if isinstance(s, MixUp) else 0 for s in stages)
 
 
-def stages_from_data(data) -> tuple[Stage, ...]:
-    """PP-YOLOE's stage list as a ``fastdet.config.DataConfig``'s augmentation fields describe it.
-
-    ``augment`` off: stretch with linear interpolation, ImageNet normalisation. On:
-    ``Distort`` (left out at probability 0, as before), ``ExpandCrop``, ``Flip``, a stretch
-    with a random interpolation per batch. Until a family's recipe declares its own phases,
-    the trainer asks this for every epoch.
-    """
-    if not data.augment:
-        return (Resize("stretch", interp="linear"), Normalize())
-    for name in ("distort_prob", "expand_prob", "flip_prob"):
-        if not 0.0 <= getattr(data, name) <= 1.0:
-            raise ValueError(f"data.{name}: expected a probability in [0, 1], got {getattr(data, name)}")
-    if data.expand_max_ratio < 1.0:
-        raise ValueError(f"data.expand_max_ratio: expected >= 1, got {data.expand_max_ratio}")
-    distort = (Distort(data.distort_prob),) if data.distort_prob > 0 else ()
-    return distort + (
-        ExpandCrop(expand_prob=data.expand_prob, max_ratio=data.expand_max_ratio, crop=data.crop),
-        Flip(data.flip_prob),
-        Resize("stretch", interp="random"),
-        Normalize(),
-    )
-
-
 def resize_of(stages: tuple[Stage, ...]) -> Resize:
     return next(s for s in stages if isinstance(s, Resize))
 

@@ -354,6 +354,13 @@ class PPYOLOEOptions(NMSOptions):
     # Epochs trained with the static (ATSS) assigner before the task-aligned one takes
     # over (PP-YOLOE 300e recipe: 100; PP-YOLOE+ 80e: 30).
     static_assigner_epoch: int = 100
+    # The training augmentation, stage by stage (PaddleDetection ppyoloe_reader.yml):
+    # colour distortion, zoom-out onto a mean-filled canvas, IoU-constrained crop, flip.
+    distort_prob: float = 0.5
+    expand_prob: float = 0.5
+    expand_max_ratio: float = 4.0
+    crop: bool = True
+    flip_prob: float = 0.5
 
 
 def ppyoloe_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
@@ -361,18 +368,16 @@ def ppyoloe_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
     throughout: distort, expand + crop, flip, a stretch resize at a random interpolation
     per batch (BatchRandomResize), ImageNet normalisation; each stage at the
     probabilities of the options (the demo turns all but the flip off)."""
-    # The stage probabilities are still DataConfig's (PaddleDetection ppyoloe_reader.yml:
-    # all 0.5, expand ratio up to 4), which the loaders read too.
-    o, d = cfg.family, cfg.data
-    check_probabilities(d, "distort_prob", "expand_prob", "flip_prob", section="data")
-    if d.expand_max_ratio < 1.0:
-        raise ValueError(f"data.expand_max_ratio: expected >= 1, got {d.expand_max_ratio}")
+    o = cfg.family
+    check_probabilities(o, "distort_prob", "expand_prob", "flip_prob")
+    if o.expand_max_ratio < 1.0:
+        raise ValueError(f"family.expand_max_ratio: expected >= 1, got {o.expand_max_ratio}")
     # A zero-probability Distort is left out (as the loaders always did: it would
     # still draw from the sample's random stream and change every later draw).
-    distort = (Distort(d.distort_prob),) if d.distort_prob > 0 else ()
+    distort = (Distort(o.distort_prob),) if o.distort_prob > 0 else ()
     stages = distort + (
-        ExpandCrop(d.expand_prob, d.expand_max_ratio, d.crop),
-        Flip(d.flip_prob),
+        ExpandCrop(o.expand_prob, o.expand_max_ratio, o.crop),
+        Flip(o.flip_prob),
         Resize("stretch", interp="random"),
         Normalize(IMAGENET_MEAN, IMAGENET_STD),
     )
@@ -410,10 +415,10 @@ RECIPE = Recipe(
         "data.img_size": 192,
         "data.train_sizes": (192,),
         "data.augment": True,
-        "data.distort_prob": 0.0,
-        "data.expand_prob": 0.0,
-        "data.crop": False,
-        "data.flip_prob": 0.5,
+        "family.distort_prob": 0.0,
+        "family.expand_prob": 0.0,
+        "family.crop": False,
+        "family.flip_prob": 0.5,
         "data.batch_size": 8,
         "data.eval_batch_size": 16,
         "data.max_boxes": 32,

@@ -60,12 +60,12 @@ class Phase:
         object.__setattr__(self, "stages", check_stages(self.stages))
 
 
-def check_probabilities(options: Any, *names: str, section: str = "family") -> None:
-    """A one-line ``ValueError`` naming ``<section>.<name>`` unless each is in [0, 1]."""
+def check_probabilities(options: Any, *names: str) -> None:
+    """A one-line ``ValueError`` naming ``family.<name>`` unless each is in [0, 1]."""
     for name in names:
         p = getattr(options, name)
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"{section}.{name}: expected a probability in [0, 1], got {p}")
+            raise ValueError(f"family.{name}: expected a probability in [0, 1], got {p}")
 
 
 def without_augmentation(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
