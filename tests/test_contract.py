@@ -10,7 +10,8 @@ full run of its smallest preset goes through):
 - training: a dict of finite losses with ``total_loss``; every parameter gets a gradient;
 - padded ground truth (more masked slots, holding junk) changes no loss;
 - the training forward traces with 0 graph breaks (``torch._dynamo.explain``);
-- the training forward + backward compiled as one graph (AOT autograd) matches eager;
+- the training forward + backward compiled as one graph (AOT autograd) matches eager
+  (for each family's last phase: compiling is the costly check);
 - the recipe: presets resolve, phases give valid stage lists for every epoch of a run,
   post-processing settings are accepted by ``predict``.
 """
@@ -51,6 +52,11 @@ def _cases() -> list[tuple[str, int]]:
 
 
 CASES = _cases()
+# Compiling forward + backward is the costly check (minutes per case on a loaded 2-core
+# CPU): one case per family, its last phase (PP-YOLOE: the task-aligned assigner; a
+# family's late switches, e.g. an extra loss term, come last). Every phase is traced by
+# the graph-break test.
+COMPILED_CASES = [(arch, max(i for a, i in CASES if a == arch)) for arch in dict.fromkeys(a for a, _ in CASES)]
 
 
 def _model_and_kwargs(arch: str, i: int):
@@ -146,7 +152,7 @@ def test_training_forward_has_no_graph_breaks(arch, variant):
     assert explanation.graph_count == 1
 
 
-@pytest.mark.parametrize("arch, variant", CASES)
+@pytest.mark.parametrize("arch, variant", COMPILED_CASES)
 def test_compiled_training_matches_eager(arch, variant):
     """Forward + backward through dynamo and AOT autograd (functionalised, joint graph,
     partitioned) as one graph; inductor's numerics are each family's own (CPU C++ builds
