@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fastdet.data import stages as S
-from fastdet.data.augment import ImageDecodeError, decode_image
+from fastdet.data.augment import ImageDecodeError, decode_image, planned_prefix
 from fastdet.data.layout import BATCH_KEYS, empty_batch
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import ImageRecord
@@ -105,6 +105,7 @@ class _DaliLoader:
             source,
             device=self._pixels,
             stage_list=self.stages,
+            evaluation=isinstance(self, DaliEvalLoader),
             max_boxes=self.max_boxes,
             channels_last=self.channels_last,
             batch_size=batch_size,
@@ -185,7 +186,7 @@ class DaliTrainLoader(_DaliLoader):
         self.stages_for_epoch = stages_for_epoch
         self.seed = int(seed)
         self.rank = int(rank)
-        self.rebuilds = 0  # pipelines built so far (a test counts them)
+        self.chain_changes = 0  # stage lists taken so far (a test counts them)
         self.epoch = 0
         self._next: tuple[int, int] | None = None  # (epoch, step) the stream yields next
         self.set_epoch(0)
@@ -202,8 +203,13 @@ class DaliTrainLoader(_DaliLoader):
         self.epoch = int(epoch)
         stages = S.check_stages(self.stages_for_epoch(self.epoch))
         if stages != self.stages:
+            try:
+                head = planned_prefix(stages)
+            except ValueError as e:
+                raise LoaderError(f"epoch {self.epoch}: {e}") from None
             self.close()
-            self.stages = stages
+            self.stages, self._head = stages, head
+            self.chain_changes += 1
             self.schedule.set_interp(S.resize_of(stages).interp)
 
     def _restart(self, epoch: int) -> None:
@@ -215,9 +221,9 @@ class DaliTrainLoader(_DaliLoader):
             epoch,
             reader_threads=self.num_threads,
             unused=unused_outputs(self.stages),
+            head=self._head,
         )
         self._build(source, self.schedule.batch_size, seed)
-        self.rebuilds += 1
         self._next = (epoch, 0)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

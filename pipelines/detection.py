@@ -46,14 +46,33 @@ def unused_outputs(stage_list: tuple) -> tuple[str, ...]:
 
 
 @pipeline_def
-def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int, channels_last: bool):
+def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int, channels_last: bool,
+                       evaluation: bool = False):
     """Build-time args: ``device`` "gpu" | "cpu" (pipeline ``device_id=None``), ``stage_list``
-    (``fastdet.data.stages``, validated), ``max_boxes`` (M), ``channels_last`` (HWC images)."""
+    (``fastdet.data.stages``, validated), ``max_boxes`` (M), ``channels_last`` (HWC images),
+    ``evaluation`` (the resize rounds as ``Preprocess.__call__``)."""
     s = read(source)
     images = stages.decode(s["encoded"], device)
-    boxes, labels, scores, mirror = s["boxes"], s["labels"], None, None
+    boxes, labels, scores, mirror = s["boxes"], s["labels"], s.get("scores"), None
+    k = 0  # the next partner's encoded output
     for st in stage_list:
-        if isinstance(st, S.Distort):
+        if isinstance(st, S.Mosaic):
+            partners = [stages.decode(s[f"enc_p{k + j}"], device) for j in range(3)]
+            images = stages.mosaic(images, partners, s["mos_rsz"], s["mos_anchor"], s["mos_canvas"], st.pad_value)
+            k += 3
+        elif isinstance(st, S.RandomAffine):
+            images = stages.affine(images, s["aff_m"], s["aff_size"], st.pad_value)
+        elif isinstance(st, S.MixUp):
+            partner = stages.decode(s[f"enc_p{k}"], device)
+            k += 1
+            if st.kind == "yolox":
+                images = stages.mixup_yolox(images, partner, s["mix_letter"], s["mix_input"], s["mix_jit"],
+                                            s["mix_flip"], s["mix_anchor"], s["mix_target"], s["mix_w"])
+            else:
+                images = stages.mixup_ppyolo(images, partner, s["mix_lam"], s["mix_canvas"])
+        elif isinstance(st, S.HSV):
+            images = stages.hsv_yolox(images, st)
+        elif isinstance(st, S.Distort):
             if st.prob > 0:
                 images = stages.distort(images, st.prob)
         elif isinstance(st, S.ExpandCrop):
@@ -68,12 +87,10 @@ def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int
                     images = fn.flip(images, horizontal=coin)  # before the canvas padding
         elif isinstance(st, S.Resize):
             hw_in = fn.cast(images.shape(), dtype=types.FLOAT)
-            images, box_scale = stages.resize(images, s["size"], s.get("interp"), st)
+            images, box_scale = stages.resize(images, s["size"], s.get("interp"), st, evaluation)
             scale_factors = box_scale / fn.stack(hw_in[1], hw_in[0])
         elif isinstance(st, S.Normalize):
             images = stages.normalize(images, mirror, channels_last, st)
-        else:
-            raise NotImplementedError(f"{type(st).__name__} is not in the DALI pipeline yet; use --loader torch")
     gt_boxes, gt_labels, gt_mask, gt_scores, overflow = stages.targets(boxes, labels, box_scale, max_boxes, scores)
     named = dict(images=images, gt_boxes=gt_boxes, gt_labels=gt_labels, gt_mask=gt_mask, gt_scores=gt_scores,
                  image_ids=s["image_id"], orig_sizes=s["orig_hw"], scale_factors=scale_factors)

@@ -30,11 +30,15 @@ Per sample the callbacks emit (CPU):
 
 from __future__ import annotations
 
+import io
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from PIL import Image
 
+from fastdet.data import augment
+from fastdet.data import stages as S
 from fastdet.data.schedule import INTERPS, EvalSchedule, TrainSchedule
 from fastdet.data.records import ImageRecord
 
@@ -69,7 +73,7 @@ class _RecordSource:
         self._pool = ThreadPoolExecutor(max(1, reader_threads), thread_name_prefix="fastdet-read")
         self.recent: OrderedDict[int, list[str]] = OrderedDict()  # iteration -> files, for error messages
 
-    def emit(self, iteration: int, indices: np.ndarray, hw: tuple[int, int], interp: int) -> tuple[list[np.ndarray], ...]:
+    def emit(self, iteration: int, indices: np.ndarray, hw: tuple[int, int], interp: int) -> dict[str, list]:
         idx = [int(i) for i in indices]
         files = [self.files[i] for i in idx]
         self.recent[iteration] = files
@@ -88,7 +92,7 @@ class _RecordSource:
             "size": [size_arr] * n,
             "interp": [interp_arr] * n,
         }
-        return tuple(out[k] for k in self.outputs)
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -105,16 +109,49 @@ class TrainSource(_RecordSource):
         *,
         reader_threads: int = 4,
         unused: tuple[str, ...] = (),
+        head: tuple = (),
     ) -> None:
         super().__init__(records, reader_threads, unused)
         self.schedule = schedule
         self.start_epoch = int(start_epoch)
+        # Planned stages (Mosaic, RandomAffine, MixUp) at the head of the list: their draws
+        # and boxes are computed here, on the CPU; the graph moves the pixels.
+        self.head = tuple(head)
+        self.partners = S.partners_needed(self.head)
+        self.outputs = self.outputs + plan_outputs(self.head)
+        self.w = [r.width for r in records]
+        self.h = [r.height for r in records]
+        self.px_boxes = [r.boxes.reshape(-1, 4).astype(np.float32) for r in records]
 
     def __call__(self, info) -> tuple[list[np.ndarray], ...]:
         g = info.iteration  # never reset: this source never ends an epoch for DALI
         steps = self.schedule.steps_per_epoch
-        plan = self.schedule.batch(self.start_epoch + g // steps, g % steps)
-        return self.emit(g, plan.indices, plan.hw, plan.interp)
+        epoch, step = self.start_epoch + g // steps, g % steps
+        plan = self.schedule.batch(epoch, step)
+        out = self.emit(g, plan.indices, plan.hw, plan.interp)
+        if self.head:
+            self._plan(out, plan, epoch, step)
+        return tuple(out[k] for k in self.outputs)
+
+    def _plan(self, out: dict[str, list], plan, epoch: int, step: int) -> None:
+        """The planned stages' draws for each sample: the torch back end's, from the same keys."""
+        s = self.schedule
+        rows = []
+        for j, i in enumerate(int(v) for v in plan.indices):
+            partners = [int(v) for v in s.partners(epoch, step, j, self.partners)]
+            prng = augment.plan_rng(s.sample_seed(epoch, step, j))
+            own = ((self.w[i], self.h[i]), self.px_boxes[i], self.labels[i])
+            p = augment.plan_sample(self.head, own, [((self.w[q], self.h[q]), self.px_boxes[q], self.labels[q])
+                                                     for q in partners], prng, plan.hw)
+            arrays = plan_arrays(self.head, p, [self.files[q] for q in partners], _read)
+            w, h = p.wh
+            arrays["boxes"] = (p.boxes.reshape(-1, 4) / np.array([w, h, w, h], np.float32)).astype(np.float32)
+            arrays["labels"] = p.labels.astype(np.int32)
+            arrays["scores"] = p.scores.astype(np.float32)
+            arrays["wh"] = np.array([w, h], np.float32)
+            rows.append(arrays)
+        for k in rows[0]:
+            out[k] = [r[k] for r in rows]
 
 
 class EvalSource(_RecordSource):
@@ -128,4 +165,102 @@ class EvalSource(_RecordSource):
     def __call__(self, info) -> tuple[list[np.ndarray], ...]:
         g = info.iteration
         plan = self.schedule.batch(g % self.schedule.nonempty_steps)
-        return self.emit(g, plan.indices, plan.hw, plan.interp)
+        out = self.emit(g, plan.indices, plan.hw, plan.interp)
+        return tuple(out[k] for k in self.outputs)
+
+
+# --------------------------------------------------------------------------- planned stages
+
+def _tiny_jpeg() -> np.ndarray:
+    """The bytes of an 8 x 8 JPEG: the partner decoded where a plan draws none (it is never shown)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (114, 114, 114)).save(buf, format="JPEG")
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+DUMMY = _tiny_jpeg()
+_FAR = np.array([16, 16], np.int32)  # a slice anchor past the 8 x 8 dummy: all fill
+
+
+def plan_outputs(head: tuple) -> tuple[str, ...]:
+    """The source outputs that carry the plans of ``head`` (``fastdet.data.augment.planned_prefix``)."""
+    if not head:
+        return ()
+    names, k = ["scores"], 0
+    for st in head:
+        if isinstance(st, S.Mosaic):
+            names += [f"enc_p{k}", f"enc_p{k + 1}", f"enc_p{k + 2}", "mos_rsz", "mos_anchor", "mos_canvas"]
+            k += 3
+        elif isinstance(st, S.RandomAffine):
+            names += ["aff_m", "aff_size"]
+        elif isinstance(st, S.MixUp) and st.kind == "yolox":
+            names += [f"enc_p{k}", "mix_letter", "mix_input", "mix_jit", "mix_flip", "mix_anchor", "mix_target",
+                      "mix_w"]
+            k += 1
+        elif isinstance(st, S.MixUp):
+            names += [f"enc_p{k}", "mix_lam", "mix_canvas"]
+            k += 1
+    return tuple(names)
+
+
+def dali_affine(M: np.ndarray) -> np.ndarray:
+    """cv2's src → dst matrix [2, 3] (pixel centres at integers) as DALI warp_affine's dst → src
+    matrix (pixel centres at +0.5): conjugated by the half-pixel shift, then inverted."""
+    A = np.vstack([M, [0.0, 0.0, 1.0]])
+    T = np.array([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5], [0.0, 0.0, 1.0]])
+    return np.linalg.inv(T @ A @ np.linalg.inv(T))[:2].astype(np.float32)
+
+
+def plan_arrays(head: tuple, p: augment.Prefix, partner_files: list[str], read) -> dict[str, np.ndarray]:
+    """One sample's plan outputs (see :func:`plan_outputs`); ``read(file)`` gives a partner's bytes."""
+    out: dict[str, np.ndarray] = {}
+    k = 0
+    for st in head:
+        w0, h0 = p.wh_before[type(st)]
+        if isinstance(st, S.Mosaic):
+            m = p.mosaic
+            for j in range(3):
+                out[f"enc_p{k + j}"] = read(partner_files[k + j]) if m is not None else DUMMY
+            if m is not None:
+                out["mos_rsz"] = np.array([t.hw for t in m.tiles], np.float32)
+                out["mos_anchor"] = np.array([(-t.xy[0], -t.xy[1]) for t in m.tiles], np.int32)
+                out["mos_canvas"] = np.array([m.canvas_hw[1], m.canvas_hw[0]], np.int32)
+            else:  # the sample alone on a canvas of its own size; the dummies fall outside it
+                out["mos_rsz"] = np.array([(h0, w0)] + [(8, 8)] * 3, np.float32)
+                out["mos_anchor"] = np.stack([np.zeros(2, np.int32)] + [_FAR] * 3)
+                out["mos_canvas"] = np.array([w0, h0], np.int32)
+            k += 3
+        elif isinstance(st, S.RandomAffine):
+            if p.affine is not None:
+                M, (oh, ow) = p.affine
+                out["aff_m"], out["aff_size"] = dali_affine(M), np.array([oh, ow], np.float32)
+            else:
+                out["aff_m"] = np.array([[1, 0, 0], [0, 1, 0]], np.float32)
+                out["aff_size"] = np.array([h0, w0], np.float32)
+        elif isinstance(st, S.MixUp) and st.kind == "yolox":
+            m = p.mixup
+            if m is not None:
+                out[f"enc_p{k}"] = read(partner_files[k])
+                out["mix_letter"] = np.array(m.letter_hw, np.float32)
+                out["mix_input"] = np.array([m.input_hw[1], m.input_hw[0]], np.int32)
+                out["mix_jit"] = np.array(m.jitter_hw, np.float32)
+                out["mix_flip"] = np.array(int(m.flip), np.int32)
+                out["mix_anchor"] = np.array(m.offset, np.int32)
+                out["mix_w"] = np.array([0.5, 0.5], np.float32)
+            else:
+                out[f"enc_p{k}"] = DUMMY
+                out["mix_letter"] = out["mix_jit"] = np.array([8, 8], np.float32)
+                out["mix_input"] = np.array([8, 8], np.int32)
+                out["mix_flip"] = np.array(0, np.int32)
+                out["mix_anchor"] = _FAR
+                out["mix_w"] = np.array([1.0, 0.0], np.float32)
+            out["mix_target"] = np.array([w0, h0], np.int32)
+            k += 1
+        elif isinstance(st, S.MixUp):
+            lam = p.mixup
+            out[f"enc_p{k}"] = read(partner_files[k]) if lam is not None else DUMMY
+            out["mix_lam"] = np.array(1.0 if lam is None else lam, np.float32)
+            pw, ph = p.mixup_wh if lam is not None else (0, 0)
+            out["mix_canvas"] = np.array([max(w0, pw), max(h0, ph)] if lam != 0.0 else [pw, ph], np.int32)
+            k += 1
+    return out

@@ -150,13 +150,15 @@ def flip(boxes, prob: float):
     return fn.bb_flip(boxes, ltrb=True, horizontal=coin), coin
 
 
-def resize(images, size, interp, st: S.Resize):
+def resize(images, size, interp, st: S.Resize, evaluation: bool = False):
     """To the batch's canvas ``size`` (float32 [2] (H, W) per sample), no antialiasing (cv2-like).
 
     Returns ``(images, box_scale)``: ``box_scale`` float32 [2] (x, y) turns boxes relative
     to the image entering the resize into input px. stretch: the canvas; letterbox and
     keep_ratio: ``r · (w, h)`` with ``r`` as ``fastdet.data.augment.resize_scale``, the
     content ``floor(r · (h, w))`` pasted top-left on the canvas filled with ``pad_value``.
+    ``evaluation``: ``Preprocess.__call__``'s rounding instead (content ``round(r · (h, w))``,
+    boxes scaled by the content's true factor), as the torch evaluation loader.
     """
     interp_type = fn.cast(interp, dtype=types.INTERP_TYPE) if st.interp == "random" else _DALI_INTERP[st.interp]
     kw = dict(interp_type=interp_type, antialias=False, dtype=types.UINT8)
@@ -169,13 +171,14 @@ def resize(images, size, interp, st: S.Resize):
     if st.mode == "keep_ratio":
         short = dmath.min(H, W)
         r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * (st.max_long / st.short) / dmath.max(h, w)))
-    ch = dmath.clamp(dmath.floor(h * r), 1.0, H)
-    cw = dmath.clamp(dmath.floor(w * r), 1.0, W)
+    rnd = 0.5 if evaluation else 0.0
+    ch = dmath.clamp(dmath.floor(h * r + rnd), 1.0, H)
+    cw = dmath.clamp(dmath.floor(w * r + rnd), 1.0, W)
     content = fn.resize(images, size=fn.stack(ch, cw), **kw)
     zero = fn.cast(H * 0.0, dtype=types.INT32)
     canvas = fn.slice(content, fn.stack(zero, zero), fn.cast(fn.stack(W, H), dtype=types.INT32), axis_names="WH",
                       out_of_bounds_policy="pad", fill_values=[float(st.pad_value)] * 3)
-    return canvas, fn.stack(w * r, h * r)
+    return canvas, (fn.stack(cw, ch) if evaluation else fn.stack(w * r, h * r))
 
 
 _DALI_INTERP = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC}
@@ -212,3 +215,86 @@ def targets(boxes, labels, box_scale, max_boxes: int, scores=None):
     """
     ins = (boxes, labels, box_scale) + ((scores,) if scores is not None else ())
     return fn.python_function(*ins, function=partial(_finalize, max_boxes=max_boxes), num_outputs=5)
+
+
+# --------------------------------------------------------------------------- planned stages
+# Mosaic, RandomAffine and MixUp: the source computed each sample's draws and boxes
+# (``fastdet.data.augment.plan_sample``, the torch back end's plans from the same keys);
+# these helpers only move pixels, on the pixel device, with CPU per-sample arguments.
+# A stage a sample did not draw gets identity arguments and an 8 x 8 dummy partner that
+# lands outside the canvas, so the graph is the same for every sample.
+
+def _f32(x):
+    return fn.cast(x, dtype=types.FLOAT)
+
+
+def _place(images, anchor, shape_wh, fill: float):
+    """``images`` with its top-left at ``-anchor`` (x, y) on a ``shape_wh`` canvas of ``fill`` (int32 args)."""
+    return fn.slice(images, anchor, shape_wh, axis_names="WH", out_of_bounds_policy="pad", fill_values=[fill] * 3)
+
+
+def _linear(images, hw):
+    return fn.resize(images, size=hw, interp_type=types.INTERP_LINEAR, antialias=False, dtype=types.UINT8)
+
+
+def mosaic(images, partners, rsz, anchor, canvas, pad_value: float):
+    """YOLOX mosaic: 4 tiles resized (linear) and pasted on the (2 S_h, 2 S_w) canvas.
+
+    The tiles never overlap, so the canvas is ``tile0 + Σ (tile_k − fill)`` with each
+    tile placed alone on a ``fill`` canvas: slices and adds, no scatter.
+    """
+    tiles = [images] + list(partners)
+    acc = None
+    for k, t in enumerate(tiles):
+        placed = _f32(_place(_linear(t, rsz[k]), anchor[k], canvas, pad_value))
+        acc = placed if acc is None else acc + (placed - pad_value)
+    return fn.cast(acc, dtype=types.UINT8)
+
+
+def affine(images, matrix, size, pad_value: float):
+    """YOLOX random_affine's warp (bilinear, constant border); ``matrix`` is DALI's dst → src
+    (``fastdet.pipelines.sources.dali_affine``), ``size`` float32 [2] (H, W)."""
+    return fn.warp_affine(images, matrix=matrix, size=size, fill_value=pad_value, interp_type=types.INTERP_LINEAR)
+
+
+def mixup_yolox(images, partner, letter, input_wh, jit, flip_coin, anchor, target_wh, weights):
+    """YOLOX mixup: the partner letterboxed (114), jittered, flipped, cropped at ``anchor``
+    onto the target's size (0 beyond it), then ``w0·image + w1·partner`` truncated to uint8."""
+    zero = fn.cast(weights[0] * 0.0, dtype=types.INT32)
+    letter_canvas = _place(_linear(partner, letter), fn.stack(zero, zero), input_wh, 114.0)
+    jittered = fn.flip(_linear(letter_canvas, jit), horizontal=flip_coin)
+    other = _place(jittered, anchor, target_wh, 0.0)
+    mixed = weights[0] * _f32(images) + weights[1] * _f32(other)
+    return fn.cast(dmath.floor(mixed), dtype=types.UINT8)
+
+
+def mixup_ppyolo(images, partner, lam, canvas_wh):
+    """PaddleDetection Mixup: both at the top-left of a max(h) x max(w) canvas of 0,
+    ``λ·a + (1 − λ)·b`` truncated to uint8."""
+    zero = fn.cast(lam * 0.0, dtype=types.INT32)
+    origin = fn.stack(zero, zero)
+    a = _f32(_place(images, origin, canvas_wh, 0.0))
+    b = _f32(_place(partner, origin, canvas_wh, 0.0))
+    return fn.cast(dmath.floor(lam * a + (1.0 - lam) * b), dtype=types.UINT8)
+
+
+def hsv_yolox(images, st: S.HSV):
+    """YOLOX augment_hsv, approximated with DALI's operators (the back ends differ here).
+
+    YOLOX adds integer gains to OpenCV's H (0..180), S and V; DALI has no HSV-space
+    add, so: hue ``fn.hsv(hue=2·g_h degrees)`` (a rotation in YIQ, DALI's hue
+    approximation), saturation ``fn.hsv(saturation=1 + g_s / 255)`` (multiplicative:
+    a grey pixel stays grey, where YOLOX tints it), value ``brightness_shift = g_v / 255``
+    (adds g_v to every channel: V moves by g_v exactly, S slightly). Each gain is drawn
+    U(−gain, gain), switched off with probability 1/2, the whole with probability
+    ``prob``; the test bounds the difference in pixel statistics.
+    """
+    on = fn.cast(fn.random.coin_flip(probability=st.prob), dtype=types.FLOAT)
+
+    def gain(g: float):
+        keep = fn.cast(fn.random.coin_flip(probability=0.5), dtype=types.FLOAT)
+        return fn.random.uniform(range=[-g, g]) * keep * on
+
+    gh, gs, gv = gain(st.hgain), gain(st.sgain), gain(st.vgain)
+    images = fn.hsv(images, hue=2.0 * gh, saturation=1.0 + gs / 255.0, dtype=types.UINT8)
+    return fn.brightness_contrast(images, brightness_shift=gv / 255.0, dtype=types.UINT8)

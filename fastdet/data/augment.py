@@ -550,3 +550,104 @@ def finalize(boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, max_boxe
     out_s = np.zeros(max_boxes, np.float32)
     out_s[: int(out_m.sum())] = s[keep_largest(b, max_boxes)]
     return {"gt_boxes": out_b, "gt_labels": out_l, "gt_mask": out_m, "gt_scores": out_s, "overflow": overflow}
+
+
+# --------------------------------------------------------------------------- plans for the DALI source
+
+PLANNED = (S.Mosaic, S.RandomAffine, S.MixUp)
+
+
+@dataclass
+class Prefix:
+    """What the planned stages at the head of a stage list do to one sample, without pixels.
+
+    The DALI source computes it (same draws, same order as :func:`run_stages`) and the
+    graph executes it: ``mosaic`` / ``affine`` / ``mixup`` hold the plans (None: that
+    stage left the sample alone), ``wh`` the image size after the prefix, ``boxes`` etc.
+    the sample's boxes on it.
+    """
+
+    wh: tuple[int, int]
+    boxes: np.ndarray
+    labels: np.ndarray
+    scores: np.ndarray
+    mosaic: Optional[G.MosaicPlan] = None
+    affine: Optional[tuple[np.ndarray, tuple[int, int]]] = None  # (M [2, 3] src → dst, out (h, w))
+    mixup: Optional[object] = None  # G.YoloxMixupPlan, or the PP-YOLO λ (float)
+    mixup_wh: tuple[int, int] = (0, 0)  # PP-YOLO: the partner's (w, h)
+    wh_before: dict = None  # stage type → (w, h) of the image entering it
+
+
+def planned_prefix(stages: tuple) -> tuple:
+    """The planned stages at the head of ``stages`` (the DALI graph needs them before any other geometry)."""
+    n = 0
+    while n < len(stages) and isinstance(stages[n], PLANNED + (S.HSV, S.Distort)):
+        n += 1
+    head = tuple(s for s in stages[:n] if isinstance(s, PLANNED))
+    kinds = [type(s) for s in head]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError("the DALI loader plans at most one Mosaic, one RandomAffine and one MixUp per stage list")
+    later = [s for s in stages[n:] if isinstance(s, PLANNED)]
+    if later:
+        raise ValueError(f"{type(later[0]).__name__} after a geometric stage: the DALI loader plans Mosaic, "
+                         "RandomAffine and MixUp first (put them before ExpandCrop, Flip and Resize, or use "
+                         "--loader torch)")
+    return head
+
+
+def plan_sample(head: tuple, own: tuple, partners: Sequence[tuple], prng: np.random.Generator,
+                hw: tuple[int, int]) -> Prefix:
+    """:class:`Prefix` of one sample: ``own`` and ``partners`` are ``((w, h), boxes px, labels)``."""
+    (w, h), boxes, labels = own
+    boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
+    p = Prefix((w, h), boxes, np.asarray(labels, np.int64).reshape(-1), np.ones(len(boxes), np.float32),
+               wh_before={})
+    queue = list(partners)
+    mosaicked = False
+    for st in head:
+        p.wh_before[type(st)] = p.wh
+        if isinstance(st, S.Mosaic):
+            others = [queue.pop(0) for _ in range(3)]
+            recs = [((p.wh), p.boxes, p.labels)] + [(o[0], np.asarray(o[1], np.float32).reshape(-1, 4), o[2])
+                                                   for o in others]
+            sizes = [r[0] for r in recs]
+            plan = G.mosaic_plan(prng, st.prob, st.center_range, hw, sizes)
+            if plan is not None:
+                p.mosaic, mosaicked = plan, True
+                p.boxes = G.mosaic_boxes(plan, sizes, [r[1] for r in recs])
+                p.labels = np.concatenate([np.asarray(r[2], np.int64).reshape(-1) for r in recs])
+                p.scores = np.ones(len(p.boxes), np.float32)
+                p.wh = (plan.canvas_hw[1], plan.canvas_hw[0])
+        elif isinstance(st, S.RandomAffine):
+            if mosaicked or not st.after_mosaic_only:
+                M, s = G.affine_matrix(prng, st.degrees, st.translate, st.scale, st.shear, hw)
+                boxes, keep = G.affine_boxes(p.boxes, M, s, hw)
+                p.boxes, p.labels, p.scores = boxes[keep], p.labels[keep], p.scores[keep]
+                p.affine, p.wh = (M, hw), (hw[1], hw[0])
+        elif isinstance(st, S.MixUp):
+            (pw, ph), pboxes, plabels = queue.pop(0)
+            pboxes = np.asarray(pboxes, np.float32).reshape(-1, 4)
+            plabels = np.asarray(plabels, np.int64).reshape(-1)
+            if st.kind == "yolox":
+                th, tw = p.wh[1], p.wh[0]
+                plan, b, keep = G.yolox_mixup_plan(prng, st.prob, st.scale, hw, (th, tw), len(p.boxes) > 0,
+                                                   (pw, ph), pboxes)
+                if plan is not None:
+                    p.mixup = plan
+                    p.boxes = np.concatenate([p.boxes, b])
+                    p.labels = np.concatenate([p.labels, plabels[keep]])
+                    p.scores = np.concatenate([p.scores, np.ones(int(keep.sum()), np.float32)])
+                continue
+            lam = G.ppyolo_mixup_factor(prng, st.prob, st.alpha, st.beta)
+            if lam is None or lam >= 1.0:
+                continue
+            p.mixup, p.mixup_wh = lam, (pw, ph)
+            ones = np.ones(len(pboxes), np.float32)
+            if lam <= 0.0:
+                p.wh, p.boxes, p.labels, p.scores = (pw, ph), pboxes, plabels, ones
+                continue
+            p.wh = (max(p.wh[0], pw), max(p.wh[1], ph))
+            p.boxes = np.concatenate([p.boxes, pboxes])
+            p.labels = np.concatenate([p.labels, plabels])
+            p.scores = np.concatenate([p.scores * lam, ones * (1.0 - lam)]).astype(np.float32)
+    return p

@@ -304,7 +304,7 @@ class TorchTrainLoader(_TorchLoader):
         self.schedule = schedule
         self.stages_for_epoch = stages_for_epoch
         self.stages: Optional[tuple] = None
-        self.rebuilds = 0  # chains built so far (a test counts them)
+        self.chain_changes = 0  # stage lists taken so far (a test counts them)
         self.epoch = 0
         self.set_epoch(0)
 
@@ -326,7 +326,7 @@ class TorchTrainLoader(_TorchLoader):
         self._sampler = _TrainBatches(self.schedule, augment_on, S.partners_needed(stages))
         ds = ImageDataset(self.records, max_boxes=self.max_boxes, channels_last=self.channels_last, stages=stages)
         self._make(ds, self._sampler)
-        self.rebuilds += 1
+        self.chain_changes += 1
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         epoch = self.epoch
