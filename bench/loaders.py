@@ -5,6 +5,13 @@ prints the same figures for a quick look::
 
     python bench/loaders.py --backend torch dali --device cpu --batch-size 8 --size 640 --workers 2
 
+``--stages yolox`` measures YOLOX's stage list instead of the recipe's (Mosaic, RandomAffine,
+MixUp, HSV, Flip, top-left letterbox at ``--size`` filled with 114, raw pixels): both back
+ends in the same run, with the DALI / torch ratio; ``--store`` writes the JSON (with the
+environment) under ``bench/results/`` as ``<date>_<device>_torch-<v>_loaders-<stages>.json``.
+The target on a GPU is DALI >= 3x a 16-worker DataLoader; on the CPU both decode and
+augment on the same cores, so the CPU ratio says nothing of the GPU one.
+
 Timing: the loader is built and ``warmup`` batches are drawn first (worker start-up,
 DALI's pipeline build and first prefetch), then ``windows`` timed windows of
 ``n_batches / windows`` batches each; on CUDA the device is synchronised at each
@@ -31,7 +38,13 @@ import torch
 
 from fastdet import recipes
 from fastdet.config import Config, DataConfig
+from fastdet.data import stages as S
 from fastdet.data.loader import build_train_loader, dali_unavailable_reason
+
+# YOLOX's training stages (MX yolox_base.py: mosaic 1.0, mixup 1.0, degrees 10, translate
+# 0.1, mosaic_scale (0.1, 2), shear 2, HSV 1.0, flip 0.5; preproc letterbox 114, raw pixels).
+YOLOX_STAGES = (S.Mosaic(), S.RandomAffine(), S.MixUp("yolox"), S.HSV(), S.Flip(),
+                S.Resize("letterbox", pad_value=114.0, interp="linear"), S.Normalize(None, None))
 
 
 def _sync(device: torch.device) -> None:
@@ -143,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers / DALI CPU threads")
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--stages", choices=["recipe", "yolox"], default="recipe",
+                   help="the PP-YOLOE recipe's stages (default) or YOLOX's")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--store", action="store_true", help="write the JSON under bench/results/ (see its README)")
     args = p.parse_args(argv)
 
     from fastdet.data.coco import load_coco, resolve_data
@@ -160,18 +176,34 @@ def main(argv: list[str] | None = None) -> int:
     paths = resolve_data(data, splits=("train",))
     ds = load_coco(paths.train_ann, paths.train_images, train=True, check_images="decode", cache_dir=data.cache_dir)
     cfg = Config(data=replace(data, check_images="decode"))
-    rows = [measure_loader(cfg, ds, b, args.device, args.batches, args.warmup) for b in args.backend]
+    stage_list = YOLOX_STAGES if args.stages == "yolox" else None
+    rows = [measure_loader(cfg, ds, b, args.device, args.batches, args.warmup, stages=stage_list)
+            for b in args.backend]
+    aug = "YOLOX stages" if args.stages == "yolox" else ("no augmentation" if args.no_augment else "PP-YOLOE stages")
     print(f"{len(ds.records)} images from {paths.train_ann}; batch {args.batch_size}, "
-          f"{'sizes 320..768' if args.multiscale else f'size {args.size}'}, "
-          f"{'no augmentation' if args.no_augment else 'PP-YOLOE augmentation'}, {args.workers} workers")
+          f"{'sizes 320..768' if args.multiscale else f'size {args.size}'}, {aug}, {args.workers} workers")
     for r in rows:
         if "skipped" in r:
             print(f"  {r['backend']:>5} on {r['device']}: skipped ({r['skipped']})")
         else:
             print(f"  {r['backend']:>5} on {r['device']}: {r['images_per_s']:8.1f} images/s "
                   f"(spread {r['spread_pct']:.0f}%, start-up {r['startup_s']:.1f} s)")
+    rates = {r["backend"]: r.get("images_per_s") for r in rows}
+    ratio = rates["dali"] / rates["torch"] if rates.get("dali") and rates.get("torch") else None
+    if ratio is not None:
+        print(f"  DALI / torch: {ratio:.2f}x on {args.device}"
+              + (" (a CPU figure: the GPU target is >= 3x a 16-worker DataLoader)" if args.device == "cpu" else ""))
+    doc = {"stages": [repr(s) for s in (stage_list or recipes.phase(cfg, 0).stages)], "rows": rows,
+           "dali_over_torch": ratio, "command": "python bench/loaders.py " + " ".join(argv or sys.argv[1:])}
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.store:
+        from bench.common import env_info, result_stem, write_json
+
+        env = env_info(torch.device(args.device), with_ops=False)
+        path = Path(__file__).resolve().parent / "results" / f"{result_stem(env, f'loaders-{args.stages}')}.json"
+        write_json(path, {"env": env, **doc})
+        print(f"  stored {path}")
     return 0
 
 

@@ -395,3 +395,20 @@ def test_gpu_mode_matches_cpu_mode(rects):
         assert torch.equal(g["gt_boxes"], c["gt_boxes"]) and torch.equal(g["gt_mask"], c["gt_mask"])
         # nvJPEG vs libjpeg-turbo on PNG: the same pixels; the GPU resampling rounds differently.
         assert (g["images"] - c["images"]).abs().mean() < 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bench_measures_the_yolox_stages(backend, rects):
+    import importlib.util
+
+    from fastdet.config import Config
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "loaders.py"
+    spec = importlib.util.spec_from_file_location("fastdet_bench_loaders_yolox", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = Config(data=DataConfig(loader=backend, batch_size=4, img_size=SIZE, multiscale=False, max_boxes=24,
+                                 num_workers=1, check_images="decode"))
+    ds = SimpleNamespace(records=rects, ann_file="x.json")
+    r = mod.measure_loader(cfg, ds, backend, "cpu", n_batches=2, warmup=1, windows=1, stages=mod.YOLOX_STAGES)
+    assert r["backend"] == backend and r["images"] == 8 and r["images_per_s"] > 0
