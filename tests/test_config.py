@@ -49,7 +49,7 @@ def test_ppyoloe_presets_match_published_recipe(size):
 
 
 def test_preset_names_and_errors():
-    assert set(PRESETS) == {"ppyoloe_s", "ppyoloe_m", "ppyoloe_l", "ppyoloe_x"}
+    assert set(PRESETS) == {"ppyoloe_s", "ppyoloe_m", "ppyoloe_l", "ppyoloe_x", "ppyolo_r18vd", "ppyolo_r50vd_dcn"}
     with pytest.raises(ConfigError, match=r"unknown --arch 'yolov9'.*ppyoloe"):
         get_preset("yolov9", "s")
     with pytest.raises(ConfigError, match=r"unknown --size 'xxl' for ppyoloe.*l, m, s, x"):
@@ -139,7 +139,7 @@ def test_load_rejects_unknown_and_mistyped_fields(tmp_path):
 
 def test_demo_overrides_apply_to_every_preset():
     for name, preset in PRESETS.items():
-        cfg = apply_overrides(preset, DEMO_OVERRIDES)
+        cfg = apply_overrides(preset, demo_overrides(preset.model.arch))
         assert cfg.data.img_size == 192 and cfg.data.max_boxes == 32, name
         assert max(cfg.data.train_sizes) <= cfg.data.img_size
 

@@ -270,7 +270,8 @@ def test_onnx_dense_outputs_match_load_detector(det, onnx_files, demo_small, kin
         with torch.no_grad():
             ref_boxes, ref_scores = det(batch)
         assert boxes.shape == tuple(ref_boxes.shape) and scores.shape == tuple(ref_scores.shape)
-        torch.testing.assert_close(torch.from_numpy(boxes), ref_boxes, atol=1e-3, rtol=0)
+        # Boxes decoded through exp() (YOLO-style heads) carry the logits' relative error.
+        torch.testing.assert_close(torch.from_numpy(boxes), ref_boxes, atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(torch.from_numpy(scores), ref_scores, atol=1e-3, rtol=0)
     if kind == "static":
         with pytest.raises(Exception):

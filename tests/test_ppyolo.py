@@ -111,6 +111,7 @@ def test_contract(size):
     x, t = toy_batch()
     losses = model(x, t)
     assert set(losses) == LOSS_KEYS[size]
+    assert not list(model.head.buffers())  # anchors are constants: an EMA must not average them
     assert all(torch.isfinite(v) for v in losses.values())
     losses["total_loss"].backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]

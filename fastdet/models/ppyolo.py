@@ -1,5 +1,5 @@
 """PP-YOLO (Long et al. 2020): ResNet-vd backbone, PPYOLOFPN neck, the YOLOv3 head with its
-loss, and Matrix NMS; presets ``r50vd_dcn`` and ``r18vd``.
+loss, Matrix NMS, and its recipe (``r50vd_dcn`` and ``r18vd`` presets, demo, phases).
 
 Follows PaddleDetection 2.6 (configs/ppyolo/_base_/ppyolo_r50vd_dcn.yml and
 ppyolo_r18vd.yml; ppdet/modeling/necks/yolo_fpn.py ``PPYOLOFPN``, heads/yolo_head.py
@@ -33,15 +33,19 @@ the 1 % check can be run against. The paper's figure comes from its ablation tab
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastdet.config import Config
+from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
+from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Resize
 from fastdet.models.backbones.resnet_vd import ResNetVd
 from fastdet.models.detector import ArchFamily, Detector
 from fastdet.models.layers import SPP, ConvBNAct, paddle_conv_init_
+from fastdet.models.recipe import NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import box_iou, yolo_targets
 
 
@@ -64,15 +68,16 @@ class PPYOLOPreset:
 COCO_ANCHORS = ((10, 13), (16, 30), (33, 23), (30, 61), (62, 45), (59, 119), (116, 90), (156, 198), (373, 326))
 
 SIZES: dict[str, PPYOLOPreset] = {
-    # configs/ppyolo/_base_/ppyolo_r50vd_dcn.yml
-    "r50vd_dcn": PPYOLOPreset(
-        depth=50, return_idx=(1, 2, 3), dcn_stages=(3,), coord_conv=True, spp=True, conv_block_num=2,
-        iou_aware=True, anchors=COCO_ANCHORS, anchor_masks=((6, 7, 8), (3, 4, 5), (0, 1, 2)), strides=(32, 16, 8)),
+    # smallest first (the contract tests and the CLI tests build the first size)
     # configs/ppyolo/_base_/ppyolo_r18vd.yml: no CoordConv, no SPP, no IoU-aware branch
     "r18vd": PPYOLOPreset(
         depth=18, return_idx=(2, 3), dcn_stages=(), coord_conv=False, spp=False, conv_block_num=0,
         iou_aware=False, anchors=((10, 14), (23, 27), (37, 58), (81, 82), (135, 169), (344, 319)),
         anchor_masks=((3, 4, 5), (0, 1, 2)), strides=(32, 16)),
+    # configs/ppyolo/_base_/ppyolo_r50vd_dcn.yml
+    "r50vd_dcn": PPYOLOPreset(
+        depth=50, return_idx=(1, 2, 3), dcn_stages=(3,), coord_conv=True, spp=True, conv_block_num=2,
+        iou_aware=True, anchors=COCO_ANCHORS, anchor_masks=((6, 7, 8), (3, 4, 5), (0, 1, 2)), strides=(32, 16, 8)),
 }
 
 
@@ -286,9 +291,6 @@ class YOLOv3Head(nn.Module):
             conv = nn.Conv2d(c, na * (num_classes + 5) + (na if iou_aware else 0), 1)
             paddle_conv_init_(conv)
             self.outputs.append(conv)
-        for i, mask in enumerate(self.anchor_masks):  # [na, 2] px, per level
-            self.register_buffer(f"anchor_wh{i}", torch.tensor([self.anchors[k] for k in mask], dtype=torch.float32),
-                                 persistent=False)
 
     def _level(self, i: int, feat: Tensor) -> tuple[Tensor | None, Tensor]:
         """-> IoU logits [B, na, H, W] (or None), predictions [B, na, 5 + C, H, W] (float32)."""
@@ -312,12 +314,19 @@ class YOLOv3Head(nn.Module):
                                 torch.arange(w, device=p.device, dtype=p.dtype), indexing="ij")
         return x, y, p[:, :, 2], p[:, :, 3], gx, gy
 
+    def _sizes(self, i: int, tw: Tensor, th: Tensor, unit: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Widths and heights [B, na, H, W] of level ``i``'s anchors scaled by ``exp(tw, th)``,
+        in px / ``unit``. The anchors are Python constants, not buffers: an EMA that averages
+        buffers (PaddleDetection's starts from zeros) must not average them."""
+        anchors = [self.anchors[k] for k in self.anchor_masks[i]]
+        w = torch.stack([_size(tw[:, a]) * (aw / unit) for a, (aw, _) in enumerate(anchors)], dim=1)
+        h = torch.stack([_size(th[:, a]) * (ah / unit) for a, (_, ah) in enumerate(anchors)], dim=1)
+        return w, h
+
     def _boxes(self, i: int, x: Tensor, y: Tensor, tw: Tensor, th: Tensor, gx: Tensor, gy: Tensor) -> Tensor:
         """xyxy boxes [B, na, H, W, 4] in px from cell offsets and log sizes."""
         s = float(self.strides[i])
-        anchor = getattr(self, f"anchor_wh{i}")  # [na, 2]
-        w = _size(tw) * anchor[:, 0, None, None]
-        h = _size(th) * anchor[:, 1, None, None]
+        w, h = self._sizes(i, tw, th)
         return _cxcywh_to_xyxy((x + gx) * s, (y + gy) * s, w, h)
 
     # ------------------------------------------------------------------ inference
@@ -389,10 +398,9 @@ class YOLOv3Head(nn.Module):
             sums["loss_xy"].append(_per_image(weight * ((x - tx).abs() + (y - ty).abs())))
             sums["loss_wh"].append(_per_image(weight * ((w - tw).abs() + (h - th).abs())))
             # IoU of decoded prediction and target, both in cell units (IoU is scale-free).
-            anchor = getattr(self, f"anchor_wh{i}") / float(self.strides[i])  # [na, 2] cells
-            aw, ah = anchor[:, 0, None, None], anchor[:, 1, None, None]
-            pbox = _cxcywh_to_xyxy(x + gx, y + gy, _size(w) * aw, _size(h) * ah)
-            tbox = _cxcywh_to_xyxy(tx + gx, ty + gy, _size(tw) * aw, _size(th) * ah)
+            unit = float(self.strides[i])  # cell units
+            pbox = _cxcywh_to_xyxy(x + gx, y + gy, *self._sizes(i, w, h, unit))
+            tbox = _cxcywh_to_xyxy(tx + gx, ty + gy, *self._sizes(i, tw, th, unit))
             iou = _iou_paired(pbox, tbox)  # [B, na, H, W]
             sums["loss_iou"].append(_per_image(self.iou_loss_weight * (1.0 - iou * iou) * weight))
             if ioup is not None:
@@ -525,4 +533,117 @@ def build_ppyolo(size: str, num_classes: int = 80) -> PPYOLO:
     return PPYOLO(backbone, neck, head)
 
 
-FAMILY = ArchFamily(build=build_ppyolo, sizes=tuple(SIZES))
+# --------------------------------------------------------------------------- recipe
+
+
+@dataclass(frozen=True)
+class PPYOLOOptions(NMSOptions):
+    """The ``family`` config section of PP-YOLO (``--set family.<field>=value``).
+
+    Post-processing is Matrix NMS (ppyolo_*.yml ``MatrixNMS``): candidates above
+    ``score_thresh`` (0.01), kept above ``post_thresh`` (0.01) after the decay, the best
+    ``max_det`` (100); ``nms_iou`` is not used (Matrix NMS cuts no IoU).
+    """
+
+    max_det: int = 100
+    post_thresh: float = 0.01
+    # The reader (PaddleDetection configs/ppyolo/_base_/ppyolo_reader.yml): mixup with
+    # lambda ~ Beta(1.5, 1.5) and per-box scores for the first `mixup_epochs` epochs
+    # (25000: always), colour distortion, zoom-out + IoU crop, flip.
+    mixup_prob: float = 1.0
+    mixup_alpha: float = 1.5
+    mixup_epochs: int = 25000
+    distort_prob: float = 0.5
+    expand_prob: float = 0.5
+    expand_max_ratio: float = 4.0
+    crop: bool = True
+    flip_prob: float = 0.5
+
+
+def ppyolo_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
+    """No loss switches; the reader's stages: mixup (while ``epoch < mixup_epochs``),
+    distort, expand + crop, flip, a stretch resize at a random interpolation per batch
+    (BatchRandomResize over ``data.train_sizes``), ImageNet normalisation."""
+    o = cfg.family
+    check_probabilities(o, "mixup_prob", "distort_prob", "expand_prob", "flip_prob")
+    if o.expand_max_ratio < 1.0:
+        raise ValueError(f"family.expand_max_ratio: expected >= 1, got {o.expand_max_ratio}")
+    if o.mixup_alpha <= 0:
+        raise ValueError(f"family.mixup_alpha: expected > 0, got {o.mixup_alpha}")
+    # Zero-probability stages are left out: they would still draw from the sample's
+    # random stream and change every later draw.
+    mixup = (MixUp("ppyolo", o.mixup_prob, alpha=o.mixup_alpha, beta=o.mixup_alpha),) \
+        if o.mixup_prob > 0 and epoch < o.mixup_epochs else ()
+    distort = (Distort(o.distort_prob),) if o.distort_prob > 0 else ()
+    stages = mixup + distort + (
+        ExpandCrop(o.expand_prob, o.expand_max_ratio, o.crop),
+        Flip(o.flip_prob),
+        Resize("stretch", interp="random"),
+        Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    )
+    return Phase({}, stages)
+
+
+def ppyolo_predict(o: PPYOLOOptions) -> dict[str, Any]:
+    return dict(score_thresh=o.score_thresh, post_thresh=o.post_thresh, max_det=o.max_det,
+                pre_nms_topk=o.pre_nms_topk)
+
+
+RECIPE = Recipe(
+    options=PPYOLOOptions,
+    phase=ppyolo_phase,
+    predict=ppyolo_predict,
+    # PaddleDetection configs/ppyolo/ppyolo_r50vd_dcn_2x_coco.yml and _base_/ (optimizer_2x,
+    # ppyolo_reader): momentum SGD with L2 5e-4, linear warm-up over 4000 iterations from
+    # 0, piecewise x0.1 at epochs 649 and 730 of 811, PaddleDetection's EMA 0.9998 (zero
+    # init, bias-corrected), BatchRandomResize over 320..608 step 32, PadBox 50,
+    # evaluation at 608.
+    base={
+        "optim.optimizer": "sgd", "optim.momentum": 0.9, "optim.weight_decay": 5e-4,
+        "optim.epochs": 811, "optim.schedule": "piecewise", "optim.milestones": (649, 730), "optim.gamma": 0.1,
+        "optim.warmup_steps": 4000, "optim.warmup_start_factor": 0.0,
+        "optim.ema_type": "paddle", "optim.ema_decay": 0.9998,
+        "data.train_sizes": tuple(range(320, 609, 32)), "data.img_size": 608, "data.max_boxes": 50,
+    },
+    sizes={
+        # 8 GPUs x 24 images, lr 0.01 for those 192.
+        "r50vd_dcn": {"data.batch_size": 24, "optim.base_lr": 0.01, "optim.ref_batch": 192},
+        # ppyolo_r18vd_coco.yml: 4 GPUs x 32, lr 0.004 for those 128, 270 epochs with
+        # decays at 162 and 216, evaluation at 512; mixup_epoch 500 (always on).
+        "r18vd": {"data.batch_size": 32, "optim.base_lr": 0.004, "optim.ref_batch": 128, "optim.epochs": 270,
+                  "optim.milestones": (162, 216), "data.img_size": 512},
+    },
+    # The built-in demo set on a 2-core CPU, from scratch, as PP-YOLOE's demo: 192 px,
+    # AdamW, flips only (mixup, zoom-out and crop slow a run this short), cosine decay.
+    # Not measured yet for PP-YOLO (see the README).
+    demo={
+        "data.img_size": 192,
+        "data.train_sizes": (192,),
+        "data.augment": True,
+        "family.mixup_prob": 0.0,
+        "family.distort_prob": 0.0,
+        "family.expand_prob": 0.0,
+        "family.crop": False,
+        "family.flip_prob": 0.5,
+        "data.batch_size": 8,
+        "data.eval_batch_size": 16,
+        "data.max_boxes": 32,
+        "data.num_workers": 1,
+        "optim.optimizer": "adamw",
+        "optim.base_lr": 0.002,
+        "optim.ref_batch": 8,
+        "optim.weight_decay": 0.01,
+        "optim.epochs": 24,
+        "optim.schedule": "cosine",
+        "optim.cosine_epochs": 28,
+        "optim.warmup_steps": 150,
+        "optim.warmup_start_factor": 0.001,
+        "optim.clip_grad_norm": 10.0,
+        "optim.ema_type": "threshold",
+        "optim.ema_decay": 0.999,
+        "run.eval_interval": 8,
+        "run.log_interval": 24,
+    },
+)
+
+FAMILY = ArchFamily(build=build_ppyolo, sizes=tuple(SIZES), recipe=RECIPE)
