@@ -37,7 +37,7 @@ def test_config_imports_no_other_fastdet_module():
 
 # MixUp's kinds are named after the detector whose reader defines the blend: a stage
 # parameter that describes it, not a branch on the family being trained.
-NAMED_BLENDS = {"stages.py": ('"ppyolo"', '"yolox"')}
+NAMED_BLENDS = {name: ('"ppyolo"', '"yolox"') for name in ("stages.py", "augment.py")}
 
 
 def test_engine_and_data_name_no_family():
