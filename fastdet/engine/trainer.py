@@ -143,13 +143,14 @@ class Trainer:
     def _build_step(self) -> None:
         """The (compiled, DDP-wrapped when distributed) train step, TensorBoard and the profiler."""
         cfg = self.cfg
+        # Before the step is built: it may convert BatchNorm to SyncBatchNorm in self.model.
+        ddp = self._ddp_wrapper() if self.dist.distributed else None
         self.train_step = TrainStep(
             self.model, self.model, self.optimizer, self.ema, self.device, self.amp_dtype,
             clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
             cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
             graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
-            ddp=self._ddp_wrapper() if self.dist.distributed else None,
-            backend=cfg.compile.backend)
+            ddp=ddp, backend=cfg.compile.backend)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
 
