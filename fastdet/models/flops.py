@@ -10,6 +10,11 @@ Convention (checked against PaddleDetection's model zoo, 80 classes, 640x640, ba
   deploy model (``torch.utils.flop_counter``'s convention; biases, BN, activations,
   pooling and elementwise ops are not counted). s: 17.27 G vs 17.36 published (-0.5 %).
 
+YOLOX's table (Megvii ``get_model_info``: thop's count x 2 at the test size) also counts
+BatchNorm, as 2 ops per output element (x 2 = 4 FLOPs per element): pass
+``norm_flops_per_element=4`` to reproduce it (YOLOX-s 26.80 G vs 26.8 published; without
+the BatchNorm term 26.69 G, and nano 1.045 G vs 1.08, -3.2 %).
+
 Both are counted on the meta device, so even x at 640 costs no real compute.
 """
 
@@ -37,16 +42,26 @@ def count_params(model: nn.Module, deploy: bool = True) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def count_flops(model: nn.Module, img_size: int | tuple[int, int] = 640, deploy: bool = True) -> int:
-    """FLOPs (2 x MACs) of one eval forward on a ``[1, 3, H, W]`` input, run on the meta device."""
+def count_flops(model: nn.Module, img_size: int | tuple[int, int] = 640, deploy: bool = True,
+                norm_flops_per_element: int = 0) -> int:
+    """FLOPs (2 x MACs) of one eval forward on a ``[1, 3, H, W]`` input, run on the meta device,
+    plus ``norm_flops_per_element`` per BatchNorm output element."""
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     m = deploy_copy(model) if deploy else copy.deepcopy(model).eval()
     m = m.to("meta")
     x = torch.empty(1, 3, h, w, device="meta")
+    norm_elements = [0]
+
+    def count_norm(mod: nn.Module, inputs, out) -> None:
+        norm_elements[0] += out.numel()
+
+    hooks = [mod.register_forward_hook(count_norm) for mod in m.modules() if isinstance(mod, nn.BatchNorm2d)]
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
         m(x)
-    return counter.get_total_flops()
+    for hk in hooks:
+        hk.remove()
+    return counter.get_total_flops() + norm_flops_per_element * norm_elements[0]
 
 
 def profile(arch: str, size: str, num_classes: int = 80, img_size: int = 640) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from torch import Tensor
 from fastdet.ops import assigners as _assigners
 from fastdet.ops import fcos as _fcos
 from fastdet.ops import reference as _reference
+from fastdet.ops import simota as _simota
 from fastdet.ops.dispatch import backend_for, set_backend, use_backend
 from fastdet.ops.yolo import yolo_targets
 
@@ -33,6 +34,7 @@ __all__ = [
     "atss_assign",
     "yolo_targets",
     "fcos_assign",
+    "simota_assign",
     "backend_for",
     "set_backend",
     "use_backend",
@@ -233,3 +235,42 @@ def fcos_assign(
     return _ns(backend).fcos_assign(
         points.detach().to(f32), strides.detach().to(f32), size_ranges.detach().to(f32), gt_boxes.detach(),
         gt_labels.reshape(B, M).long(), gt_mask.reshape(B, M).bool(), float(radius))
+
+
+def simota_assign(
+    pred_scores: Tensor,
+    pred_boxes: Tensor,
+    anchor_points: Tensor,
+    strides: Tensor,
+    gt_boxes: Tensor,
+    gt_labels: Tensor,
+    gt_mask: Tensor,
+    center_radius: float = 2.5,
+    topk: int = 10,
+    iou_weight: float = 3.0,
+) -> tuple[Tensor, Tensor]:
+    """SimOTA (YOLOX); semantics of ``fastdet.ops.simota.simota_assign``.
+
+    Args: pred_scores [B,A,C] sigmoid(cls) x sigmoid(obj); pred_boxes [B,A,4] xyxy px;
+    anchor_points [A,2] cell centres px; strides [A]; gt_boxes [B,M,4]; gt_labels [B,M];
+    gt_mask [B,M] bool. Returns ``(assigned_gt [B,A] int64, -1 for background;
+    assigned_iou [B,A])``. The kernels never form a ``[B, M, A]`` tensor; they compute in
+    float32 (float64 too on the CPU) and return the dtype of ``pred_boxes``.
+    """
+    backend = _backend("simota_assign", pred_scores)
+    dtype = pred_scores.dtype
+    usable = (
+        backend != "torch"
+        and 1 <= topk <= 32
+        and dtype in _KERNEL_DTYPES
+        and (backend == "cpp" or dtype != torch.float64)
+    )
+    if not usable:
+        return _simota.simota_assign(pred_scores, pred_boxes, anchor_points, strides, gt_boxes, gt_labels, gt_mask,
+                                     center_radius, topk, iou_weight)
+    kdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assigned, iou = _ns(backend).simota_assign(
+        pred_scores.detach().to(kdtype), pred_boxes.detach().to(kdtype), anchor_points.detach().to(kdtype),
+        strides.detach().to(kdtype), gt_boxes.detach().to(kdtype), gt_labels.long(), gt_mask.bool(),
+        center_radius, topk, iou_weight)
+    return assigned, iou.to(pred_boxes.dtype)

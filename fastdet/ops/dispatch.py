@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "cuda", "cpp", "torch")
 OPS = ("box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_aligned_assign", "atss_assign",
-       "yolo_targets", "fcos_assign")
+       "yolo_targets", "fcos_assign", "simota_assign")
 
 # Which back ends can run tensors of each device type, in fallback order.
 _SERVES = {"cpu": ("cpp", "triton", "torch"), "cuda": ("triton", "cuda", "torch")}
@@ -60,6 +60,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "atss_assign": "cpp",
         "yolo_targets": "cpp",
         "fcos_assign": "cpp",
+        "simota_assign": "torch",
     },
     ("cpu", True): {
         "box_iou": "cpp",
@@ -70,6 +71,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "atss_assign": "cpp",
         "yolo_targets": "cpp",
         "fcos_assign": "cpp",
+        "simota_assign": "torch",
     },
     # Not measured yet (no GPU was lent when these were set): the GPU kernels are the
     # default until ``bench/kernels.py --device cuda`` says otherwise. The CUDA EMA needs
@@ -84,6 +86,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "atss_assign": "cuda",
         "yolo_targets": "cuda",
         "fcos_assign": "cuda",
+        "simota_assign": "torch",
     },
     ("cuda", True): {
         "box_iou": "triton",
@@ -94,6 +97,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
         "atss_assign": "cuda",
         "yolo_targets": "cuda",
         "fcos_assign": "cuda",
+        "simota_assign": "torch",
     },
 }
 

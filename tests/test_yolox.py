@@ -1,0 +1,263 @@
+"""YOLOX: registry, the published params/FLOPs table, Megvii's initialisation, the contract,
+the loss (L1 switch, normaliser, mixup weights), graph capture and compilation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fastdet.models import ARCHITECTURES, build_model
+from fastdet.models.flops import count_flops, count_params
+from fastdet.models.yolox import TEST_SIZES, YOLOXHead, iou_loss
+
+SIZES = ("nano", "tiny", "s", "m", "l", "x")
+# Parameters of the models Megvii's exps/default/yolox_*.py build for 80 classes (counted
+# with Megvii's own modules at commit 6ddff48), and the README's rounded figures (M).
+MEGVII_PARAMS = {"nano": 912_159, "tiny": 5_055_855, "s": 8_968_255, "m": 25_326_495, "l": 54_208_895,
+                 "x": 99_071_455}
+PUBLISHED = {"nano": (0.91, 1.08), "tiny": (5.06, 6.45), "s": (9.0, 26.8), "m": (25.3, 73.8), "l": (54.2, 155.6),
+             "x": (99.1, 281.9)}
+LOSS_KEYS = {"total_loss", "loss_iou", "loss_obj", "loss_cls", "loss_l1"}
+
+
+def toy_batch(B: int = 2, img: int = 64, C: int = 3):
+    """Images and padded targets: a large box (positives on the coarsest level), two middle
+    ones, a small one (positives on the finest level) and a padded slot."""
+    g = torch.Generator().manual_seed(0)
+    boxes = torch.tensor([[2.0, 2.0, 62.0, 62.0], [10.0, 10.0, 40.0, 50.0], [30.0, 20.0, 60.0, 60.0],
+                          [44.0, 4.0, 52.0, 12.0], [0.0, 0.0, 0.0, 0.0]])
+    targets = dict(
+        gt_boxes=(boxes * (img / 64)).expand(B, 5, 4).clone(),
+        gt_labels=torch.tensor([[0, 1, C - 1, 1, 0]]).expand(B, 5).clone(),
+        gt_mask=torch.tensor([[True, True, True, True, False]]).expand(B, 5).clone(),
+    )
+    return torch.rand(B, 3, img, img, generator=g) * 255, targets
+
+
+# --------------------------------------------------------------------------- registry and table
+
+
+def test_registered_with_letterbox_preprocess():
+    fam = ARCHITECTURES["yolox"]
+    assert fam.sizes == SIZES
+    p = fam.preprocess
+    assert (p.resize, p.pad_value, p.mean, p.std, p.interp) == ("letterbox", 114.0, None, None, "linear")
+    with pytest.raises(ValueError, match=r"unknown size 'xl' for yolox: available are nano, tiny, s, m, l, x"):
+        build_model("yolox", "xl")
+
+
+def test_params_and_flops_match_published_table():
+    """Params equal what Megvii's exp files build (so within 0.1 %) and round to the README's
+    figures; FLOPs at the exp's test size in the README's convention (thop x 2: conv
+    multiply-adds x 2 plus 4 per BatchNorm output element, see fastdet.models.flops) within 3 %."""
+    rows = []
+    for size in SIZES:
+        with torch.device("meta"):
+            model = build_model("yolox", size, num_classes=80)
+        params = count_params(model)
+        flops = count_flops(model, TEST_SIZES[size], norm_flops_per_element=4)
+        conv_only = count_flops(model, TEST_SIZES[size])
+        rows.append((size, params, flops, conv_only))
+    print("\nsize  test  params        Megvii exp    published  FLOPs(G)  conv-only  published")
+    for size, params, flops, conv_only in rows:
+        p_pub, f_pub = PUBLISHED[size]
+        print(f"{size:>4}  {TEST_SIZES[size]:>4}  {params:>11,}  {MEGVII_PARAMS[size]:>11,}  {p_pub:>9}  "
+              f"{flops / 1e9:8.3f}  {conv_only / 1e9:9.3f}  {f_pub:9}")
+    for size, params, flops, _ in rows:
+        p_pub, f_pub = PUBLISHED[size]
+        assert params == MEGVII_PARAMS[size], size
+        assert abs(params / MEGVII_PARAMS[size] - 1) < 1e-3
+        # The README rounds to 3 significant figures (9.0 and 99.1 to fewer/more digits):
+        # the exact count must round to the published figure at its precision.
+        digits = len(str(p_pub).split(".")[1])
+        assert round(params / 1e6, digits) == p_pub, (size, params)
+        assert abs(flops / 1e9 / f_pub - 1) < 0.03, (size, flops, f_pub)
+
+
+def test_megvii_initialisation_and_depthwise():
+    nano = build_model("yolox", "nano", num_classes=4)
+    s = build_model("yolox", "s", num_classes=4)
+    for model in (nano, s):
+        bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+        assert bns and all(m.eps == 1e-3 and m.momentum == 0.03 for m in bns)
+        for p in list(model.head.cls_preds) + list(model.head.obj_preds):
+            torch.testing.assert_close(p.bias.sigmoid(), torch.full_like(p.bias, 0.01))
+        for p in model.head.reg_preds:  # PyTorch's default init: not constant
+            assert p.weight.std() > 0
+    grouped = [m for m in nano.modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
+    assert grouped and all(m.groups == m.in_channels == m.out_channels for m in grouped)
+    assert not any(isinstance(m, nn.Conv2d) and m.groups > 1 for m in s.modules())
+    # The stem (Focus) stays dense in nano; the head's 1x1 stems too.
+    assert nano.backbone.stem.conv.conv.groups == 1 and nano.backbone.stem.conv.conv.in_channels == 12
+    assert all(stem.conv.groups == 1 for stem in nano.head.stems)
+
+
+def test_focus_slices_and_decode():
+    model = build_model("yolox", "nano", num_classes=2)
+    x = torch.arange(16.0).reshape(1, 1, 4, 4).expand(1, 3, 4, 4)
+    seen = {}
+    model.backbone.stem.conv.register_forward_hook(lambda m, i, o: seen.setdefault("in", i[0]))
+    model.backbone.stem(x)
+    # Top-left, bottom-left, top-right, bottom-right pixels of each 2x2 block, per channel.
+    assert seen["in"][0, [0, 3, 6, 9], 0, 0].tolist() == [0.0, 4.0, 1.0, 5.0]
+    reg = torch.tensor([[[0.5, 0.25, 0.0, math.log(2.0)]]])
+    box = YOLOXHead.decode(reg, torch.tensor([[3.0, 1.0]]), torch.tensor([16.0]))
+    assert box.tolist() == [[[56.0, 20.0, 16.0, 32.0]]]  # (t + cell) * s, exp(t) * s
+
+
+# --------------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("size", ["nano", "s"])
+def test_contract(size):
+    """Named scalar losses, finite, with positives; with L1 on every parameter gets a finite,
+    non-zero gradient; eval gives dense outputs and detections."""
+    torch.manual_seed(0)
+    C = 3
+    model = build_model("yolox", size, num_classes=C)
+    x, t = toy_batch(B=2, img=128, C=C)
+    model.train()
+    losses = model(x, t, **model.loss_kwargs(300))
+    assert set(losses) == LOSS_KEYS
+    for k, v in losses.items():
+        assert v.dim() == 0 and torch.isfinite(v), (k, v)
+    assert losses["loss_iou"] > 0 and losses["loss_l1"] > 0
+    losses["total_loss"].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+    model.eval()
+    A = sum((128 // s) ** 2 for s in (8, 16, 32))
+    boxes, scores = model(x)
+    assert boxes.shape == (2, A, 4) and scores.shape == (2, A, C)
+    assert ((scores >= 0) & (scores <= 1)).all()
+    assert (boxes[..., 2:] >= boxes[..., :2]).all()
+    dets = model.predict(x, score_thresh=0.0, max_det=50)
+    assert len(dets) == 2
+    for d in dets:
+        K = d["boxes"].shape[0]
+        assert 0 < K <= 50 and d["scores"].shape == (K,) and d["labels"].shape == (K,)
+        assert int(d["labels"].max()) < C
+
+
+def test_predict_is_class_aware_nms_at_065():
+    model = build_model("yolox", "nano", num_classes=2).eval()
+    boxes = torch.tensor([[[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 12.0], [0.0, 0.0, 10.0, 17.0],
+                           [0.0, 0.0, 10.0, 10.5]]])
+    # IoU(b0, b1) = 0.83 > 0.65: suppressed; IoU(b0, b2) = 0.59 < 0.65: kept; b3 is another class.
+    scores = torch.tensor([[[0.9, 0.0], [0.8, 0.0], [0.7, 0.0], [0.1, 0.6]]])
+    model.forward = lambda images: (boxes, scores)
+    (d,) = model.predict(torch.zeros(1, 3, 32, 32))
+    assert d["scores"].tolist() == pytest.approx([0.9, 0.7, 0.6])
+    assert d["labels"].tolist() == [0, 0, 1]
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def test_iou_loss_values():
+    a = torch.tensor([[5.0, 5.0, 10.0, 10.0]])
+    assert iou_loss(a, a).item() == pytest.approx(0.0, abs=1e-6)
+    b = torch.tensor([[10.0, 5.0, 10.0, 10.0]])  # shifted by half a width: IoU 1/3
+    assert iou_loss(a, b).item() == pytest.approx(1 - (1 / 3) ** 2, rel=1e-6)
+    c = torch.tensor([[50.0, 50.0, 10.0, 10.0]])
+    assert iou_loss(a, c).item() == 1.0
+
+
+def test_loss_terms_and_normaliser():
+    """The objectness term is the BCE over all points / #foreground, L1 only when asked,
+    gt_scores of one change nothing, and the total is 5 IoU + obj + cls (+ L1)."""
+    torch.manual_seed(0)
+    model = build_model("yolox", "nano", num_classes=3).train()
+    x, t = toy_batch(B=2, img=64)
+    head = model.head
+    feats = model.features(x)
+    off = head.loss(feats, t, use_l1=False)
+    on = head.loss(feats, t, use_l1=True)
+    ones = head.loss(feats, {**t, "gt_scores": torch.ones(2, 5)}, use_l1=False)
+    assert off["loss_l1"] == 0 and on["loss_l1"] > 0
+    for k in ("loss_iou", "loss_obj", "loss_cls"):
+        torch.testing.assert_close(off[k], on[k])
+        torch.testing.assert_close(off[k], ones[k])
+    torch.testing.assert_close(off["total_loss"], 5 * off["loss_iou"] + off["loss_obj"] + off["loss_cls"])
+    torch.testing.assert_close(on["total_loss"], off["total_loss"] + on["loss_l1"])
+
+    reg, obj, cls = head.raw_outputs(feats)
+    cells, stride = head.grid(feats)
+    from fastdet.ops import simota_assign
+
+    box = head.decode(reg, cells, stride)
+    xyxy = torch.cat([box[..., :2] - box[..., 2:] / 2, box[..., :2] + box[..., 2:] / 2], -1)
+    assigned, _ = simota_assign(cls.sigmoid() * obj.sigmoid()[..., None], xyxy, (cells + 0.5) * stride[:, None],
+                                stride, t["gt_boxes"], t["gt_labels"], t["gt_mask"])
+    fg = (assigned >= 0).float()
+    assert fg.sum() > 0
+    want = torch.nn.functional.binary_cross_entropy_with_logits(obj, fg, reduction="sum") / fg.sum()
+    torch.testing.assert_close(off["loss_obj"], want)
+    # Halving the mixup weight of every box halves the classification targets.
+    half = head.loss(feats, {**t, "gt_scores": torch.full((2, 5), 0.5)})
+    assert half["loss_cls"] != off["loss_cls"]
+    torch.testing.assert_close(half["loss_obj"], off["loss_obj"])
+
+
+def test_loss_kwargs_switch_l1_at_the_no_aug_epoch():
+    model = build_model("yolox", "nano", num_classes=3, l1_epoch=7)
+    assert model.loss_kwargs(6) == {"use_l1": False}
+    assert model.loss_kwargs(7) == {"use_l1": True}
+    assert build_model("yolox", "s").loss_kwargs(285) == {"use_l1": True}
+
+
+def test_no_foreground_gives_finite_losses():
+    model = build_model("yolox", "nano", num_classes=3).train()
+    x, t = toy_batch(B=2, img=64)
+    t["gt_mask"][:] = False
+    losses = model(x, t, use_l1=True)
+    assert all(torch.isfinite(v) for v in losses.values())
+    assert losses["loss_iou"] == 0 and losses["loss_cls"] == 0 and losses["loss_l1"] == 0
+    assert losses["loss_obj"] > 0
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+@pytest.mark.parametrize("use_l1", [False, True])
+def test_training_forward_has_no_graph_break(use_l1):
+    torch._dynamo.reset()
+    model = build_model("yolox", "nano", num_classes=3).train()
+    x, t = toy_batch(B=2, img=64)
+
+    def step(images, targets):
+        return model(images, targets, use_l1=use_l1)["total_loss"]
+
+    explained = torch._dynamo.explain(step)(x, t)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_compiled_matches_eager():
+    """A compiled training forward + backward (tiny model, 64 px) matches eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model("yolox", "nano", num_classes=3, width_mult=0.125).train()
+    x, t = toy_batch(B=2, img=64)
+    ref = {k: p.detach().clone() for k, p in model.state_dict().items()}
+
+    def step(images, targets):
+        out = model(images, targets, use_l1=True)
+        out["total_loss"].backward()
+        return out
+
+    eager = step(x, t)
+    grads_e = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.load_state_dict(ref)  # BatchNorm running statistics moved in the eager step
+    compiled = torch.compile(step, fullgraph=False)(x, t)
+    for k in LOSS_KEYS:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads_e[n], rtol=1e-3, atol=1e-5, msg=n)
