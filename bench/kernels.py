@@ -22,6 +22,10 @@ EMA over PP-YOLOE-s, ~8.1 M values in ~500 tensors; FCOS: B=16, M=100, A=22400 p
 assigners and IoU, B=2 for the focal loss, FCOS assignment at full size) on the CPU,
 ``quick`` with ``--quick``.
 
+SimOTA is also timed against a per-image loop rendering of its semantics written like
+Megvii's ``get_assignments`` (boolean indexing, per-GT ``topk``, a host sync per image),
+the way YOLOX's own loss runs it; it runs at the production size on the CPU too.
+
     python bench/kernels.py --device cpu --threads 1 --only fcos focal   # FCOS's ops
 """
 
@@ -48,16 +52,17 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fastdet.ops import _ext, assigners, dispatch, reference  # noqa: E402
+from fastdet.ops import _ext, assigners, dispatch, reference, simota  # noqa: E402
 from fastdet.ops.synthetic import assign_inputs, ema_tensor_shapes, random_boxes  # noqa: E402
 
 SIZES = {
     "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80), yolo=(64, 50, 608, 80),
-                       fcos=(16, 100, 800, 1344), focal=(16, 800, 1344, 80)),
+                       fcos=(16, 100, 800, 1344), focal=(16, 800, 1344, 80),
+                       simota=(64, 100, 640, 80)),
     "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80), yolo=(8, 50, 608, 80),
-                fcos=(16, 100, 800, 1344), focal=(2, 800, 1344, 80)),
+                fcos=(16, 100, 800, 1344), focal=(2, 800, 1344, 80), simota=(64, 100, 640, 80)),
     "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80), yolo=(2, 20, 320, 80),
-                  fcos=(2, 20, 256, 320), focal=(2, 256, 320, 80)),
+                  fcos=(2, 20, 256, 320), focal=(2, 256, 320, 80), simota=(2, 20, 320, 80)),
 }
 
 
@@ -405,6 +410,68 @@ def bench_focal(device, size) -> list[Bench]:
     bench.variants.append(Variant("torchvision compiled", run(_compiled(tv)), "compiled", peak=True))
     bench.variants.append(Variant("fastdet fused", run(fused), "kernel", peak=True))
     bench.variants.append(Variant("fastdet fused compiled", run(_compiled(fused)), "kernel", peak=True))
+
+
+def simota_per_image(pred_scores, pred_boxes, points, strides, gt_boxes, gt_labels, gt_mask, center_radius=2.5,
+                     topk=10, iou_weight=3.0):
+    """SimOTA as YOLOX's loss runs it: image by image, GT by GT, with boolean indexing and
+    host syncs (``int(nlabel)``, ``dynamic_ks.tolist()``); the same semantics as the reference."""
+    B, A, C = pred_scores.shape
+    assigned = torch.full((B, A), -1, dtype=torch.long, device=pred_scores.device)
+    assigned_iou = torch.zeros(B, A, dtype=pred_scores.dtype, device=pred_scores.device)
+    x, y = points[:, 0], points[:, 1]
+    for b in range(B):
+        real = gt_mask[b].nonzero().squeeze(1)
+        if real.numel() == 0:
+            continue
+        g = gt_boxes[b, real]
+        in_box = (x - g[:, :1] > 0) & (y - g[:, 1:2] > 0) & (g[:, 2:3] - x > 0) & (g[:, 3:4] - y > 0)
+        cx, cy = (g[:, :1] + g[:, 2:3]) / 2, (g[:, 1:2] + g[:, 3:4]) / 2
+        r = center_radius * strides
+        in_ctr = (x - (cx - r) > 0) & (y - (cy - r) > 0) & ((cx + r) - x > 0) & ((cy + r) - y > 0)
+        cand = in_box.any(0) | in_ctr.any(0)
+        cand_idx = cand.nonzero().squeeze(1)
+        if cand_idx.numel() == 0:
+            continue
+        both = (in_box & in_ctr)[:, cand]
+        ious = reference.box_iou(g, pred_boxes[b, cand])
+        q = pred_scores[b, cand].sqrt()
+        onehot = torch.nn.functional.one_hot(gt_labels[b, real], C).to(q.dtype)
+        G, N = ious.shape
+        cls_cost = torch.nn.functional.binary_cross_entropy(q[None].expand(G, N, C), onehot[:, None].expand(G, N, C),
+                                                            reduction="none").sum(-1)
+        cost = cls_cost + iou_weight * -torch.log(ious + 1e-8) + 1e5 * (~both).to(q.dtype)
+        dyn_k = ious.topk(min(topk, N), dim=1).values.sum(1).int().clamp(min=1).tolist()
+        matching = torch.zeros(G, N, dtype=torch.bool, device=q.device)
+        for gi, k in enumerate(dyn_k):
+            matching[gi, cost[gi].topk(k, largest=False).indices] = True
+        multiple = matching.sum(0) > 1
+        if multiple.any():
+            best = cost[:, multiple].argmin(0)
+            matching[:, multiple] = False
+            matching[best, multiple.nonzero().squeeze(1)] = True
+        fg = matching.any(0)
+        gi = matching[:, fg].long().argmax(0)
+        assigned[b, cand_idx[fg]] = real[gi]
+        assigned_iou[b, cand_idx[fg]] = ious[gi, fg.nonzero().squeeze(1)]
+    return assigned, assigned_iou
+
+
+def bench_simota(device, size) -> list[Bench]:
+    B, M, img, C = size
+    x = assign_inputs(B, M, C, img, seed=0, device=device)
+    args = x.simota_args()
+    A = x.anchor_points.shape[0]
+    # Reads scores and boxes, writes the two outputs: the least SimOTA moves.
+    nbytes = B * A * (4 * C + 16) + B * A * (8 + 4)
+    bench = Bench("simota_assign", f"B={B} M={M} A={A} C={C} ({int(x.pad_gt_mask.sum())} real GTs)", nbytes)
+    bench.variants.append(Variant("per-image loop (Megvii)", lambda: simota_per_image(*args), "loop", peak=True))
+    bench.variants.append(Variant("reference", lambda: simota.simota_assign(*args), "library", peak=True))
+    cref = _compiled(simota.simota_assign)
+    bench.variants.append(Variant("reference compiled", lambda: cref(*args), "compiled", peak=True))
+    for be in kernel_backends(device):
+        kop = _ns(be).simota_assign
+        bench.variants.append(Variant(f"fastdet {be}", lambda kop=kop: kop(*args, 2.5, 10, 3.0), "kernel", peak=True))
     return [bench]
 
 
@@ -432,7 +499,10 @@ def run_bench(bench: Bench, device: torch.device, warmup: int, reps: int, budget
     lib = next((r for r in timed if r["kind"] == "library"), None)
     comp = next((r for r in timed if r["kind"] == "compiled"), None)
     ceiling = next((r for r in timed if r["kind"] == "ceiling"), None)
+    loop = next((r for r in timed if r["kind"] == "loop"), None)
     for r in timed:
+        if loop:
+            r["x_loop"] = loop["ms"] / r["ms"]
         if lib:
             r["x_library"] = lib["ms"] / r["ms"]
         if comp:
@@ -451,6 +521,9 @@ def run_bench(bench: Bench, device: torch.device, warmup: int, reps: int, budget
                 verdict += f"; {k['variant']} LOSES to the compiled reference ({comp['ms'] / k['ms']:.2f}x)"
             else:
                 verdict += f"; {k['variant']} is {comp['ms'] / k['ms']:.2f}x the compiled reference"
+        if kernels and loop:
+            k = min(kernels, key=lambda r: r["ms"])
+            verdict += f"; {k['variant']} is {loop['ms'] / k['ms']:.2f}x the per-image loop"
     return {"op": bench.op, "shape": bench.shape, "bytes": bench.bytes, "rows": rows, "verdict": verdict}
 
 
@@ -502,7 +575,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "yolo", "fcos", "focal"),
+    parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "yolo", "fcos", "focal",
+                                                     "simota"),
                         help="run only these benches")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (at most)")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timing per variant (at most)")
@@ -516,7 +590,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--device cuda: no CUDA device is available")
     preset = "quick" if args.quick else ("production" if device.type == "cuda" else "cpu")
     sizes = SIZES[preset]
-    only = set(args.only or ("iou", "giou", "ema", "assign", "yolo", "fcos", "focal"))
+    only = set(args.only or ("iou", "giou", "ema", "assign", "yolo", "fcos", "focal", "simota"))
     _ext.load()
     print(f"fastdet kernel benchmarks on {device} ({preset} sizes); extension: {_ext.variant() or _ext.error()}")
     warmup = 3 if device.type == "cuda" else 1
@@ -527,7 +601,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               ("fcos", lambda: bench_fcos_assign(device, sizes["fcos"])),
               ("focal", lambda: bench_focal(device, sizes["focal"])),
               ("giou", lambda: bench_giou_loss(device, sizes["giou"])), ("iou", lambda: bench_iou(device, sizes["iou"])),
-              ("yolo", lambda: bench_yolo_targets(device, sizes["yolo"]))]
+              ("yolo", lambda: bench_yolo_targets(device, sizes["yolo"])),
+              ("simota", lambda: bench_simota(device, sizes["simota"]))]
     report = {
         "schema": "fastdet.bench.kernels/1",
         "device": device.type,

@@ -61,5 +61,13 @@ void write_scores(bool tal, GtView gt, int64_t B, int64_t A, int64_t C, int64_t 
                   const int32_t* assigned, const float* value, const float* max_metric, const float* max_iou,
                   float* scores, cudaStream_t stream);
 
+// SimOTA (simota.cu): scores [B,A,C], pred [B,A,4], points [A,2], strides [A], gt [B,M,4],
+// labels [B,M], mask [B,M] -> out_gt [B,A] (-1 background), out_iou [B,A]. cand, neg_sum,
+// count (zeroed) and owner are [B,A] scratch.
+void simota(const float* scores, const float* pred, const float* points, const float* strides, const float* gt,
+            const int64_t* labels, const bool* mask, int64_t B, int64_t A, int64_t C, int64_t M, float radius,
+            float iou_weight, int k, uint8_t* cand, float* neg_sum, int32_t* count, int32_t* owner, int64_t* out_gt,
+            float* out_iou, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace fastdet

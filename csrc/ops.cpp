@@ -71,6 +71,10 @@ TORCH_LIBRARY(fastdet, m) {
   m.def(
       "fcos_assign(Tensor points, Tensor strides, Tensor size_ranges, Tensor gt_boxes, Tensor gt_labels, "
       "Tensor gt_mask, float radius) -> (Tensor, Tensor)");
+  m.def(
+      "simota_assign(Tensor pred_scores, Tensor pred_boxes, Tensor anchor_points, Tensor strides, "
+      "Tensor gt_boxes, Tensor gt_labels, Tensor gt_mask, float center_radius, int topk, "
+      "float iou_weight) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastdet, CPU, m) {
@@ -82,4 +86,5 @@ TORCH_LIBRARY_IMPL(fastdet, CPU, m) {
   m.impl("task_aligned_assign", &fastdet::task_aligned_assign_cpu);
   m.impl("atss_assign", &fastdet::atss_assign_cpu);
   m.impl("yolo_targets", &fastdet::yolo_targets_cpu);
+  m.impl("simota_assign", &fastdet::simota_assign_cpu);
 }

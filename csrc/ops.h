@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <array>
 #include <tuple>
 #include <vector>
 
@@ -42,6 +43,17 @@ std::vector<at::Tensor> yolo_targets_cuda(const at::Tensor& gt_boxes, const at::
                                           c10::ArrayRef<double> anchors, c10::IntArrayRef anchor_level,
                                           c10::IntArrayRef anchor_slot, c10::IntArrayRef strides, int64_t img_h,
                                           int64_t img_w, int64_t num_classes);
+// SimOTA (YOLOX): see simota_math.h. Returns (assigned_gt [B,A] int64, assigned_iou [B,A]).
+std::tuple<at::Tensor, at::Tensor> simota_assign_cpu(const at::Tensor& pred_scores, const at::Tensor& pred_boxes,
+                                                     const at::Tensor& anchor_points, const at::Tensor& strides,
+                                                     const at::Tensor& gt_boxes, const at::Tensor& gt_labels,
+                                                     const at::Tensor& gt_mask, double center_radius, int64_t topk,
+                                                     double iou_weight);
+// Checks SimOTA's arguments (simota_cpu.cpp); returns {B, A, C, M}.
+std::array<int64_t, 4> check_simota(const at::Tensor& pred_scores, const at::Tensor& pred_boxes,
+                                    const at::Tensor& anchor_points, const at::Tensor& strides,
+                                    const at::Tensor& gt_boxes, const at::Tensor& gt_labels, const at::Tensor& gt_mask,
+                                    int64_t topk, const char* op);
 
 // Shared argument checks (ops.cpp); each throws a one-line error naming the op and argument.
 void check_boxes(const at::Tensor& t, const char* op, const char* name);

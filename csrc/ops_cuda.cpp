@@ -266,6 +266,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> atss_assign_cuda(
   return {labels, bboxes, scores};
 }
 
+std::tuple<at::Tensor, at::Tensor> simota_assign_cuda(const at::Tensor& pred_scores, const at::Tensor& pred_boxes,
+                                                      const at::Tensor& anchor_points, const at::Tensor& strides,
+                                                      const at::Tensor& gt_boxes, const at::Tensor& gt_labels,
+                                                      const at::Tensor& gt_mask, double center_radius, int64_t topk,
+                                                      double iou_weight) {
+  const char* op = "simota_assign";
+  const auto dims = check_simota(pred_scores, pred_boxes, anchor_points, strides, gt_boxes, gt_labels, gt_mask, topk, op);
+  check_float32(pred_scores, op, "pred_scores");
+  c10::cuda::CUDAGuard guard(pred_scores.device());
+  const int64_t B = dims[0], A = dims[1], C = dims[2], M = dims[3];
+  TORCH_CHECK(A < (int64_t{1} << 30), "fastdet.ops.", op, " (CUDA): at most 2^30 points, got ", A);
+  const auto f = pred_scores.options();
+  at::Tensor out_gt = at::full({B, A}, -1, f.dtype(at::kLong));
+  at::Tensor out_iou = at::zeros({B, A}, f);
+  if (B * A == 0 || M == 0 || C == 0) return {out_gt, out_iou};
+  const at::Tensor S = pred_scores.contiguous(), P = pred_boxes.to(at::kFloat).contiguous();
+  const at::Tensor pts = anchor_points.to(at::kFloat).contiguous(), st = strides.to(at::kFloat).contiguous();
+  const at::Tensor G = gt_boxes.to(at::kFloat).contiguous(), L = gt_labels.to(at::kLong).contiguous();
+  const at::Tensor V = gt_mask.to(at::kBool).contiguous();
+  at::Tensor cand = at::empty({B, A}, f.dtype(at::kByte));
+  at::Tensor neg_sum = at::empty({B, A}, f);
+  at::Tensor count = at::zeros({B, A}, f.dtype(at::kInt));
+  at::Tensor owner = at::empty({B, A}, f.dtype(at::kInt));
+  K::simota(S.const_data_ptr<float>(), P.const_data_ptr<float>(), pts.const_data_ptr<float>(),
+            st.const_data_ptr<float>(), G.const_data_ptr<float>(), L.const_data_ptr<int64_t>(),
+            V.const_data_ptr<bool>(), B, A, C, M, static_cast<float>(center_radius), static_cast<float>(iou_weight),
+            static_cast<int>(std::min<int64_t>(topk, A)), cand.data_ptr<uint8_t>(), neg_sum.data_ptr<float>(),
+            count.data_ptr<int32_t>(), owner.data_ptr<int32_t>(), out_gt.data_ptr<int64_t>(), out_iou.data_ptr<float>(),
+            c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out_gt, out_iou};
+}
+
 }  // namespace
 }  // namespace fastdet
 
@@ -278,4 +311,5 @@ TORCH_LIBRARY_IMPL(fastdet, CUDA, m) {
   m.impl("task_aligned_assign", &fastdet::task_aligned_assign_cuda);
   m.impl("atss_assign", &fastdet::atss_assign_cuda);
   m.impl("yolo_targets", &fastdet::yolo_targets_cuda);
+  m.impl("simota_assign", &fastdet::simota_assign_cuda);
 }

@@ -38,12 +38,12 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "fastdet"
 CPU_SOURCES = ("ops.cpp", "iou_cpu.cpp", "ema_cpu.cpp", "assign_cpu.cpp", "yolo_targets_cpu.cpp",
-               "fcos_cpu.cpp")
+               "fcos_cpu.cpp", "simota_cpu.cpp")
 CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu", "yolo_targets_cuda.cpp", "yolo_targets.cu", "fcos_cuda.cpp",
-                "fcos.cu")
+                "fcos.cu", "simota.cu")
 # ninja tracks the headers through -MMD
 HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h", "yolo_targets.h", "yolo_targets_cuda.h", "fcos.h",
-           "fcos_cuda.h")
+           "fcos_cuda.h", "simota_math.h")
 # Hopper (H100/H200) unless the caller says otherwise; only used when no GPU is visible
 # (with a GPU, torch builds for the GPU it sees).
 DEFAULT_CUDA_ARCH = "9.0"
@@ -267,6 +267,12 @@ def _fcos_fake(points, strides, size_ranges, gt_boxes, gt_labels, gt_mask, radiu
     return gt_boxes.new_empty((B, A), dtype=torch.int64), gt_boxes.new_empty((B, A), dtype=torch.int64)
 
 
+def _simota_fake(pred_scores, pred_boxes, anchor_points, strides, gt_boxes, gt_labels, gt_mask, center_radius, topk,
+                 iou_weight):
+    B, A = pred_scores.shape[:2]
+    return pred_scores.new_empty((B, A), dtype=torch.int64), pred_scores.new_empty((B, A))
+
+
 def _giou_setup_context(ctx, inputs, output):
     pred, target, eps = inputs
     ctx.save_for_backward(pred, target)
@@ -290,4 +296,5 @@ def _register_python_side() -> None:
     torch.library.register_fake(f"{ns}::atss_assign")(_atss_fake)
     torch.library.register_fake(f"{ns}::yolo_targets")(_yolo_targets_fake)
     torch.library.register_fake(f"{ns}::fcos_assign")(_fcos_fake)
+    torch.library.register_fake(f"{ns}::simota_assign")(_simota_fake)
     torch.library.register_autograd(f"{ns}::giou_loss", _giou_backward, setup_context=_giou_setup_context)

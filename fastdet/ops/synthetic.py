@@ -31,6 +31,13 @@ class AssignInputs:
         return (self.pred_scores, self.pred_bboxes, self.anchor_points, self.gt_labels, self.gt_bboxes,
                 self.pad_gt_mask, self.num_classes)
 
+    def simota_args(self) -> tuple:
+        """SimOTA's inputs: the points are YOLOX's cell centres (strides 8, 16, 32, finest first)."""
+        strides = torch.cat([torch.full((n,), float(s), device=self.anchor_points.device)
+                             for n, s in zip(self.num_anchors_list, (8, 16, 32))])
+        return (self.pred_scores, self.pred_bboxes, self.anchor_points, strides, self.gt_bboxes,
+                self.gt_labels.squeeze(-1), self.pad_gt_mask.squeeze(-1) > 0)
+
     def atss_args(self) -> tuple:
         return (self.anchors, self.num_anchors_list, self.gt_labels, self.gt_bboxes, self.pad_gt_mask,
                 self.num_classes)

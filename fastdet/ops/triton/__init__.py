@@ -10,4 +10,4 @@ implementations: a ``triton_op`` fails under torch.compile with the interpreter,
 custom op behaves the same on a GPU (opaque to inductor, captured by CUDA graphs).
 """
 
-from fastdet.ops.triton import assign, ema, fcos, iou  # noqa: F401  (registers the ops)
+from fastdet.ops.triton import assign, ema, fcos, iou, simota  # noqa: F401  (registers the ops)
