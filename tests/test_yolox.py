@@ -239,8 +239,10 @@ def test_training_forward_has_no_graph_break(use_l1):
     assert explained.graph_count == 1
 
 
-def test_compiled_matches_eager():
-    """A compiled training forward + backward (tiny model, 64 px) matches eager."""
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_matches_eager(backend):
+    """A compiled training forward + backward (tiny model, 64 px) matches eager: traced and
+    split into forward and backward graphs (aot_eager), and through inductor's kernels."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model("yolox", "nano", num_classes=3, width_mult=0.125).train()
@@ -256,8 +258,10 @@ def test_compiled_matches_eager():
     grads_e = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     model.load_state_dict(ref)  # BatchNorm running statistics moved in the eager step
-    compiled = torch.compile(step, fullgraph=False)(x, t)
+    compiled = torch.compile(step, backend=backend)(x, t)
     for k in LOSS_KEYS:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads_e[n], rtol=1e-3, atol=1e-5, msg=n)
+        # Per tensor, relative to its norm: decomposed BatchNorm backward sums in another order.
+        err = (p.grad - grads_e[n]).norm() / grads_e[n].norm().clamp(min=1e-12)
+        assert err < 1e-3, (n, float(err))
