@@ -1,4 +1,4 @@
-"""YOLOX: registry, the published params/FLOPs table, Megvii's initialisation, the contract,
+"""YOLOX: its family, the published params/FLOPs table, Megvii's initialisation, the contract,
 the loss (L1 switch, normaliser, mixup weights), graph capture and compilation."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fastdet.models import ARCHITECTURES, build_model
 from fastdet.models.flops import count_flops, count_params
-from fastdet.models.yolox import TEST_SIZES, YOLOXHead, iou_loss
+from fastdet.models.yolox import FAMILY, TEST_SIZES, YOLOXHead, build_yolox, iou_loss
 
 SIZES = ("nano", "tiny", "s", "m", "l", "x")
 # Parameters of the models Megvii's exps/default/yolox_*.py build for 80 classes (counted
@@ -40,13 +39,11 @@ def toy_batch(B: int = 2, img: int = 64, C: int = 3):
 # --------------------------------------------------------------------------- registry and table
 
 
-def test_registered_with_letterbox_preprocess():
-    fam = ARCHITECTURES["yolox"]
-    assert fam.sizes == SIZES
-    p = fam.preprocess
+def test_family_with_letterbox_preprocess():
+    # Defined, not yet in ARCHITECTURES: it joins with its recipe (issue 14's API).
+    assert FAMILY.sizes == SIZES
+    p = FAMILY.preprocess
     assert (p.resize, p.pad_value, p.mean, p.std, p.interp) == ("letterbox", 114.0, None, None, "linear")
-    with pytest.raises(ValueError, match=r"unknown size 'xl' for yolox: available are nano, tiny, s, m, l, x"):
-        build_model("yolox", "xl")
 
 
 def test_params_and_flops_match_published_table():
@@ -56,7 +53,7 @@ def test_params_and_flops_match_published_table():
     rows = []
     for size in SIZES:
         with torch.device("meta"):
-            model = build_model("yolox", size, num_classes=80)
+            model = build_yolox(size, num_classes=80)
         params = count_params(model)
         flops = count_flops(model, TEST_SIZES[size], norm_flops_per_element=4)
         conv_only = count_flops(model, TEST_SIZES[size])
@@ -78,8 +75,8 @@ def test_params_and_flops_match_published_table():
 
 
 def test_megvii_initialisation_and_depthwise():
-    nano = build_model("yolox", "nano", num_classes=4)
-    s = build_model("yolox", "s", num_classes=4)
+    nano = build_yolox("nano", num_classes=4)
+    s = build_yolox("s", num_classes=4)
     for model in (nano, s):
         bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
         assert bns and all(m.eps == 1e-3 and m.momentum == 0.03 for m in bns)
@@ -96,7 +93,7 @@ def test_megvii_initialisation_and_depthwise():
 
 
 def test_focus_slices_and_decode():
-    model = build_model("yolox", "nano", num_classes=2)
+    model = build_yolox("nano", num_classes=2)
     x = torch.arange(16.0).reshape(1, 1, 4, 4).expand(1, 3, 4, 4)
     seen = {}
     model.backbone.stem.conv.register_forward_hook(lambda m, i, o: seen.setdefault("in", i[0]))
@@ -117,7 +114,7 @@ def test_contract(size):
     non-zero gradient; eval gives dense outputs and detections."""
     torch.manual_seed(0)
     C = 3
-    model = build_model("yolox", size, num_classes=C)
+    model = build_yolox(size, num_classes=C)
     x, t = toy_batch(B=2, img=128, C=C)
     model.train()
     losses = model(x, t, **model.loss_kwargs(300))
@@ -146,7 +143,7 @@ def test_contract(size):
 
 
 def test_predict_is_class_aware_nms_at_065():
-    model = build_model("yolox", "nano", num_classes=2).eval()
+    model = build_yolox("nano", num_classes=2).eval()
     boxes = torch.tensor([[[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 12.0], [0.0, 0.0, 10.0, 17.0],
                            [0.0, 0.0, 10.0, 10.5]]])
     # IoU(b0, b1) = 0.83 > 0.65: suppressed; IoU(b0, b2) = 0.59 < 0.65: kept; b3 is another class.
@@ -173,7 +170,7 @@ def test_loss_terms_and_normaliser():
     """The objectness term is the BCE over all points / #foreground, L1 only when asked,
     gt_scores of one change nothing, and the total is 5 IoU + obj + cls (+ L1)."""
     torch.manual_seed(0)
-    model = build_model("yolox", "nano", num_classes=3).train()
+    model = build_yolox("nano", num_classes=3).train()
     x, t = toy_batch(B=2, img=64)
     head = model.head
     feats = model.features(x)
@@ -206,14 +203,14 @@ def test_loss_terms_and_normaliser():
 
 
 def test_loss_kwargs_switch_l1_at_the_no_aug_epoch():
-    model = build_model("yolox", "nano", num_classes=3, l1_epoch=7)
+    model = build_yolox("nano", num_classes=3, l1_epoch=7)
     assert model.loss_kwargs(6) == {"use_l1": False}
     assert model.loss_kwargs(7) == {"use_l1": True}
-    assert build_model("yolox", "s").loss_kwargs(285) == {"use_l1": True}
+    assert build_yolox("s").loss_kwargs(285) == {"use_l1": True}
 
 
 def test_no_foreground_gives_finite_losses():
-    model = build_model("yolox", "nano", num_classes=3).train()
+    model = build_yolox("nano", num_classes=3).train()
     x, t = toy_batch(B=2, img=64)
     t["gt_mask"][:] = False
     losses = model(x, t, use_l1=True)
@@ -228,7 +225,7 @@ def test_no_foreground_gives_finite_losses():
 @pytest.mark.parametrize("use_l1", [False, True])
 def test_training_forward_has_no_graph_break(use_l1):
     torch._dynamo.reset()
-    model = build_model("yolox", "nano", num_classes=3).train()
+    model = build_yolox("nano", num_classes=3).train()
     x, t = toy_batch(B=2, img=64)
 
     def step(images, targets):
@@ -245,7 +242,7 @@ def test_compiled_matches_eager(backend):
     split into forward and backward graphs (aot_eager), and through inductor's kernels."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model("yolox", "nano", num_classes=3, width_mult=0.125).train()
+    model = build_yolox("nano", num_classes=3, width_mult=0.125).train()
     x, t = toy_batch(B=2, img=64)
     ref = {k: p.detach().clone() for k, p in model.state_dict().items()}
 
