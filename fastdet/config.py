@@ -37,6 +37,9 @@ class ModelConfig:
     # Keep BatchNorm running statistics fixed while training (fine-tuning, and the
     # DDP-vs-single-process equivalence test on the CPU, where SyncBatchNorm is unavailable).
     freeze_bn: bool = False
+    # A local state dict to start the backbone from (--backbone-weights; FCOS: a torchvision
+    # ResNet-50's, its ImageNet start; nothing is downloaded). Loaded when a run starts fresh.
+    backbone_weights: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--amp": ("compile.amp", dict(choices=["bf16", "fp16", "off", "auto"])),
     "--max-steps": ("run.max_steps", dict(type=int)),
     "--output-dir": ("run.output_dir", dict(metavar="DIR")),
+    "--backbone-weights": ("model.backbone_weights", dict(
+        metavar="PATH", help="start the backbone from this local state dict (FCOS: a torchvision ResNet-50's)")),
     "--ckpt": ("run.ckpt", dict(metavar="PATH", help="fine-tune from these weights (with --resume: resume from it)")),
     "--seed": ("run.seed", dict(type=int)),
     "--log-interval": ("run.log_interval", dict(type=int)),

@@ -306,3 +306,59 @@ def test_fused_focal_loss_matches_torchvision():
     explained = torch._dynamo.explain(lambda x: sigmoid_focal_loss(x, t))(x)
     assert explained.graph_break_count == 0, explained.break_reasons
 
+
+
+# --------------------------------------------------------------------------- recipe, CLI
+
+
+def test_registered_with_its_recipe():
+    from fastdet import recipes
+    from fastdet.data.stages import Flip, Normalize, Resize
+    from fastdet.engine.optim import LRSchedule
+    from fastdet.models import ARCHITECTURES, build_model
+
+    assert ARCHITECTURES["fcos"] is FAMILY
+    assert isinstance(build_model("fcos", "r50", num_classes=2), type(build_fcos("r50", 2)))
+    cfg = recipes.get_preset("fcos", "r50")
+    o = cfg.optim
+    assert (o.optimizer, o.momentum, o.weight_decay, o.base_lr, o.ref_batch, o.epochs) == ("sgd", 0.9, 1e-4, 0.01, 16, 12)
+    assert (o.schedule, tuple(o.milestones), o.gamma, o.warmup_steps, o.ema) == ("piecewise", (8, 11), 0.1, 500, False)
+    assert (cfg.data.batch_size, cfg.data.img_size, tuple(cfg.data.train_sizes)) == (2, 800, (800,))
+    stages = recipes.phase(cfg, 0).stages
+    assert stages == (Flip(0.5), Resize("keep_ratio", interp="linear", short=800, max_long=1333), Normalize())
+    assert recipes.phase(cfg, 11) == recipes.phase(cfg, 0) and recipes.phase(cfg, 0).loss_kwargs == {}
+    assert recipes.predict_kwargs(cfg) == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000)
+    # lr 0.01 per 16 images: warm-up from 1/3 over 500 steps, x0.1 at epochs 8 and 11.
+    sched = LRSchedule.from_config(o, 0.01, steps_per_epoch=1000)
+    for step, lr in ((0, 0.01 / 3), (500, 0.01), (7999, 0.01), (8000, 0.001), (11000, 0.0001)):
+        assert sched(step) == pytest.approx(lr), step
+    assert isinstance(recipes.build_detector(cfg, 2).backbone.bn1, FrozenBatchNorm2d)
+
+
+def test_demo_recipe_trains_from_scratch():
+    from fastdet import recipes
+    from fastdet.config import apply_overrides
+
+    cfg = apply_overrides(recipes.get_preset("fcos", "r50"), recipes.demo_overrides("fcos"))
+    assert cfg.family.from_scratch and cfg.data.img_size < 800 and cfg.optim.epochs < 12
+    model = recipes.build_detector(cfg, 4)
+    assert isinstance(model.backbone.bn1, torch.nn.BatchNorm2d)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_backbone_weights_flag_reaches_the_model(tmp_path):
+    """``--backbone-weights`` sets model.backbone_weights, which the trainer hands to
+    ``Detector.load_backbone_weights`` on a fresh start; a family without a torchvision
+    backbone says so in one sentence."""
+    from fastdet.models import build_model
+    from fastdet.train import build_parser, resolve_config
+
+    path = tmp_path / "r50.pth"
+    args = build_parser().parse_args(["--arch", "fcos", "--size", "r50", "--backbone-weights", str(path)])
+    assert resolve_config(args).model.backbone_weights == str(path)
+    torch.save(torchvision.models.resnet50(weights=None).state_dict(), path)
+    model = build_fcos("r50", num_classes=2)
+    model.load_backbone_weights(str(path))
+    torch.testing.assert_close(model.backbone.layer4[2].conv3.weight, torch.load(path)["layer4.2.conv3.weight"])
+    with pytest.raises(ValueError, match="PPYOLOE has no torchvision-format backbone"):
+        build_model("ppyoloe", "s", num_classes=2).load_backbone_weights(str(path))

@@ -113,6 +113,8 @@ class Trainer:
         """The detector on the device, the AMP dtype, the optimizer and the EMA."""
         cfg = self.cfg
         self.model = recipes.build_detector(cfg).to(self.device)
+        if cfg.model.backbone_weights and not cfg.run.resume:  # a resumed run has them in its state
+            self.model.load_backbone_weights(cfg.model.backbone_weights)
         if cfg.data.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)

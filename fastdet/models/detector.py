@@ -57,6 +57,12 @@ class Detector(nn.Module):
         self.neck = neck
         self.head = head
 
+    def load_backbone_weights(self, path: str) -> None:
+        """Start the backbone from a local state dict (``--backbone-weights``); a family whose
+        backbone has a public checkpoint format overrides this."""
+        raise ValueError(f"--backbone-weights: {type(self).__name__} has no torchvision-format backbone to load "
+                         f"{path} into")
+
     def features(self, images: Tensor) -> list[Tensor]:
         return self.neck(self.backbone(images))
 
