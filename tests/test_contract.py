@@ -173,6 +173,11 @@ def test_compiled_training_matches_eager(arch, variant):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
     want["total_loss"].backward()
     got["total_loss"].backward()
+    # Per tensor, relative to its norm: AOT autograd decomposes BatchNorm's backward and
+    # sums in another order, which moves single elements of the first layers' gradients
+    # (many terms cancelling) by more than an elementwise rtol; a wrong gradient is off
+    # by O(1) in this measure.
     for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
         if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+            err = float((q.grad - p.grad).norm() / p.grad.norm().clamp(min=1e-12))
+            assert err < 1e-3, f"{name}: compiled gradient off by {err:.2e} of its norm"
