@@ -50,7 +50,7 @@ def test_ppyoloe_presets_match_published_recipe(size):
 
 def test_preset_names_and_errors():
     assert set(PRESETS) == {"ppyoloe_s", "ppyoloe_m", "ppyoloe_l", "ppyoloe_x", "ppyolo_r18vd", "ppyolo_r50vd_dcn",
-                            "fcos_r50"}
+                            "fcos_r50"} | {f"yolox_{s}" for s in ("nano", "tiny", "s", "m", "l", "x")}
     with pytest.raises(ConfigError, match=r"unknown --arch 'yolov9'.*ppyoloe"):
         get_preset("yolov9", "s")
     with pytest.raises(ConfigError, match=r"unknown --size 'xxl' for ppyoloe.*l, m, s, x"):

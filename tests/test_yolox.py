@@ -117,7 +117,7 @@ def test_contract(size):
     model = build_yolox(size, num_classes=C)
     x, t = toy_batch(B=2, img=128, C=C)
     model.train()
-    losses = model(x, t, **model.loss_kwargs(300))
+    losses = model(x, t, use_l1=True)
     assert set(losses) == LOSS_KEYS
     for k, v in losses.items():
         assert v.dim() == 0 and torch.isfinite(v), (k, v)
@@ -202,12 +202,36 @@ def test_loss_terms_and_normaliser():
     torch.testing.assert_close(half["loss_obj"], off["loss_obj"])
 
 
-def test_loss_kwargs_switch_l1_at_the_no_aug_epoch():
-    model = build_yolox("nano", num_classes=3, l1_epoch=7)
-    assert model.loss_kwargs(6) == {"use_l1": False}
-    assert model.loss_kwargs(7) == {"use_l1": True}
-    assert build_yolox("s").loss_kwargs(285) == {"use_l1": True}
+def test_recipe_phases_follow_megvii():
+    from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffine, Resize
+    from fastdet.recipes import get_preset, loss_variants, phase
 
+    cfg = get_preset("yolox", "s")
+    assert (cfg.optim.schedule, cfg.optim.nesterov, cfg.optim.ema_type, cfg.data.size_period) == (
+        "yoloxwarmcos", True, "ramp", 10)
+    assert cfg.data.train_sizes == tuple(range(480, 801, 32)) and cfg.family.nms_iou == 0.65
+    early, late = phase(cfg, 284), phase(cfg, 285)  # the last 15 of 300 epochs drop the mosaic
+    assert [type(s) for s in early.stages] == [Mosaic, RandomAffine, MixUp, HSV, Flip, Resize, Normalize]
+    assert early.stages[1].scale == (0.1, 2.0) and early.stages[2].kind == "yolox"
+    assert early.loss_kwargs == {"use_l1": False} and early.eval_interval is None
+    assert [type(s) for s in late.stages] == [HSV, Flip, Resize, Normalize]
+    assert late.loss_kwargs == {"use_l1": True} and late.eval_interval == 1
+    assert late.stages[-2] == Resize("letterbox", pad_value=114.0, interp="linear")
+    assert late.stages[-1] == Normalize(None, None)
+    assert loss_variants(cfg, 0, 299) == [{"use_l1": False}, {"use_l1": True}]
+    nano = phase(get_preset("yolox", "nano"), 0)
+    assert [type(s) for s in nano.stages] == [Mosaic, RandomAffine, HSV, Flip, Resize, Normalize]
+    assert nano.stages[0].prob == 0.5 and nano.stages[1].scale == (0.5, 1.5)
+    assert phase(get_preset("yolox", "tiny"), 0).stages[0].prob == 1.0
+
+
+def test_recipe_rejects_a_bad_family_option():
+    from fastdet.config import apply_overrides
+    from fastdet.recipes import get_preset, phase
+
+    cfg = apply_overrides(get_preset("yolox", "s"), {"family.mosaic_scale": "2,1"})
+    with pytest.raises(ValueError, match="family.mosaic_scale"):
+        phase(cfg, 0)
 
 def test_no_foreground_gives_finite_losses():
     model = build_yolox("nano", num_classes=3).train()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from fastdet.models import fcos, ppyolo, ppyoloe
+from fastdet.models import fcos, ppyolo, ppyoloe, yolox
 from fastdet.models.detector import ArchFamily, Detector, multiclass_nms, rescale_boxes
 
 ARCHITECTURES: dict[str, ArchFamily] = {
     "ppyoloe": ppyoloe.FAMILY,
     "ppyolo": ppyolo.FAMILY,
     "fcos": fcos.FAMILY,
+    "yolox": yolox.FAMILY,
 }
 
 __all__ = [

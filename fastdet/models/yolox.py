@@ -14,6 +14,7 @@ cell centres ``(cell + 0.5) * stride``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -21,10 +22,13 @@ import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 
+from fastdet.config import Config
 from fastdet.data.preprocess import Preprocess
+from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffine, Resize
 from fastdet.losses import all_reduce_mean
 from fastdet.models.backbones.cspdarknet import CSPDarknet, CSPLayer, base_conv, conv
 from fastdet.models.detector import ArchFamily, Detector
+from fastdet.models.recipe import NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import simota_assign
 
 # size -> (depth, width, depthwise), Megvii exps/default/yolox_{nano,tiny,s,m,l,x}.py
@@ -288,14 +292,8 @@ def yolox_postprocess(
 
 
 class YOLOX(Detector):
-    """YOLOX. ``loss_kwargs(epoch)`` turns the L1 loss on from ``l1_epoch`` (Megvii: the last 15 of 300)."""
-
-    def __init__(self, backbone: nn.Module, neck: nn.Module, head: YOLOXHead, l1_epoch: int = 285):
-        super().__init__(backbone, neck, head)
-        self.l1_epoch = l1_epoch
-
-    def loss_kwargs(self, epoch: int) -> dict[str, Any]:
-        return {"use_l1": epoch >= self.l1_epoch}
+    """YOLOX. The L1 loss is a loss argument (``use_l1``) that the recipe's phase turns on
+    for the last ``optim.no_aug_epochs`` epochs (:func:`yolox_phase`)."""
 
     @torch.no_grad()
     def predict(
@@ -315,14 +313,13 @@ def build_yolox(
     size: str,
     num_classes: int = 80,
     *,
-    l1_epoch: int = 285,
     width_mult: float | None = None,
     depth_mult: float | None = None,
 ) -> YOLOX:
     """YOLOX of ``size`` in nano/tiny/s/m/l/x (CSPDarknet + YOLOPAFPN + YOLOXHead).
 
     ``width_mult`` / ``depth_mult`` override the size's multipliers (e.g. a narrower model
-    for quick experiments); ``l1_epoch`` is the first epoch with the L1 loss.
+    for quick experiments).
     """
     d, w, depthwise = SIZES[size]
     d = d if depth_mult is None else depth_mult
@@ -330,15 +327,142 @@ def build_yolox(
     backbone = CSPDarknet(d, w, depthwise=depthwise)
     neck = YOLOPAFPN(backbone.out_channels, d, depthwise=depthwise)
     head = YOLOXHead(neck.out_channels, num_classes, width=w, depthwise=depthwise)
-    model = YOLOX(backbone, neck, head, l1_epoch=l1_epoch)
+    model = YOLOX(backbone, neck, head)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.eps, m.momentum = BN_EPS, BN_MOMENTUM
     return model
 
 
+# --------------------------------------------------------------------------- recipe
+
+
+@dataclass(frozen=True)
+class YOLOXOptions(NMSOptions):
+    """The ``family`` config section of YOLOX (``--set family.<field>=value``).
+
+    Post-processing (Megvii ``postprocess``): one class per point, score obj x cls >= 0.01,
+    class-aware NMS at 0.65. The augmentation is Megvii's ``yolox_base.py``: mosaic (prob
+    1.0) then random affine (±10° rotation, ±0.1 translation, scale U(0.1, 2), ±2° shear),
+    mixup (prob 1.0, partner scale U(0.5, 1.5)), HSV (prob 1.0), flip 0.5, a top-left
+    letterbox padded with 114, raw 0..255 pixels. nano and tiny: mosaic scale (0.5, 1.5),
+    no mixup; nano also mosaic prob 0.5. The last ``optim.no_aug_epochs`` (15) epochs drop
+    mosaic, affine and mixup and add the L1 loss; the LR holds flat then (yoloxwarmcos).
+    """
+
+    nms_iou: float = NMS_IOU
+    mosaic_prob: float = 1.0
+    mixup_prob: float = 1.0
+    hsv_prob: float = 1.0
+    flip_prob: float = 0.5
+    degrees: float = 10.0
+    translate: float = 0.1
+    mosaic_scale: tuple[float, float] = (0.1, 2.0)
+    mixup_scale: tuple[float, float] = (0.5, 1.5)
+    shear: float = 2.0
+
+
+def yolox_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
+    """Megvii's two phases. Before the last ``optim.no_aug_epochs`` epochs: Mosaic,
+    RandomAffine (on mosaicked samples, as Megvii applies it inside the mosaic branch),
+    MixUp, HSV, Flip, letterbox; after: HSV, Flip, letterbox, the L1 loss on and an
+    evaluation every epoch (Megvii ``trainer.py``). Zero-probability stages are left out
+    (they would still draw from the sample's random stream)."""
+    o = cfg.family
+    check_probabilities(o, "mosaic_prob", "mixup_prob", "hsv_prob", "flip_prob")
+    for name in ("mosaic_scale", "mixup_scale"):
+        lo, hi = getattr(o, name)
+        if not 0 < lo <= hi:
+            raise ValueError(f"family.{name}: expected 0 < low <= high, got {(lo, hi)}")
+    late = epoch >= epochs - cfg.optim.no_aug_epochs
+    tail = ((HSV(prob=o.hsv_prob),) if o.hsv_prob > 0 else ()) + (
+        Flip(o.flip_prob),
+        Resize("letterbox", pad_value=114.0, interp="linear"),
+        Normalize(None, None),
+    )
+    if late:
+        return Phase({"use_l1": True}, tail, eval_interval=1)
+    head: tuple = ()
+    if o.mosaic_prob > 0:
+        head += (Mosaic(o.mosaic_prob, pad_value=114.0),
+                 RandomAffine(o.degrees, o.translate, tuple(o.mosaic_scale), o.shear, pad_value=114.0))
+    if o.mixup_prob > 0:
+        head += (MixUp("yolox", o.mixup_prob, scale=tuple(o.mixup_scale)),)
+    return Phase({"use_l1": False}, head + tail)
+
+
+def _sizes(lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(range(lo, hi + 1, 32))
+
+
+RECIPE = Recipe(
+    options=YOLOXOptions,
+    phase=yolox_phase,
+    # Megvii yolox/exp/yolox_base.py: 300 epochs, SGD nesterov momentum 0.9, weight decay
+    # 5e-4 (not on BatchNorm weights and biases), lr 0.01 per 64 images (README: 8 GPUs x 8),
+    # yoloxwarmcos (5 warm-up epochs from 0, cosine to 0.05 lr, flat for the last 15),
+    # ModelEMA 0.9998 ramp, max_labels 120, a new size every 10 iterations from
+    # 32 * randint(input/32 +- 5) (480..800 at 640), evaluation at 640.
+    base={
+        "optim.optimizer": "sgd", "optim.momentum": 0.9, "optim.nesterov": True, "optim.weight_decay": 5e-4,
+        "optim.base_lr": 0.01, "optim.ref_batch": 64, "optim.epochs": 300, "optim.schedule": "yoloxwarmcos",
+        "optim.warmup_epochs": 5.0, "optim.warmup_start_factor": 0.0, "optim.min_lr_ratio": 0.05,
+        "optim.no_aug_epochs": 15, "optim.ema_type": "ramp", "optim.ema_decay": 0.9998,
+        "data.batch_size": 8, "data.img_size": 640, "data.train_sizes": _sizes(480, 800),
+        "data.size_period": 10, "data.max_boxes": 120,
+    },
+    sizes={
+        # exps/default/yolox_nano.py: input 416, random_size (10, 20) -> 320..640, mosaic
+        # scale (0.5, 1.5), mosaic prob 0.5, no mixup, test at 416.
+        "nano": {"data.img_size": 416, "data.train_sizes": _sizes(320, 640), "family.mosaic_scale": (0.5, 1.5),
+                 "family.mosaic_prob": 0.5, "family.mixup_prob": 0.0},
+        # yolox_tiny.py sets `input_scale` (unused, a typo), so training keeps input 640's
+        # settings but random_size (10, 20) -> 320..640; mosaic scale (0.5, 1.5), no mixup,
+        # test at 416.
+        "tiny": {"data.img_size": 416, "data.train_sizes": _sizes(320, 640), "family.mosaic_scale": (0.5, 1.5),
+                 "family.mixup_prob": 0.0},
+        "s": {}, "m": {}, "l": {}, "x": {},
+    },
+    # The built-in demo set on a 2-core CPU, from scratch, as PP-YOLOE's demo: 192 px, AdamW,
+    # flips only (mosaic, affine and mixup slow a run this short; they stay available with
+    # --set family.mosaic_prob=1 ...), cosine decay, the L1 phase for the last 4 epochs.
+    # Not measured yet (issue 15's target: AP50 >= 0.5 within 20 minutes on this CPU).
+    demo={
+        "data.img_size": 192,
+        "data.train_sizes": (192,),
+        "data.size_period": 1,
+        "data.augment": True,
+        "family.mosaic_prob": 0.0,
+        "family.mixup_prob": 0.0,
+        "family.hsv_prob": 0.0,
+        "family.flip_prob": 0.5,
+        "data.batch_size": 8,
+        "data.eval_batch_size": 16,
+        "data.max_boxes": 32,
+        "data.num_workers": 1,
+        "optim.optimizer": "adamw",
+        "optim.nesterov": False,
+        "optim.base_lr": 0.002,
+        "optim.ref_batch": 8,
+        "optim.weight_decay": 0.01,
+        "optim.epochs": 24,
+        "optim.schedule": "cosine",
+        "optim.cosine_epochs": 28,
+        "optim.warmup_epochs": 0.0,
+        "optim.warmup_steps": 150,
+        "optim.warmup_start_factor": 0.001,
+        "optim.no_aug_epochs": 4,
+        "optim.clip_grad_norm": 10.0,
+        "optim.ema_type": "threshold",
+        "optim.ema_decay": 0.999,
+        "run.eval_interval": 8,
+        "run.log_interval": 24,
+    },
+)
+
 FAMILY = ArchFamily(
     build=build_yolox,
     sizes=tuple(SIZES),
     preprocess=Preprocess(resize="letterbox", pad_value=114.0, mean=None, std=None, interp="linear"),
+    recipe=RECIPE,
 )
