@@ -186,7 +186,6 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     assert_same_training(one, tmp_path / "two")
 
 
-@pytest.mark.slow
 def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path, one_process_compiled):
     """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
     own forward cannot be traced with fullgraph=True), and trains as one process does."""
@@ -200,7 +199,6 @@ def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path,
     assert_same_training(one, tmp_path / "two")
 
 
-@pytest.mark.slow
 def test_compiled_run_with_frozen_bn_warms_up_in_the_training_mode(one_process_compiled):
     """freeze_bn and train() come before warm-up: the graph compiled there is the one the
     steps run (else Dynamo recompiles at step 1 on the BatchNorm ``training`` guard and
@@ -211,7 +209,6 @@ def test_compiled_run_with_frozen_bn_warms_up_in_the_training_mode(one_process_c
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
 
 
-@pytest.mark.slow
 def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_process_compiled):
     """Warm-up batches do not leak into the logged losses: the first logged loss of a
     --compile run (after its warm-up on a synthetic batch) is the eager run's first loss,
