@@ -80,13 +80,16 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small):
 
 
 def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
-    # 24 train images (23 with objects) / batch 4 = 5 steps per epoch; stop mid-epoch 1.
+    # 24 train images (23 with objects) / batch 4 = 5 steps per epoch; stop mid-epoch 0 and
+    # resume across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a
+    # user resumes a recipe with phases (YOLOX's no-aug epochs, PP-YOLOE's assigner).
     full, part = tmp_path / "full", tmp_path / "part"
-    a = run(train_cmd(demo_small, full, "--max-steps", "8"))
+    phases = ("--set", "family.static_assigner_epoch=1")
+    a = run(train_cmd(demo_small, full, "--max-steps", "8", *phases))
     assert a.returncode == 0, a.stderr
-    b1 = run(train_cmd(demo_small, part, "--max-steps", "7"))
+    b1 = run(train_cmd(demo_small, part, "--max-steps", "4", *phases))
     assert b1.returncode == 0, b1.stderr
-    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume"))
+    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume", *phases))
     assert b2.returncode == 0, b2.stderr
     assert "resumed from" in b2.stdout
     ma, mb = metrics(full), metrics(part)
