@@ -33,7 +33,7 @@ from fastdet.losses import all_reduce_mean, giou_loss
 from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
 from fastdet.models.detector import ArchFamily, Detector, multiclass_nms
-from fastdet.models.recipe import NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import fcos_assign
 
 SIZES = {"r50": 50}
@@ -359,26 +359,15 @@ RECIPE = Recipe(
     # with clipping for the first steps and an EMA of the weights. Its AP50 on the demo set
     # is not measured yet (issue 16's target: >= 0.5 within 20 minutes on a 2-core CPU).
     demo={
+        **DEMO_CPU,
         "family.from_scratch": True,
-        "data.img_size": 192,
-        "data.train_sizes": (192,),
-        "data.batch_size": 8,
-        "data.eval_batch_size": 16,
-        "data.max_boxes": 32,
-        "data.num_workers": 1,
-        "optim.optimizer": "adamw",
         "optim.base_lr": 0.001,
-        "optim.ref_batch": 8,
-        "optim.weight_decay": 0.01,
         "optim.epochs": 8,
         "optim.milestones": (6, 7),
         "optim.warmup_steps": 100,
         "optim.warmup_start_factor": 0.001,
-        "optim.clip_grad_norm": 10.0,
         "optim.ema": True,
-        "optim.ema_decay": 0.999,
         "run.eval_interval": 6,
-        "run.log_interval": 24,
     },
 )
 

@@ -45,7 +45,7 @@ from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Res
 from fastdet.models.backbones.resnet_vd import ResNetVd
 from fastdet.models.detector import ArchFamily, Detector
 from fastdet.models.layers import SPP, ConvBNAct, paddle_conv_init_
-from fastdet.models.recipe import NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import box_iou, yolo_targets
 
 
@@ -617,32 +617,21 @@ RECIPE = Recipe(
     # AdamW, flips only (mixup, zoom-out and crop slow a run this short), cosine decay.
     # Not measured yet for PP-YOLO (see the README).
     demo={
-        "data.img_size": 192,
-        "data.train_sizes": (192,),
+        **DEMO_CPU,
         "data.augment": True,
         "family.mixup_prob": 0.0,
         "family.distort_prob": 0.0,
         "family.expand_prob": 0.0,
         "family.crop": False,
         "family.flip_prob": 0.5,
-        "data.batch_size": 8,
-        "data.eval_batch_size": 16,
-        "data.max_boxes": 32,
-        "data.num_workers": 1,
-        "optim.optimizer": "adamw",
         "optim.base_lr": 0.002,
-        "optim.ref_batch": 8,
-        "optim.weight_decay": 0.01,
         "optim.epochs": 24,
         "optim.schedule": "cosine",
         "optim.cosine_epochs": 28,
         "optim.warmup_steps": 150,
         "optim.warmup_start_factor": 0.001,
-        "optim.clip_grad_norm": 10.0,
         "optim.ema_type": "threshold",
-        "optim.ema_decay": 0.999,
         "run.eval_interval": 8,
-        "run.log_interval": 24,
     },
 )
 

@@ -26,7 +26,7 @@ from fastdet.losses import all_reduce_mean, distribution_focal_loss, giou_loss, 
 from fastdet.models.backbones.cspresnet import CSPResNet, scale_channels, scale_depths
 from fastdet.models.detector import ArchFamily, Detector
 from fastdet.models.layers import SPP, BasicBlock, ConvBNAct
-from fastdet.models.recipe import NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import atss_assign, task_aligned_assign
 
 # size -> (depth_mult, width_mult), PaddleDetection configs/ppyoloe/ppyoloe_crn_{s,m,l,x}_300e_coco.yml
@@ -412,29 +412,18 @@ RECIPE = Recipe(
     # recipe slows learning, colours carry no label here. Gradient clipping keeps the
     # early steps stable. Explicit user overrides win.
     demo={
-        "data.img_size": 192,
-        "data.train_sizes": (192,),
+        **DEMO_CPU,
         "data.augment": True,
         "family.distort_prob": 0.0,
         "family.expand_prob": 0.0,
         "family.crop": False,
         "family.flip_prob": 0.5,
-        "data.batch_size": 8,
-        "data.eval_batch_size": 16,
-        "data.max_boxes": 32,
-        "data.num_workers": 1,
-        "optim.optimizer": "adamw",
         "optim.base_lr": 0.002,
-        "optim.ref_batch": 8,
-        "optim.weight_decay": 0.01,
         "optim.epochs": 24,
         "optim.cosine_epochs": 28,
         "optim.warmup_steps": 150,
-        "optim.clip_grad_norm": 10.0,
-        "optim.ema_decay": 0.999,
         "family.static_assigner_epoch": 8,
         "run.eval_interval": 8,
-        "run.log_interval": 24,
     },
 )
 

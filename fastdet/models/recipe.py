@@ -99,6 +99,27 @@ def nms_kwargs(options: Any) -> dict[str, Any]:
                 max_det=options.max_det, pre_nms_topk=options.pre_nms_topk)
 
 
+# What every family's demo recipe shares, so that `--data demo` learns in minutes on a
+# 2-core CPU: 192 px, batches of 8 (the LR given for them), at most 32 boxes, one loader
+# worker, AdamW with clipping (a short from-scratch run learns far faster with it than
+# with the published SGD recipes: PP-YOLOE AP50 0.57 against 0.38, measured), a faster
+# EMA. A family's `demo` adds its own schedule and augmentation on top.
+DEMO_CPU: Mapping[str, Any] = {
+    "data.batch_size": 8,
+    "data.eval_batch_size": 16,
+    "data.img_size": 192,
+    "data.train_sizes": (192,),
+    "data.max_boxes": 32,
+    "data.num_workers": 1,
+    "optim.optimizer": "adamw",
+    "optim.ref_batch": 8,
+    "optim.weight_decay": 0.01,
+    "optim.clip_grad_norm": 10.0,
+    "optim.ema_decay": 0.999,
+    "run.log_interval": 24,
+}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A family's training recipe (see the module docstring)."""

@@ -28,7 +28,7 @@ from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffin
 from fastdet.losses import all_reduce_mean
 from fastdet.models.backbones.cspdarknet import CSPDarknet, CSPLayer, base_conv, conv
 from fastdet.models.detector import ArchFamily, Detector
-from fastdet.models.recipe import NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import simota_assign
 
 # size -> (depth, width, depthwise), Megvii exps/default/yolox_{nano,tiny,s,m,l,x}.py
@@ -428,23 +428,15 @@ RECIPE = Recipe(
     # --set family.mosaic_prob=1 ...), cosine decay, the L1 phase for the last 4 epochs.
     # Not measured yet (issue 15's target: AP50 >= 0.5 within 20 minutes on this CPU).
     demo={
-        "data.img_size": 192,
-        "data.train_sizes": (192,),
+        **DEMO_CPU,
         "data.size_period": 1,
         "data.augment": True,
         "family.mosaic_prob": 0.0,
         "family.mixup_prob": 0.0,
         "family.hsv_prob": 0.0,
         "family.flip_prob": 0.5,
-        "data.batch_size": 8,
-        "data.eval_batch_size": 16,
-        "data.max_boxes": 32,
-        "data.num_workers": 1,
-        "optim.optimizer": "adamw",
         "optim.nesterov": False,
         "optim.base_lr": 0.002,
-        "optim.ref_batch": 8,
-        "optim.weight_decay": 0.01,
         "optim.epochs": 24,
         "optim.schedule": "cosine",
         "optim.cosine_epochs": 28,
@@ -452,11 +444,8 @@ RECIPE = Recipe(
         "optim.warmup_steps": 150,
         "optim.warmup_start_factor": 0.001,
         "optim.no_aug_epochs": 4,
-        "optim.clip_grad_norm": 10.0,
         "optim.ema_type": "threshold",
-        "optim.ema_decay": 0.999,
         "run.eval_interval": 8,
-        "run.log_interval": 24,
     },
 )
 
