@@ -161,12 +161,30 @@ def test_contract(from_scratch):
     assert int(dets[0]["labels"].max()) < C
 
 
-def test_predict_defaults_are_paddles():
-    import inspect
+def test_predict_defaults_are_paddles(monkeypatch):
+    """``predict()`` runs the base multiclass NMS (the one ``export --nms`` reproduces) at
+    Paddle's values, the same as the recipe's post-processing settings."""
+    from fastdet import recipes
+    from fastdet.config import Config, ModelConfig
+    from fastdet.export import has_standard_nms
+    from fastdet.models import detector
 
-    sig = inspect.signature(build_fcos("r50", num_classes=2).predict)
-    defaults = {k: p.default for k, p in sig.parameters.items() if k != "images"}
-    assert defaults == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000)
+    model = build_fcos("r50", num_classes=2).eval()
+    assert has_standard_nms(model)
+    seen = {}
+
+    def spy(boxes, scores, *args):
+        seen["args"] = args
+        return []
+
+    monkeypatch.setattr(detector, "multiclass_nms", spy)
+    model.predict(torch.zeros(1, 3, 64, 64))
+    assert seen["args"] == (0.025, 0.6, 100, 1000)
+    model.predict(torch.zeros(1, 3, 64, 64), score_thresh=0.3)
+    assert seen["args"] == (0.3, 0.6, 100, 1000)
+    cfg = recipes.get_preset("fcos", "r50")
+    assert recipes.predict_kwargs(cfg) == dict(zip(("score_thresh", "iou_thresh", "max_det", "pre_nms_topk"),
+                                                   (0.025, 0.6, 100, 1000)))
 
 
 def test_lr_multipliers_double_the_tower_biases():

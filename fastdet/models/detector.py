@@ -8,7 +8,7 @@ predictions (``head.inference(feats) -> (boxes [B,A,4] xyxy px, scores [B,A,C])`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 import torchvision
@@ -50,6 +50,10 @@ class Detector(nn.Module):
     """
 
     size_divisor = 32  # inputs must be multiples of the largest stride
+    # The defaults of :meth:`predict` (the multiclass NMS that ``fastdet.export --nms``
+    # reproduces); a family with other published post-processing values sets its own
+    # here, and one with another NMS (Matrix NMS, YOLOX's) overrides ``predict`` instead.
+    predict_defaults: ClassVar[Mapping[str, Any]] = {"score_thresh": 0.01, "iou_thresh": 0.7, "max_det": 300, "pre_nms_topk": 1000}
 
     def __init__(self, backbone: nn.Module, neck: nn.Module, head: nn.Module):
         super().__init__()
@@ -84,18 +88,21 @@ class Detector(nn.Module):
     def predict(
         self,
         images: Tensor,
-        score_thresh: float = 0.01,
-        iou_thresh: float = 0.7,
-        max_det: int = 300,
-        pre_nms_topk: int = 1000,
+        score_thresh: float | None = None,
+        iou_thresh: float | None = None,
+        max_det: int | None = None,
+        pre_nms_topk: int | None = None,
     ) -> list[dict[str, Tensor]]:
         """Detections per image: ``{"boxes" [K,4] xyxy input px, "scores" [K], "labels" [K]}``.
 
-        Call in eval mode (BatchNorm statistics). Host syncs are fine here: this is not
-        the training hot path.
+        An argument left at None takes the class's ``predict_defaults``. Call in eval mode
+        (BatchNorm statistics). Host syncs are fine here: this is not the training hot path.
         """
+        given = {"score_thresh": score_thresh, "iou_thresh": iou_thresh, "max_det": max_det,
+                 "pre_nms_topk": pre_nms_topk}
+        kw = {k: self.predict_defaults[k] if v is None else v for k, v in given.items()}
         boxes, scores = self(images)
-        return multiclass_nms(boxes, scores, score_thresh, iou_thresh, max_det, pre_nms_topk)
+        return multiclass_nms(boxes, scores, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"])
 
     @torch.no_grad()
     def fuse(self) -> "Detector":

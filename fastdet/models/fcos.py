@@ -32,7 +32,7 @@ from fastdet.data.stages import Flip, Normalize, Resize
 from fastdet.losses import all_reduce_mean, giou_loss
 from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
-from fastdet.models.detector import ArchFamily, Detector, multiclass_nms
+from fastdet.models.detector import ArchFamily, Detector
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import fcos_assign
 
@@ -265,7 +265,10 @@ class FCOSHead(nn.Module):
 
 
 class FCOS(Detector):
-    """FCOS. ``predict`` defaults to Paddle's post-processing: score 0.025, top 1000, NMS 0.6, 100."""
+    """FCOS. ``predict`` is the base multiclass NMS (so ``fastdet.export --nms`` reproduces
+    it) at Paddle's fcos_r50_fpn.yml values: score 0.025, top 1000, NMS 0.6, 100."""
+
+    predict_defaults = {"score_thresh": 0.025, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
 
     def load_backbone_weights(self, path: str) -> None:
         """A torchvision-format ResNet-50 state dict (``--backbone-weights``)."""
@@ -274,18 +277,6 @@ class FCOS(Detector):
     def lr_multipliers(self) -> dict[str, float]:
         """Read by ``fastdet.engine.optim.build_param_groups``: tower biases at 2x LR, as Paddle."""
         return {f"head.{n}": 2.0 for n in self.head.tower_bias_names()}
-
-    @torch.no_grad()
-    def predict(
-        self,
-        images: Tensor,
-        score_thresh: float = 0.025,
-        iou_thresh: float = 0.6,
-        max_det: int = 100,
-        pre_nms_topk: int = 1000,
-    ) -> list[dict[str, Tensor]]:
-        boxes, scores = self(images)
-        return multiclass_nms(boxes, scores, score_thresh, iou_thresh, max_det, pre_nms_topk)
 
 
 def build_fcos(
