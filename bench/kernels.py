@@ -25,6 +25,10 @@ assigners and IoU, B=2 for the focal loss, FCOS assignment at full size) on the 
 SimOTA is also timed against a per-image loop rendering of its semantics written like
 Megvii's ``get_assignments`` (boolean indexing, per-GT ``topk``, a host sync per image),
 the way YOLOX's own loss runs it; it runs at the production size on the CPU too.
+``simota_step`` times it inside a YOLOX-s training step (the CPU size: 320 px, batch 8,
+30 boxes per image), where each row also gets its share of the step:
+
+    python bench/kernels.py --device cpu --only simota_step
 
     python bench/kernels.py --device cpu --threads 1 --only fcos focal   # FCOS's ops
 """
@@ -58,11 +62,13 @@ from fastdet.ops.synthetic import assign_inputs, ema_tensor_shapes, random_boxes
 SIZES = {
     "production": dict(iou=(64, 100, 8400), giou=(64, 8400), assign=(64, 100, 640, 80), yolo=(64, 50, 608, 80),
                        fcos=(16, 100, 800, 1344), focal=(16, 800, 1344, 80),
-                       simota=(64, 100, 640, 80)),
+                       simota=(64, 100, 640, 80), simota_step=(64, 100, 640)),
     "cpu": dict(iou=(8, 100, 8400), giou=(64, 8400), assign=(8, 100, 640, 80), yolo=(8, 50, 608, 80),
-                fcos=(16, 100, 800, 1344), focal=(2, 800, 1344, 80), simota=(64, 100, 640, 80)),
+                fcos=(16, 100, 800, 1344), focal=(2, 800, 1344, 80), simota=(64, 100, 640, 80),
+                simota_step=(8, 30, 320)),
     "quick": dict(iou=(2, 20, 2100), giou=(4, 2100), assign=(2, 20, 320, 80), yolo=(2, 20, 320, 80),
-                  fcos=(2, 20, 256, 320), focal=(2, 256, 320, 80), simota=(2, 20, 320, 80)),
+                  fcos=(2, 20, 256, 320), focal=(2, 256, 320, 80), simota=(2, 20, 320, 80),
+                  simota_step=(2, 10, 128)),
 }
 
 
@@ -163,7 +169,9 @@ def _malloc_in_use() -> Optional[Callable[[], int]]:
 class Variant:
     name: str
     fn: Callable[[], Any]
-    kind: str  # "library" | "reference" | "compiled" | "kernel"
+    # "library" | "reference" | "compiled" | "kernel" | "loop"; in a step bench also "step",
+    # "loop_step" (whole training steps) and "dispatch" (what the step's op call chooses)
+    kind: str
     peak: bool = False
 
 
@@ -475,6 +483,66 @@ def bench_simota(device, size) -> list[Bench]:
     return [bench]
 
 
+def bench_simota_step(device, size) -> list[Bench]:
+    """SimOTA inside a YOLOX-s training step (eager forward + loss + backward): the step with
+    our assignment and with the per-image loop in its place, and the assignment alone (loop,
+    reference, kernels) on the very inputs the step passes it. ``run_bench`` adds each
+    row's share of the fastdet step (``pct_of_step``)."""
+    from fastdet.models import build_model
+    from fastdet.models import yolox as yolox_module
+
+    B, M, img = size
+    torch.manual_seed(0)
+    model = build_model("yolox", "s", num_classes=80).to(device).train()
+    g = torch.Generator().manual_seed(0)
+    images = (torch.rand(B, 3, img, img, generator=g) * 255).to(device)
+    xy = torch.rand(B, M, 2, generator=g) * img * 0.8
+    wh = torch.rand(B, M, 2, generator=g) * img * 0.3 + 8
+    boxes = torch.cat([xy, (xy + wh).clamp(max=img - 1)], -1)
+    targets = {"gt_boxes": boxes.to(device), "gt_labels": torch.randint(0, 80, (B, M), generator=g).to(device),
+               "gt_mask": torch.ones(B, M, dtype=torch.bool, device=device),
+               "gt_scores": torch.ones(B, M, device=device)}
+    default = yolox_module.simota_assign
+    captured: dict[str, Any] = {}
+
+    def capture(*a, **k):
+        captured["args"], captured["kwargs"] = a, k
+        return default(*a, **k)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(images, targets)["total_loss"].backward()
+
+    def step_with(assign: Callable) -> Callable[[], None]:
+        def run() -> None:
+            yolox_module.simota_assign = assign
+            try:
+                step()
+            finally:
+                yolox_module.simota_assign = default
+        return run
+
+    step_with(capture)()
+    a, k = captured["args"], captured["kwargs"]
+    args = (*a, k["center_radius"], k["topk"], k["iou_weight"])
+
+    def loop(*a, **k):
+        return simota_per_image(*a, **k)
+
+    bench = Bench("simota_in_yolox_step",
+                  f"YOLOX-s train step B={B} img={img} M={M} boxes/image, A={a[0].shape[1]} C=80", 0)
+    bench.variants.append(Variant("step, per-image loop", step_with(loop), "loop_step"))
+    bench.variants.append(Variant("step, fastdet", step, "step"))
+    bench.variants.append(Variant("assign: per-image loop", lambda: simota_per_image(*args), "loop"))
+    bench.variants.append(Variant("assign: reference", lambda: simota.simota_assign(*args), "library"))
+    for be in kernel_backends(device):
+        kop = _ns(be).simota_assign
+        bench.variants.append(Variant(f"assign: fastdet {be}", lambda kop=kop: kop(*args), "kernel"))
+    bench.variants.append(Variant(f"assign: dispatch ({dispatch.backend_for('simota_assign', device.type, False)})",
+                                  lambda: default(*a, **k), "dispatch"))
+    return [bench]
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -500,7 +568,15 @@ def run_bench(bench: Bench, device: torch.device, warmup: int, reps: int, budget
     comp = next((r for r in timed if r["kind"] == "compiled"), None)
     ceiling = next((r for r in timed if r["kind"] == "ceiling"), None)
     loop = next((r for r in timed if r["kind"] == "loop"), None)
+    step = next((r for r in timed if r["kind"] == "step"), None)
+    loop_step = next((r for r in timed if r["kind"] == "loop_step"), None)
     for r in timed:
+        if step:
+            r["pct_of_step"] = 100.0 * r["ms"] / step["ms"]
+        if r["kind"] in ("step", "loop_step"):  # whole steps: compared with each other only
+            if loop_step:
+                r["x_loop"] = loop_step["ms"] / r["ms"]
+            continue
         if loop:
             r["x_loop"] = loop["ms"] / r["ms"]
         if lib:
@@ -524,6 +600,13 @@ def run_bench(bench: Bench, device: torch.device, warmup: int, reps: int, budget
         if kernels and loop:
             k = min(kernels, key=lambda r: r["ms"])
             verdict += f"; {k['variant']} is {loop['ms'] / k['ms']:.2f}x the per-image loop"
+        if step:
+            used = next((r for r in timed if r["kind"] == "dispatch"), None)
+            if used:
+                verdict += f"; the assignment the step runs ({used['variant']}) is {used['pct_of_step']:.1f}% of it"
+            if loop and loop_step:
+                verdict += (f"; the per-image loop is {100 * loop['ms'] / loop_step['ms']:.1f}% of a step that "
+                            f"runs it")
     return {"op": bench.op, "shape": bench.shape, "bytes": bench.bytes, "rows": rows, "verdict": verdict}
 
 
@@ -537,7 +620,8 @@ def print_result(res: dict[str, Any], flush: bool = False) -> None:
         peak = r.get("peak_mb")
         print(f"  {r['variant']:<26}{r['ms']:>10.3f}{r['gbps']:>9.1f}{r.get('x_library', math.nan):>8.2f}"
               f"{r.get('x_compiled', math.nan):>8.2f}{(peak if peak is not None else math.nan):>9.1f}"
-              f"{r.get('pct_copy_bw', math.nan):>7.1f}")
+              f"{r.get('pct_copy_bw', math.nan):>7.1f}"
+              + (f"  {r['pct_of_step']:.1f}% of the step" if "pct_of_step" in r else ""))
     if res["verdict"]:
         print(f"  -> {res['verdict']}", flush=flush)
 
@@ -576,7 +660,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--only", nargs="*", choices=("iou", "giou", "ema", "assign", "yolo", "fcos", "focal",
-                                                     "simota"),
+                                                     "simota", "simota_step"),
                         help="run only these benches")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per variant (at most)")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timing per variant (at most)")
@@ -590,7 +674,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--device cuda: no CUDA device is available")
     preset = "quick" if args.quick else ("production" if device.type == "cuda" else "cpu")
     sizes = SIZES[preset]
-    only = set(args.only or ("iou", "giou", "ema", "assign", "yolo", "fcos", "focal", "simota"))
+    only = set(args.only or ("iou", "giou", "ema", "assign", "yolo", "fcos", "focal", "simota", "simota_step"))
     _ext.load()
     print(f"fastdet kernel benchmarks on {device} ({preset} sizes); extension: {_ext.variant() or _ext.error()}")
     warmup = 3 if device.type == "cuda" else 1
@@ -602,7 +686,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               ("focal", lambda: bench_focal(device, sizes["focal"])),
               ("giou", lambda: bench_giou_loss(device, sizes["giou"])), ("iou", lambda: bench_iou(device, sizes["iou"])),
               ("yolo", lambda: bench_yolo_targets(device, sizes["yolo"])),
-              ("simota", lambda: bench_simota(device, sizes["simota"]))]
+              ("simota", lambda: bench_simota(device, sizes["simota"])),
+              ("simota_step", lambda: bench_simota_step(device, sizes["simota_step"]))]
     report = {
         "schema": "fastdet.bench.kernels/1",
         "device": device.type,
