@@ -1,0 +1,186 @@
+"""Every registered family through the command line its users run, on the small demo set.
+
+- ``python -m fastdet.train --arch A --compile`` with each loader (torch and DALI's CPU
+  mode), a few steps at 64 px, ending in the trainer's COCO evaluation;
+- ``python -m fastdet.eval --ckpt`` on that checkpoint gives the trainer's AP again
+  (boxes mapped back from the family's letterbox or keep-ratio canvas by both);
+- YOLOX: ``torchrun`` with 2 processes trains as 1 process does, and resume is exact
+  across the switch into its no-aug phase (mosaic off, L1 on), with mosaic before it.
+
+The compiled runs use the ``aot_eager`` backend: Dynamo and AOTAutograd trace the graphs
+inductor would get (same guards, recompiles, phases), without inductor's C++ build,
+which takes many minutes per family on a 2-core CPU (``tests/test_train.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.models import ARCHITECTURES, build_model
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+COMPILE = ["--compile", "--set", "compile.backend=aot_eager"]
+# The smallest size of each family. Each compiled CLI run takes a minute or more on a
+# 2-core CPU, so `make test` keeps one of them (YOLOX with DALI, the loader with every
+# stage) and the rest of the matrix is marked slow (`make test-all`).
+SMALLEST = {"ppyoloe": "s", "yolox": "nano", "fcos": "r50", "ppyolo": "r18vd"}
+IN_MAKE_TEST = {("yolox", "nano", "dali")}
+
+
+def train_cmd(data: Path, out: Path, arch: str, size: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fastdet.train", "--arch", arch, "--size", size,
+            "--data", str(data), "--device", "cpu", "--img-size", "64", "--no-multiscale",
+            "--batch-size", "4", "--epochs", "1", "--output-dir", str(out), "--workers", "1",
+            "--log-interval", "1", "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2", *extra]
+
+
+def run(cmd: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_family_has_a_cli_case():
+    assert set(SMALLEST) == set(ARCHITECTURES)
+    for arch, size in SMALLEST.items():
+        assert size in ARCHITECTURES[arch].sizes
+
+
+def _cases():
+    out = []
+    for arch in sorted(ARCHITECTURES):
+        for size in ARCHITECTURES[arch].sizes if arch == "ppyolo" else (SMALLEST[arch],):
+            for loader in ("torch", "dali"):
+                marks = [] if (arch, size, loader) in IN_MAKE_TEST else [pytest.mark.slow]
+                out.append(pytest.param(arch, size, loader, marks=marks, id=f"{arch}-{size}-{loader}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_run(demo_small, tmp_path_factory):
+    """``(arch, size, loader) -> (output dir, completed process)`` of a 2-step compiled CLI
+    run, each made once per module (the eval test reuses the training test's run)."""
+    done: dict = {}
+
+    def get(arch: str, size: str, loader: str):
+        if (arch, size, loader) not in done:
+            out = tmp_path_factory.mktemp(f"{arch}_{size}_{loader}")
+            r = run(train_cmd(demo_small, out, arch, size, "--max-steps", "2", "--loader", loader, *COMPILE))
+            done[arch, size, loader] = out, r
+        return done[arch, size, loader]
+
+    return get
+
+
+def _dali_or_torch() -> str:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "dali"
+
+
+@pytest.mark.parametrize("arch, size, loader", _cases())
+def test_compiled_training_with_each_loader(arch, size, loader, compiled_run):
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    out, r = compiled_run(arch, size, loader)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"loader {loader}" in r.stdout and "compile True" in r.stdout
+    assert "size bucket(s) x" in r.stdout and "compiled" in r.stdout  # the warm-up line
+    assert "recompiled" not in r.stdout + r.stderr
+    assert "COCO AP" in r.stdout
+    logged = metrics(out)
+    assert [m["step"] for m in logged] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(m["total_loss"])) for m in logged)
+    assert (out / "latest.pth").is_file()
+
+
+@pytest.mark.parametrize("arch", [a if a == "yolox" else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in sorted(SMALLEST)])
+def test_eval_cli_gives_the_trainers_ap(arch, demo_small, compiled_run):
+    out, r = compiled_run(arch, SMALLEST[arch], _dali_or_torch())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "latest.pth"),
+              "--data", str(demo_small), "--device", "cpu"])
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
+    trained = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
+
+
+# --------------------------------------------------------------------------- YOLOX
+
+# YOLOX-nano in its own recipe's two phases, shortened: 2 epochs of 5 steps (23 of the 24
+# train images have objects), the second one the no-aug phase (mosaic, affine and mixup
+# off, the L1 loss on, evaluation every epoch). Mosaic always on before the switch, so the
+# partner records drawn from (seed, epoch, step) are part of what resume must reproduce.
+YOLOX_PHASES = ["--epochs", "2", "--set", "optim.no_aug_epochs=1", "--set", "family.mosaic_prob=1.0",
+                "--set", "run.eval_interval=100"]
+
+
+def test_yolox_resume_is_exact_across_the_no_aug_switch(demo_small, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    a = run(train_cmd(demo_small, full, "yolox", "nano", "--max-steps", "8", *YOLOX_PHASES))
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    b1 = run(train_cmd(demo_small, part, "yolox", "nano", "--max-steps", "3", *YOLOX_PHASES))
+    assert b1.returncode == 0, b1.stderr[-3000:]
+    b2 = run(train_cmd(demo_small, part, "yolox", "nano", "--max-steps", "8", "--resume", *YOLOX_PHASES))
+    assert b2.returncode == 0, b2.stderr[-3000:]
+    assert "resumed from" in b2.stdout
+    ma, mb = metrics(full), metrics(part)
+    assert [m["step"] for m in mb] == list(range(1, 9))
+    # Steps 6-8 are in the no-aug phase: the L1 term is on there and only there.
+    assert all(m["loss_l1"] == 0 for m in ma[:5]) and all(m["loss_l1"] > 0 for m in ma[5:])
+    for x, y in zip(ma, mb):
+        for k in ("total_loss", "loss_iou", "loss_obj", "loss_cls", "loss_l1", "lr"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
+    wa, wb = load_checkpoint(full / "latest.pth"), load_checkpoint(part / "latest.pth")
+    for key in ("model", "ema"):
+        for k, v in wa[key].items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(v, wb[key][k], rtol=1e-4, atol=1e-5, msg=f"{key}.{k}")
+
+
+# One process and two gloo ranks of half the batch, as tests/test_train.py compares
+# PP-YOLOE: no augmentation, frozen BatchNorm statistics (per-rank BatchNorm sees half the
+# batch), a real LR from the first step (no 5-epoch quadratic warm-up) so that the weights
+# move far more than the tolerance.
+YOLOX_SAME_RUN = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05",
+                  "--set", "optim.ref_batch=4", "--set", "optim.warmup_epochs=0", "--set", "model.freeze_bn=true",
+                  "--set", "run.eval_interval=100"]
+
+
+def test_yolox_two_ranks_match_one_process(demo_small, tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = run(train_cmd(demo_small, one, "yolox", "nano", *YOLOX_SAME_RUN))
+    assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", "29531", "-m", "fastdet.train"]
+    cmd = torchrun + train_cmd(demo_small, two, "yolox", "nano", *YOLOX_SAME_RUN)[3:]
+    cmd[cmd.index("--batch-size") + 1] = "2"
+    r2 = run(cmd)
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")
+    for k, v in a["model"].items():
+        torch.testing.assert_close(v, b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+    torch.manual_seed(0)  # the trainer's seed for rank 0: the initial weights
+    init = build_model("yolox", "nano", num_classes=4).state_dict()
+    moved = max((a["model"][k] - v).abs().max().item() for k, v in init.items() if v.is_floating_point())
+    assert moved > 1e-3, "the weights barely moved: the comparison would prove nothing"
+    la, lb = metrics(one), metrics(two)
+    assert [m["step"] for m in la] == [m["step"] for m in lb] == [1, 2, 3]
+    for x, y in zip(la, lb):
+        assert x["total_loss"] == pytest.approx(y["total_loss"], rel=1e-4)
