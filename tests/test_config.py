@@ -141,7 +141,8 @@ def test_load_rejects_unknown_and_mistyped_fields(tmp_path):
 def test_demo_overrides_apply_to_every_preset():
     for name, preset in PRESETS.items():
         cfg = apply_overrides(preset, demo_overrides(preset.model.arch))
-        assert cfg.data.img_size == 192 and cfg.data.max_boxes == 32, name
+        # CPU-sized: 192 px (FCOS's demo 128, its ResNet-50 costs ten times as much per image)
+        assert cfg.data.img_size <= 192 and cfg.data.max_boxes == 32, name
         assert max(cfg.data.train_sizes) <= cfg.data.img_size
 
 
