@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import assert_same_training  # tests/ is on sys.path (rootdir conftest)
 
 from fastdet.engine.checkpoint import load_checkpoint
-from fastdet.models import ARCHITECTURES, build_model
+from fastdet.models import ARCHITECTURES
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
 COMPILE = ["--compile", "--set", "compile.backend=aot_eager"]
@@ -173,14 +174,4 @@ def test_yolox_two_ranks_match_one_process(demo_small, tmp_path):
     cmd[cmd.index("--batch-size") + 1] = "2"
     r2 = run(cmd)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-    a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")
-    for k, v in a["model"].items():
-        torch.testing.assert_close(v, b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
-    torch.manual_seed(0)  # the trainer's seed for rank 0: the initial weights
-    init = build_model("yolox", "nano", num_classes=4).state_dict()
-    moved = max((a["model"][k] - v).abs().max().item() for k, v in init.items() if v.is_floating_point())
-    assert moved > 1e-3, "the weights barely moved: the comparison would prove nothing"
-    la, lb = metrics(one), metrics(two)
-    assert [m["step"] for m in la] == [m["step"] for m in lb] == [1, 2, 3]
-    for x, y in zip(la, lb):
-        assert x["total_loss"] == pytest.approx(y["total_loss"], rel=1e-4)
+    assert_same_training(one, two, "yolox", "nano")

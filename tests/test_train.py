@@ -164,12 +164,14 @@ def two_ranks(data: Path, out: Path, *extra: str, port: int) -> subprocess.Compl
     return run(cmd, timeout=1200)
 
 
-def assert_same_training(one: Path, two: Path) -> None:
+def assert_same_training(one: Path, two: Path, arch: str = "ppyoloe", size: str = "s") -> None:
+    """The 1-process and 2-rank runs of ``SAME_RUN``-style settings end with the same weights
+    (moved well beyond the tolerance from the seed-0 initial ones) and log the same losses."""
     a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")
     for k, v in a["model"].items():
         torch.testing.assert_close(v, b["model"][k], rtol=1e-4, atol=1e-5, msg=k)
     torch.manual_seed(0)  # the trainer's seed for rank 0: the initial weights
-    init = build_model("ppyoloe", "s", num_classes=4).state_dict()
+    init = build_model(arch, size, num_classes=4).state_dict()
     moved = max((a["model"][k] - v).abs().max().item() for k, v in init.items() if v.is_floating_point())
     assert moved > 1e-3, "the weights barely moved: the comparison would prove nothing"
     la, lb = metrics(one), metrics(two)
