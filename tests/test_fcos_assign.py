@@ -1,5 +1,5 @@
-"""``fastdet.ops.fcos_assign`` in every back end against a loop rendering of its semantics
-and against constructed cases: a point on a box's edge, a point in two boxes (smaller wins,
+"""``fastdet.ops.fcos_assign`` in every back end against a loop rendering of its semantics,
+against torchvision's FCOS matching (``FCOS.compute_loss``), and against constructed cases: a point on a box's edge, a point in two boxes (smaller wins,
 then the lower slot), a box larger than every range, centre sampling, padded slots.
 
 The Triton kernel runs in Triton's interpreter, which must be switched on before triton is
@@ -17,6 +17,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+from types import SimpleNamespace
+
+from torchvision.models.detection.fcos import FCOS as TorchvisionFCOS
 
 import fastdet.ops as ops
 from fastdet.models.fcos import feature_shapes, level_points
@@ -106,6 +110,39 @@ def test_matches_loop_rendering(backend, seed):
     # The reference (which forms [B, M, A]) agrees with the loop rendering too.
     ref_gt, ref_label = reference(points, strides, ranges, boxes, labels, mask)
     assert torch.equal(ref_gt, want_gt) and torch.equal(ref_label, want_label)
+
+
+def torchvision_matching(points, strides, shapes, boxes, mask):
+    """torchvision's FCOS point-to-box matching, run as it is: ``FCOS.compute_loss`` up to
+    the head's loss, which here returns the matched indices. Its anchors are boxes of one
+    stride centred on the points; each image gets its valid boxes only, and the indices
+    come back as slots of the padded ``boxes``."""
+    fcos = SimpleNamespace(center_sampling_radius=1.5,
+                           head=SimpleNamespace(compute_loss=lambda targets, outputs, anchors, matched: matched))
+    half = strides[:, None] / 2
+    anchors = torch.cat([points - half, points + half], dim=1)  # [A, 4]
+    targets = [{"boxes": boxes[i][mask[i]]} for i in range(boxes.shape[0])]
+    per_level = [h * w for h, w in shapes]
+    matched = TorchvisionFCOS.compute_loss(fcos, targets, {}, [anchors] * len(targets), per_level)
+    out = []
+    for i, m in enumerate(matched):
+        slots = mask[i].nonzero().flatten()
+        out.append(torch.where(m >= 0, slots[m.clamp(min=0)], -1) if len(slots) else m)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_torchvision_fcos(backend, seed):
+    """Same ranges ((0, 64) ... (512, inf) are torchvision's 4x and 8x the stride), the same
+    strict inequalities, smallest box first and the lower slot on equal areas."""
+    h, w = 256, 320
+    points, strides, ranges = fcos_points(h, w)
+    boxes, labels, mask = random_case(3, 12, h, w, seed)
+    mask[2] = False  # an image without boxes
+    want = torchvision_matching(points, strides, feature_shapes(h, w), boxes, mask)
+    got, _ = _run(points, strides, ranges, boxes, labels, mask)
+    assert (want[:2] >= 0).sum() > 40 and (want[2] < 0).all()
+    assert torch.equal(got, want)
 
 
 def _one_level(xs, ys, stride=8.0, lo=0.0, hi=64.0):
