@@ -246,6 +246,56 @@ def test_perfect_regression_gives_zero_box_loss_and_centerness_targets():
     torch.testing.assert_close(losses["loss_ctr"], entropy, rtol=1e-4, atol=1e-5)
 
 
+def test_losses_match_torchvisions_fcos_head():
+    """The same outputs and matching through torchvision's ``FCOSHead.compute_loss``: the
+    focal and centerness terms are equal; the box term is torchvision's GIoU (on boxes decoded
+    in pixels) weighted by the centerness targets, Paddle's choice (torchvision averages it)."""
+    from types import SimpleNamespace
+
+    from torchvision.models.detection._utils import BoxLinearCoder
+    from torchvision.models.detection.fcos import FCOSHead as TorchvisionHead
+    from torchvision.ops import generalized_box_iou_loss
+
+    from fastdet.ops import fcos_assign
+
+    B, C, h, w = 2, 4, 128, 160
+    head = FCOSHead(32, num_classes=C)  # Paddle's and torchvision's ranges
+    feats = [torch.zeros(B, 32, *hw) for hw in feature_shapes(h, w)]
+    points, strides, ranges = head.points(feats)
+    g = torch.Generator().manual_seed(0)
+    wh = 8 + torch.rand(B, 6, 2, generator=g) * 150
+    xy = torch.rand(B, 6, 2, generator=g) * (torch.tensor([w, h]) - wh).clamp(min=0)
+    t = dict(gt_boxes=torch.cat([xy, xy + wh], -1),
+             gt_labels=torch.randint(0, C, (B, 6), generator=g), gt_mask=torch.rand(B, 6, generator=g) < 0.8)
+    A = points.shape[0]
+    cls, ltrb, ctr = torch.randn(B, A, C, generator=g), torch.rand(B, A, 4, generator=g) * 3, torch.randn(B, A, generator=g)
+    head.raw_outputs = lambda _feats: (cls, ltrb, ctr)
+    ours = head.loss(feats, t)
+
+    assigned, _ = fcos_assign(points, strides, ranges, t["gt_boxes"], t["gt_labels"], t["gt_mask"])
+    slots = [t["gt_mask"][i].cumsum(0) - 1 for i in range(B)]  # padded slot -> index among the valid boxes
+    matched = [torch.where(assigned[i] >= 0, slots[i][assigned[i].clamp(min=0)], -1) for i in range(B)]
+    targets = [{"boxes": t["gt_boxes"][i][t["gt_mask"][i]], "labels": t["gt_labels"][i][t["gt_mask"][i]]}
+               for i in range(B)]
+    anchors = [torch.cat([points - strides[:, None] / 2, points + strides[:, None] / 2], 1)] * B
+    tv_head = SimpleNamespace(box_coder=BoxLinearCoder(normalize_by_size=True))
+    outputs = {"cls_logits": cls, "bbox_regression": ltrb, "bbox_ctrness": ctr[..., None]}
+    theirs = TorchvisionHead.compute_loss(tv_head, targets, outputs, anchors, matched)
+    assert sum(int((m >= 0).sum()) for m in matched) > 20 and len(set(strides[(assigned >= 0).any(0)].tolist())) >= 2
+    torch.testing.assert_close(ours["loss_cls"], theirs["classification"])
+    torch.testing.assert_close(ours["loss_ctr"], theirs["bbox_ctrness"])
+
+    fg = assigned >= 0
+    gt = t["gt_boxes"].gather(1, assigned.clamp(min=0)[..., None].expand(-1, -1, 4))  # [B, A, 4] px
+    pred = tv_head.box_coder.decode(ltrb, torch.stack(anchors))  # px
+    rel = tv_head.box_coder.encode(torch.stack(anchors), gt)[fg]  # ltrb / stride
+    pred, gt = pred[fg], gt[fg]
+    lr, tb = rel[:, 0::2], rel[:, 1::2]
+    weight = ((lr.amin(-1) / lr.amax(-1)) * (tb.amin(-1) / tb.amax(-1))).sqrt()
+    want_box = (generalized_box_iou_loss(pred, gt, reduction="none") * weight).sum() / weight.sum()
+    torch.testing.assert_close(ours["loss_box"], want_box, rtol=1e-5, atol=1e-6)
+
+
 def test_padded_ground_truth_changes_nothing():
     model = small_model().eval()
     x, t = toy_batch()
