@@ -436,3 +436,39 @@ def test_backbone_weights_flag_reaches_the_model(tmp_path):
     torch.testing.assert_close(model.backbone.layer4[2].conv3.weight, torch.load(path)["layer4.2.conv3.weight"])
     with pytest.raises(ValueError, match="PPYOLOE has no torchvision-format backbone"):
         build_model("ppyoloe", "s", num_classes=2).load_backbone_weights(str(path))
+
+
+def test_bench_adapter_is_torchvisions_fcos():
+    """bench/fcos_torchvision.py trains torchvision's FCOS through fastdet's trainer (the
+    side-by-side check of ours): through its adapter the model gives the losses torchvision's
+    own ``FCOS.forward`` gives on the same batch, and dense outputs on fastdet's points."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.fcos_torchvision import build_torchvision_fcos
+    from fastdet.models import ARCHITECTURES
+
+    assert ARCHITECTURES["fcos_tv"].recipe is FAMILY.recipe
+    with pytest.raises(ValueError, match="family.from_scratch"):
+        build_torchvision_fcos("r50", 3)
+    torch.manual_seed(0)
+    model = build_torchvision_fcos("r50", 3, from_scratch=True)
+    tv = model.head._tv[0]
+    # torchvision's input transform as the identity: no normalisation, and the image is
+    # already at its size (scale 1, no padding for a multiple of 32).
+    tv.transform.image_mean, tv.transform.image_std = [0.0] * 3, [1.0] * 3
+    tv.transform.min_size, tv.transform.max_size = (128,), 160
+    x, t = toy_batch(B=2)
+    x = torch.cat([x, x[..., :32]], -1)  # 128 x 160
+    want = tv(list(x), [{"boxes": t["gt_boxes"][i][t["gt_mask"][i]], "labels": t["gt_labels"][i][t["gt_mask"][i]]}
+                        for i in range(2)])
+    got = model(x, t)
+    torch.testing.assert_close(got["loss_cls"], want["classification"])
+    torch.testing.assert_close(got["loss_box"], want["bbox_regression"])
+    torch.testing.assert_close(got["loss_ctr"], want["bbox_ctrness"])
+    model.eval()
+    with torch.no_grad():
+        boxes, scores = model(x)
+    assert boxes.shape == (2, 16 * 20 + 8 * 10 + 4 * 5 + 2 * 3 + 1 * 2, 4) and scores.shape[-1] == 3
+    assert bool(((scores >= 0) & (scores <= 1)).all())
