@@ -353,7 +353,10 @@ RECIPE = Recipe(
     # faster), so a 192 px run of 8 epochs would take over half an hour. Measured
     # 2026-12-03: 18 min 13 s end to end, AP 0.066 / AP50 0.126 (AP50 0.089 at epoch 6):
     # short of issue 16's AP50 0.5, which a from-scratch ResNet-50 does not reach in the
-    # ~3,000 images that 20 minutes of this CPU can train on.
+    # ~3,000 images that 20 minutes of this CPU can train on. Not an implementation gap:
+    # torchvision's FCOS on this recipe (bench/fcos_torchvision.py) ends at AP50 0.142.
+    # Three times the schedule (24 epochs, x0.1 at 18 and 22; 50 min 44 s) ends at AP 0.303
+    # / AP50 0.445 (AP50 0.146, 0.242, 0.332, 0.393 at epochs 8, 12, 16, 20).
     demo={
         **DEMO_CPU,
         "family.from_scratch": True,
