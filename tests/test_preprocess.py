@@ -46,3 +46,23 @@ def test_boxes_round_trip(mode):
     back = boxes_to_original(on_input, s, (100, 200))
     assert torch.allclose(back[0], orig[0], atol=1e-4)
     assert back[1].tolist() == pytest.approx([150.0, 0.0, 200.0, 100.0])  # clipped to the image
+
+
+def test_read_only_image_needs_no_warning():
+    """np.asarray of a PIL image is read-only; torch warns (once per process, hence the
+    subprocess) when it wraps one. The image is copied instead, and left as it was."""
+    import subprocess
+    import sys
+
+    code = """
+import warnings
+import numpy as np
+from PIL import Image
+from fastdet.data.preprocess import Preprocess
+img = np.asarray(Image.new("RGB", (40, 30), (10, 20, 30)))
+assert not img.flags.writeable
+warnings.simplefilter("error")
+x, _ = Preprocess(resize="letterbox")(img, (32, 64))
+assert x.shape == (3, 32, 64) and (img == (10, 20, 30)).all()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)

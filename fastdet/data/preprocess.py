@@ -92,7 +92,9 @@ class Preprocess:
 
     def __call__(self, img: np.ndarray | Tensor, canvas_hw: Sequence[int]) -> tuple[Tensor, tuple[float, float]]:
         """One RGB uint8 image ``[H0, W0, 3]`` → ``(float32 [3, H, W] network input, (sx, sy))``."""
-        x = torch.as_tensor(np.ascontiguousarray(img)) if isinstance(img, np.ndarray) else img
+        # np.require copies only an array torch cannot wrap as it is: strided, or read-only
+        # (np.asarray of a PIL image), which torch would warn of.
+        x = torch.from_numpy(np.require(img, requirements=["C", "W"])) if isinstance(img, np.ndarray) else img
         if x.dim() != 3 or x.shape[-1] != 3:
             raise ValueError(f"Preprocess: expected an RGB image [H, W, 3], got {tuple(x.shape)}")
         h, w = int(x.shape[0]), int(x.shape[1])
