@@ -282,7 +282,17 @@ def test_compiled_matches_eager(backend):
     compiled = torch.compile(step, backend=backend)(x, t)
     for k in LOSS_KEYS:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
+    # The truth is the eager step in float64. Eager float32 itself is up to ~4e-3 (relative,
+    # per tensor) from it on some BatchNorm gradients of this tiny 64-px model, and inductor's
+    # decomposed BatchNorm backward sums in another order, so the compiled gradients are held
+    # to the truth: within 1e-3 or within twice eager float32's own error (a wrong gradient
+    # is off by O(1)).
+    exact = build_yolox("nano", num_classes=3, width_mult=0.125).train().double()
+    exact.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in ref.items()})
+    exact(x.double(), {k: v.double() if v.is_floating_point() else v for k, v in t.items()}, use_l1=True)["total_loss"].backward()
+    truth = dict(exact.named_parameters())
     for n, p in model.named_parameters():
-        # Per tensor, relative to its norm: decomposed BatchNorm backward sums in another order.
-        err = (p.grad - grads_e[n]).norm() / grads_e[n].norm().clamp(min=1e-12)
-        assert err < 1e-3, (n, float(err))
+        scale = truth[n].grad.norm().clamp(min=1e-12)
+        err = float((p.grad.double() - truth[n].grad).norm() / scale)
+        eager_err = float((grads_e[n].double() - truth[n].grad).norm() / scale)
+        assert err <= max(2 * eager_err, 1e-3), (n, err, eager_err)
