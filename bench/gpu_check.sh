@@ -3,7 +3,7 @@
 # pycocotools), built to fit the device tool's 540 s and to keep what it measured if cut.
 #
 #   bench/gpu_check.sh [OUT_DIR]   # default: bench/results/gpu-check-<UTC time>; under the
-#                                  # device tool ($OUT set, no OUT_DIR) a work folder in /tmp,
+#                                  # device tool ($OUT set, no OUT_DIR) a work folder in $TMPDIR,
 #                                  # packed into $OUT after every part
 #
 # Parts, most valuable first. Each has its own timeout inside one overall budget (a part
@@ -84,11 +84,12 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 [[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # parts cd elsewhere
-# Under the device tool only 8 files come back from $OUT: work in /tmp, pack into $OUT.
+# Under the device tool only 8 files come back from $OUT: work in $TMPDIR, pack into $OUT.
+WORK_ROOT=${TMPDIR:-/tmp}/fastdet-gpu-check
 PACK_TO=
 if [[ -z "${1:-}" && -n "${OUT:-}" ]]; then
     PACK_TO=$OUT
-    OUT_DIR=/tmp/fastdet-gpu-check/out
+    OUT_DIR=$WORK_ROOT/out-$(date -u +%Y%m%dT%H%M%SZ)
 else
     OUT_DIR=${1:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 fi
@@ -108,8 +109,8 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 # Kept out of OUT_DIR (large files), shared by all parts so a graph compiled by `step`
 # is loaded from inductor's cache by `tests_inductor` and `data_e2e`.
-export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-/tmp/fastdet-gpu-check/ext}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fastdet-gpu-check/inductor}
+export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
 mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
 
 elapsed() { echo $(( $(date +%s) - START )); }
