@@ -109,7 +109,10 @@ if not TRITON_RUN:
 
 else:
 
-    @pytest.mark.parametrize("arch", ["ppyolo", "fcos"])
+    # PP-YOLO: its yolo_targets has no Triton kernel (the issue's case); the other ops'
+    # Triton launchers make their tables once per bucket (the EMA's pointer table, ATSS's
+    # level table) or none (FCOS), and the reference test above covers the fallbacks.
+    @pytest.mark.parametrize("arch", ["ppyolo"])
     def test_triton_step_has_no_host_sync(arch):
         from fastdet.ops import dispatch
 
