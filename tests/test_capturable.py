@@ -83,6 +83,32 @@ def op_calls(device: torch.device) -> dict:
 
 if not TRITON_RUN:
 
+    def test_the_guard_sees_each_kind_of_host_sync():
+        """Each thing a capture refuses is flagged, once; device-side work and CPU constants
+        (taken by CUDA kernels as scalars) are not."""
+        x = torch.randn(6)
+        flagged = {
+            "torch.tensor(list, device=)": lambda: torch.tensor([1.0, 2.0], device=CPU),
+            "host tensor .to(device)": lambda: torch.tensor([1.0]).to(CPU),
+            "item": lambda: x.sum().item(),
+            "tolist": lambda: x.tolist(),
+            "cpu": lambda: x.cpu(),
+            "bool": lambda: bool(x.sum() > 0),
+            "nonzero": lambda: x.nonzero(),
+            "boolean index": lambda: x[x > 0],
+            "masked_select": lambda: x.masked_select(x > 0),
+        }
+        for what, fn in flagged.items():
+            with HostSyncGuard(CPU) as guard:
+                fn()
+            assert len(guard.violations) == 1, (what, guard.report())
+        with HostSyncGuard(CPU) as guard:
+            host = torch.tensor(2.0)  # a host constant (no device given)
+            y = torch.where(x > 0, x, float("inf")) * host + torch.full((6,), 0.5, device=CPU)
+            y = y.to(torch.float64) + torch.arange(6, device=CPU)
+            torch.tensor(3.0) * float(host)
+        assert not guard.violations, guard.report()
+
     def test_every_reference_op_has_no_host_sync():
         calls = op_calls(CPU)
         assert set(calls) == set(dispatch.OPS)

@@ -63,8 +63,10 @@ def test_a_missing_cuda_extension_on_a_gpu_is_not_a_silent_fallback(monkeypatch,
     """On a CUDA device without the extension's CUDA kernels, the ops whose default is
     ``cuda`` fall back to Triton with a warning naming the cause, and ``--cuda-graphs``
     (TrainStep) refuses to capture that fallback unless FASTDET_OPS_BACKEND names it."""
-    monkeypatch.setattr(dispatch, "available",
-                        lambda name, device_type, op=None: name != "cuda" and (op is None or dispatch.has_kernel(name, op)))
+    def available(name, device_type, op=None):
+        return name != "cuda" and (op is None or dispatch.has_kernel(name, op))
+
+    monkeypatch.setattr(dispatch, "available", available)
     monkeypatch.setattr(_ext, "_state", {"variant": "cpu", "error": None})
     monkeypatch.setattr(dispatch, "_warned", set())
     monkeypatch.setattr(dispatch, "_resolved", {})

@@ -176,7 +176,8 @@ def _layouts():
     one = torch.randn(8, 1, 1, 1, generator=g)
     odd = one.as_strided(one.shape, (1, 5, 7, 9))
     dense = [(torch.randn(8, 3, 3, 3, generator=g).to(memory_format=cl), w),
-             (torch.randn(4, 5, 2, 2, generator=g).to(memory_format=cl), torch.randn(4, 5, 2, 2, generator=g).to(memory_format=cl)),
+             (torch.randn(4, 5, 2, 2, generator=g).to(memory_format=cl),
+              torch.randn(4, 5, 2, 2, generator=g).to(memory_format=cl)),
              (torch.randn(8, 1, 1, 1, generator=g), odd)]
     mixed = [(torch.randn(8, 3, 3, 3, generator=g), torch.randn(8, 3, 3, 3, generator=g).to(memory_format=cl))]
     return dense, mixed

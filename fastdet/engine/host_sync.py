@@ -102,6 +102,11 @@ class _FunctionGuard(TorchFunctionMode):
             t = args[0]
             if isinstance(t, Tensor) and _same(t.device, g.device) and t not in g.host:
                 g._flag(f"tensor.{_READBACKS[func]} on {t.device}: a device value read back to the host")
+                g._reported = True  # its aten._local_scalar_dense is the same read-back
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    g._reported = False
         elif func is Tensor.to or func is Tensor.cuda:
             t = args[0]
             if isinstance(t, Tensor) and t in g.host:
@@ -129,7 +134,7 @@ class _DispatchGuard(TorchDispatchMode):
         g = self.owner
         first = args[0] if args else None
         on_device = isinstance(first, Tensor) and _same(first.device, g.device) and first not in g.host
-        if on_device and func in _SYNC_OPS:
+        if on_device and func in _SYNC_OPS and not g._reported:
             g._flag(f"aten.{func.__name__}: {_SYNC_OPS[func]}")
         elif on_device and func in _BOOL_INDEXED:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
@@ -150,6 +155,7 @@ class HostSyncGuard:
         self.strict = strict
         self.violations: list[Violation] = []
         self.host = WeakIdKeyDictionary()
+        self._reported = False
         self._modes = (_FunctionGuard(self), _DispatchGuard(self))
 
     def _flag(self, what: str) -> None:
