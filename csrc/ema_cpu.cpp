@@ -97,8 +97,9 @@ void ema_update_cpu(at::TensorList ema, at::TensorList src, const at::Tensor& de
       e.copy_(s);
       continue;
     }
-    if (e.scalar_type() != s.scalar_type() || !e.is_contiguous() || !s.is_contiguous()) {
-      // Rare layouts go through ATen; the common case (same dtype, contiguous) is fused below.
+    if (e.scalar_type() != s.scalar_type() || !same_dense_layout(e, s)) {
+      // Rare layouts go through ATen; the common case (same dtype, one dense layout:
+      // contiguous or channels-last) is fused below.
       at::Tensor(e).lerp_(s.to(e.scalar_type()), w);
       continue;
     }

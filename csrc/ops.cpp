@@ -36,6 +36,14 @@ void check_paired(const at::Tensor& pred, const at::Tensor& target, const char* 
               ": pred and target must be on the same device");
 }
 
+bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || !a.is_non_overlapping_and_dense() || !b.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;  // size-1 dims: any stride, same layout
+  }
+  return true;
+}
+
 void check_ema(at::TensorList ema, at::TensorList src, const at::Tensor& decay) {
   TORCH_CHECK(ema.size() == src.size(), "fastdet.ops.ema_update_: got ", ema.size(),
               " EMA tensors but ", src.size(), " source tensors");

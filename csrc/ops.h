@@ -60,5 +60,9 @@ void check_boxes(const at::Tensor& t, const char* op, const char* name);
 void check_pairwise(const at::Tensor& a, const at::Tensor& b, const char* op);
 void check_paired(const at::Tensor& pred, const at::Tensor& target, const char* op);
 void check_ema(at::TensorList ema, at::TensorList src, const at::Tensor& decay);
+// Whether a and b hold their elements in one dense block each, in the same order
+// (both contiguous, both channels-last, or any other same permutation): the fused EMA
+// kernels then treat each as a flat array of numel() elements from data_ptr().
+bool same_dense_layout(const at::Tensor& a, const at::Tensor& b);
 
 }  // namespace fastdet

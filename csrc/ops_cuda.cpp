@@ -95,7 +95,8 @@ void ema_update_cuda(at::TensorList ema, at::TensorList src, const at::Tensor& d
   for (size_t i = 0; i < ema.size(); ++i) {
     const at::Tensor& e = ema[i];
     const at::Tensor& s = src[i];
-    const bool dense = e.is_contiguous() && s.is_contiguous() && e.scalar_type() == s.scalar_type();
+    // Contiguous and channels-last alike: both are flat arrays in the same element order.
+    const bool dense = same_dense_layout(e, s) && e.scalar_type() == s.scalar_type();
     if (!e.is_floating_point()) {
       if (dense) {
         bytes.push_back({e.data_ptr(), s.const_data_ptr(), e.numel() * static_cast<int64_t>(e.element_size())});

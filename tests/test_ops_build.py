@@ -5,6 +5,7 @@ reference."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,17 +21,104 @@ HAS_NVCC = _ext.find_cuda_home() is not None and torch.version.cuda is not None
 
 @pytest.mark.skipif(not HAS_NVCC, reason="no CUDA toolkit (nvcc) on this machine, so the CUDA sources cannot compile")
 def test_cuda_sources_compile_and_library_loads():
-    # With a toolkit, the one session build is the CUDA variant (it also serves the CPU).
-    if not _ext.load():
-        pytest.fail(f"the extension did not build: {_ext.error()}")
-    assert _ext.variant() == "cuda"
-    so = _ext.build_dir("cuda") / "fastdet_ext_cuda.so"
-    assert so.is_file()
-    objs = {p.name for p in _ext.build_dir("cuda").glob("*.o")}
-    assert {"kernels.cuda.o", "ops_cuda.o"} <= objs, objs
-    # The CUDA kernels are registered with the dispatcher even without a GPU.
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("fastdet::task_aligned_assign", "CUDA")
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("fastdet::ema_update_", "CUDA")
+    """The CUDA variant builds with nvcc even without a GPU (asked for: the default there is
+    the C++ variant) and registers a CUDA kernel for every op. In a fresh process, since one
+    process loads one variant; cached by content, so it compiles once per source version."""
+    script = textwrap.dedent("""
+        import torch
+        from fastdet.ops import _ext
+        out = _ext.build("cuda")
+        ops = ["box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_aligned_assign", "atss_assign",
+               "yolo_targets", "fcos_assign", "simota_assign"]
+        missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key("fastdet::" + op, "CUDA")]
+        print("missing", missing)
+        print("dir", out)
+    """)
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "missing []" in r.stdout, r.stdout
+    out = Path(r.stdout.split("dir ", 1)[1].strip())
+    objs = {p.name for p in out.glob("*.o")}
+    assert {"kernels.cuda.o", "ops_cuda.o", "simota.cuda.o", "fcos.cuda.o", "yolo_targets.cuda.o"} <= objs, objs
+    assert (out / "fastdet_ext_cuda.so").is_file()
+
+
+def test_without_a_gpu_first_use_builds_the_cpu_variant(monkeypatch):
+    """No GPU visible: the CUDA kernels could not run, so first use builds the C++ ones
+    alone (about a minute instead of five), toolkit or not (issue 31, item 6)."""
+    monkeypatch.delenv("FASTDET_EXT_CUDA", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not _ext.want_cuda()
+    monkeypatch.setenv("FASTDET_EXT_CUDA", "1")  # asked for: built all the same
+    assert _ext.want_cuda()
+
+
+def _fake_toolkit(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\nexit 1\n")
+    nvcc.chmod(0o755)
+    return root
+
+
+def test_find_cuda_home_looks_in_usr_local_cuda_and_asks_torch(monkeypatch, tmp_path):
+    """nvcc off PATH and no CUDA_HOME: the toolkit in /usr/local/cuda, else torch's own
+    CUDA_HOME, is found, instead of silently building the CPU variant (issue 24, item 6)."""
+    from torch.utils import cpp_extension
+
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    standard = _fake_toolkit(tmp_path / "usr-local-cuda")
+    monkeypatch.setattr(_ext, "STANDARD_CUDA_ROOTS", (str(standard),))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert _ext.find_cuda_home() == str(standard)
+    torchs = _fake_toolkit(tmp_path / "torch-cuda-home")
+    monkeypatch.setattr(_ext, "STANDARD_CUDA_ROOTS", (str(tmp_path / "none"),))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(torchs))
+    assert _ext.find_cuda_home() == str(torchs)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path / "no-nvcc-here"))
+    assert _ext.find_cuda_home() is None
+
+
+def test_build_directory_is_keyed_by_the_sources_content(monkeypatch, tmp_path):
+    """Two checkouts with the same sources share one build directory (and one build); a
+    changed source gets its own, so neither rebuilds over the other."""
+    a, b = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    shutil.copytree(_ext.source_dir(), a)
+    shutil.copytree(_ext.source_dir(), b)
+    monkeypatch.setattr(_ext, "source_dir", lambda: a)
+    dir_a = _ext.build_dir("cpu")
+    monkeypatch.setattr(_ext, "source_dir", lambda: b)
+    assert _ext.build_dir("cpu") == dir_a
+    (b / "ema_cpu.cpp").write_text((b / "ema_cpu.cpp").read_text() + "\n// changed\n")
+    assert _ext.build_dir("cpu") != dir_a
+    assert _ext.build_dir("cuda") != _ext.build_dir("cpu")
+
+
+def test_a_build_says_once_that_it_builds_and_how_long_it_took(monkeypatch, tmp_path, capsys):
+    """The compiler itself is replaced (a real build takes minutes): the first build of a
+    key says it is building and then how long it took; a cached one says nothing. The
+    build compiles the copy of the sources in its own directory."""
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def fake_load(name, sources, build_directory, **kw):
+        seen.update(sources=sources, include=kw["extra_include_paths"])
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("FASTDET_EXT_DIR", str(tmp_path / "ext"))
+    out = _ext.build("cpu")
+    err = capsys.readouterr().err
+    assert f"fastdet.ops: building the cpu extension in {out}" in err
+    assert "fastdet.ops: the cpu extension built in" in err
+    assert all(s.startswith(str(out / "src")) for s in seen["sources"]), seen
+    assert seen["include"] == [str(out / "src")]
+    assert _ext.build("cpu") == out
+    assert capsys.readouterr().err == ""
 
 
 def test_build_command_is_cached_no_op():

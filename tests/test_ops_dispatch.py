@@ -63,7 +63,10 @@ def test_a_missing_cuda_extension_on_a_gpu_is_not_a_silent_fallback(monkeypatch,
     """On a CUDA device without the extension's CUDA kernels, the ops whose default is
     ``cuda`` fall back to Triton with a warning naming the cause, and ``--cuda-graphs``
     (TrainStep) refuses to capture that fallback unless FASTDET_OPS_BACKEND names it."""
-    monkeypatch.setattr(dispatch, "available", lambda name, device_type: name != "cuda")
+    def available(name, device_type, op=None):
+        return name != "cuda" and (op is None or dispatch.has_kernel(name, op))
+
+    monkeypatch.setattr(dispatch, "available", available)
     monkeypatch.setattr(_ext, "_state", {"variant": "cpu", "error": None})
     monkeypatch.setattr(dispatch, "_warned", set())
     monkeypatch.setattr(dispatch, "_resolved", {})
@@ -74,10 +77,30 @@ def test_a_missing_cuda_extension_on_a_gpu_is_not_a_silent_fallback(monkeypatch,
     fb = dispatch.fallbacks("cuda")
     on_cuda = [op for op, b in dispatch.DEFAULTS[("cuda", False)].items() if b == "cuda"]
     assert "atss_assign" in on_cuda
-    assert fb == {op: ("cuda", "triton") for op in on_cuda}
+    # yolo_targets has no Triton kernel: its fallback is the torch reference
+    assert fb == {op: ("cuda", "triton" if dispatch.has_kernel("triton", op) else "torch") for op in on_cuda}
     with pytest.raises(ValueError, match=rf"--cuda-graphs: {on_cuda[0]} on 'triton' instead of 'cuda'.*"
                                          r"FASTDET_OPS_BACKEND \(e.g. cuda=triton\)"):
         dispatch.require_defaults("cuda", "--cuda-graphs")
     with dispatch.use_backend("triton", "cuda"):  # asked for: accepted
         dispatch.require_defaults("cuda", "--cuda-graphs")
     dispatch.require_defaults("cpu", "--cuda-graphs")
+
+
+def test_an_op_without_a_kernel_in_the_requested_back_end_says_so_and_reports_what_ran(monkeypatch, caplog):
+    """FASTDET_OPS_BACKEND=triton: yolo_targets has no Triton kernel. It runs the kernel of
+    the next back end (cpp on the CPU, the CUDA kernel on a GPU), not a torch reference
+    that copies host tables per call; one warning says so, and describe() (what the
+    benchmarks record) names the back end that ran (issue 24, item 2)."""
+    assert not dispatch.has_kernel("triton", "yolo_targets")
+    monkeypatch.setattr(dispatch, "triton_usable", lambda device_type: True)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    with caplog.at_level("WARNING", logger="fastdet.ops.dispatch"), dispatch.use_backend("triton"):
+        for _ in range(3):
+            assert dispatch.backend_for("yolo_targets", "cpu") == "cpp"
+        desc = dispatch.describe("cpu")
+    assert desc["yolo_targets"] == "cpp"
+    assert all(b == "triton" for op, b in desc.items() if op != "yolo_targets"), desc
+    said = [r.getMessage() for r in caplog.records if "yolo_targets" in r.getMessage()]
+    assert said == ["fastdet.ops: yolo_targets has no 'triton' kernel; it runs on 'cpp' on cpu"], said

@@ -164,3 +164,57 @@ def test_ema_update_api_accepts_float_decay():
     torch.testing.assert_close(e[0], torch.full((3,), 0.25))
     with pytest.raises(ValueError, match="1 EMA tensors but 2 model tensors"):
         ops.ema_update_(e, s * 2, 0.5)
+
+
+def _layouts():
+    """EMA / model tensor pairs: channels-last conv weights (dense, the fused kernels' flat
+    order), a size-1 dim with an odd stride (the same layout), and a mismatch (contiguous
+    EMA of a channels-last weight) that only ATen can pair element by element."""
+    g = torch.Generator().manual_seed(0)
+    cl = torch.channels_last
+    w = torch.randn(8, 3, 3, 3, generator=g).to(memory_format=cl)
+    one = torch.randn(8, 1, 1, 1, generator=g)
+    odd = one.as_strided(one.shape, (1, 5, 7, 9))
+    dense = [(torch.randn(8, 3, 3, 3, generator=g).to(memory_format=cl), w),
+             (torch.randn(4, 5, 2, 2, generator=g).to(memory_format=cl),
+              torch.randn(4, 5, 2, 2, generator=g).to(memory_format=cl)),
+             (torch.randn(8, 1, 1, 1, generator=g), odd)]
+    mixed = [(torch.randn(8, 3, 3, 3, generator=g), torch.randn(8, 3, 3, 3, generator=g).to(memory_format=cl))]
+    return dense, mixed
+
+
+def _aten_lerps(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::lerp_")
+
+
+def test_channels_last_weights_take_the_fused_kernel():
+    """Channels-last tensors are dense: the C++ kernel updates them in its fused pass (no
+    per-tensor ATen lerp_), with the reference's values; only a layout mismatch between the
+    EMA and the model tensor still goes through ATen (issue 24, item 7)."""
+    from fastdet.ops import _ext, reference
+
+    if not _ext.load():
+        pytest.fail(f"the extension did not build: {_ext.error()}")
+    decay = torch.tensor(0.75)
+    dense, mixed = _layouts()
+    for pairs, lerps in ((dense, 0), (mixed, len(mixed))):
+        ema, src = [e.clone(memory_format=torch.preserve_format) for e, _ in pairs], [s for _, s in pairs]
+        want = [e.clone() for e, _ in pairs]
+        reference.ema_update_(want, src, decay)
+        with ops.use_backend("cpp", "cpu"):
+            assert _aten_lerps(lambda: ops.ema_update_(ema, src, decay)) == lerps
+        for got, w in zip(ema, want):
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-6)
+
+
+def test_triton_ema_plans_channels_last_weights_into_its_fused_kernel():
+    pytest.importorskip("triton")
+    from fastdet.ops.triton import ema as tema
+
+    dense, mixed = _layouts()
+    tables, slow, _ = tema._plan([e for e, _ in dense], [s for _, s in dense])
+    assert slow == [] and sum(len(t.numels) for t in tables) == len(dense)
+    tables, slow, _ = tema._plan([e for e, _ in mixed], [s for _, s in mixed])
+    assert len(slow) == len(mixed) and not tables

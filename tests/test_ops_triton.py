@@ -76,7 +76,10 @@ else:
         src = [torch.randn(s, generator=g) for s in shapes] + [torch.tensor(7), torch.randn(9).double()]
         ema.append(torch.randn(6))
         src.append(torch.randn(6).half())  # mixed dtypes take the slow path
-        want = [e.clone() for e in ema]
+        cl = torch.channels_last  # dense: the fused kernel reads both in memory order
+        ema.append(torch.randn(16, 3, 3, 3, generator=g).to(memory_format=cl))
+        src.append(torch.randn(16, 3, 3, 3, generator=g).to(memory_format=cl))
+        want = [e.clone(memory_format=torch.preserve_format) for e in ema]
         tema._cache.clear()
         for step, d in enumerate((0.5, 0.9, 0.9998)):
             decay = torch.tensor(d)

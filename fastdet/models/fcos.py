@@ -66,16 +66,22 @@ def feature_shapes(h: int, w: int, strides: Sequence[int] = STRIDES) -> list[tup
 def level_points(shapes: Sequence[Sequence[int]], strides: Sequence[int] = STRIDES,
                  size_ranges: Sequence[tuple[float, float]] = SIZE_RANGES,
                  device: Optional[torch.device] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """-> points [A, 2] px at ``(i + 0.5) * stride``, stride per point [A], size range per point [A, 2]."""
+    """-> points [A, 2] px at ``(i + 0.5) * stride``, stride per point [A], size range per point [A, 2].
+
+    Every tensor is made on ``device`` by fill and arange kernels, never from host data:
+    this runs in every loss, inside a captured CUDA graph (a ``torch.tensor(list,
+    device=...)`` is a pageable host-to-device copy, which a capture refuses).
+    """
     points, stride_list, ranges = [], [], []
-    for (h, w), s, rng in zip(shapes, strides, size_ranges):
+    for (h, w), s, (lo, hi) in zip(shapes, strides, size_ranges):
         h, w = int(h), int(w)
         ys = (torch.arange(h, device=device, dtype=torch.float32) + 0.5) * s
         xs = (torch.arange(w, device=device, dtype=torch.float32) + 0.5) * s
         yy, xx = torch.meshgrid(ys, xs, indexing="ij")
         points.append(torch.stack([xx, yy], dim=-1).reshape(-1, 2))
         stride_list.append(torch.full((h * w,), float(s), device=device))
-        ranges.append(torch.tensor(rng, device=device, dtype=torch.float32).expand(h * w, 2))
+        ranges.append(torch.stack([torch.full((h * w,), float(lo), device=device),
+                                   torch.full((h * w,), float(hi), device=device)], dim=-1))
     return torch.cat(points), torch.cat(stride_list), torch.cat(ranges)
 
 

@@ -41,6 +41,16 @@ OPS = ("box_iou", "generalized_box_iou", "giou_loss", "ema_update_", "task_align
 # Which back ends can run tensors of each device type, in fallback order.
 _SERVES = {"cpu": ("cpp", "triton", "torch"), "cuda": ("triton", "cuda", "torch")}
 
+# The ops each back end has a kernel for (``torch`` has every op). An op asked of a back
+# end without its kernel runs on the next back end of the chain that has one, says so once,
+# and is reported as what ran (``describe``, the benchmarks' JSON).
+KERNELS: dict[str, frozenset[str]] = {
+    "triton": frozenset(OPS) - {"yolo_targets"},
+    "cuda": frozenset(OPS),
+    "cpp": frozenset(OPS),
+    "torch": frozenset(OPS),
+}
+
 # Defaults, from bench/kernels.py. Keys: (device_type, compiling) -> op -> back end.
 # CPU (bench/results/kernels_cpu_1thread_2026-12-02.json; a shared 2-core machine, 1
 # thread, B=8 M=100 A=8400 C=80): every C++ kernel beats the inductor-compiled reference
@@ -109,7 +119,7 @@ DEFAULTS: dict[tuple[str, bool], dict[str, str]] = {
 # (device_type or None, op or None) -> back end; None matches every device / op.
 _overrides: dict[tuple[Optional[str], Optional[str]], str] = {}
 _env_overrides: dict[tuple[Optional[str], Optional[str]], str] = {}
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, ...]] = set()
 _resolved: dict[tuple[str, str, bool], str] = {}
 
 
@@ -180,8 +190,16 @@ def triton_usable(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def available(name: str, device_type: str) -> bool:
-    """Whether back end ``name`` can run now on ``device_type`` (may build the extension)."""
+def has_kernel(name: str, op: str) -> bool:
+    """Whether back end ``name`` implements ``op`` at all."""
+    return op in KERNELS.get(name, ())
+
+
+def available(name: str, device_type: str, op: Optional[str] = None) -> bool:
+    """Whether back end ``name`` can run now on ``device_type`` (may build the extension),
+    and, given ``op``, has a kernel for it."""
+    if op is not None and not has_kernel(name, op):
+        return False
     if name == "torch":
         return True
     if name not in _SERVES.get(device_type, ()):
@@ -215,10 +233,15 @@ def backend_for(op: str, device_type: str, compiling: bool = False) -> str:
     chain = [b for b in (requested, default, *_SERVES.get(device_type, ())) if b is not None]
     chosen = "torch"
     for name in chain:
-        if available(name, device_type):
+        if available(name, device_type, op):
             chosen = name
             break
-    if requested is not None and chosen != requested and (requested, device_type) not in _warned:
+    if requested is not None and chosen != requested and not has_kernel(requested, op):
+        if (requested, device_type, op) not in _warned:
+            _warned.add((requested, device_type, op))
+            log.warning("fastdet.ops: %s has no %r kernel; it runs on %r on %s", op, requested, chosen,
+                        device_type)
+    elif requested is not None and chosen != requested and (requested, device_type) not in _warned:
         _warned.add((requested, device_type))
         log.warning("fastdet.ops: back end %r is unavailable on %s, using %r", requested, device_type, chosen)
     if requested is None and chosen != default and (default, device_type) not in _warned:

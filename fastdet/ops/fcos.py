@@ -39,7 +39,7 @@ def fcos_assign(points: Tensor, strides: Tensor, size_ranges: Tensor, gt_boxes: 
         return none, none.clone()
     f = torch.float32
     px, py = points[:, 0].to(f), points[:, 1].to(f)  # [A]
-    rs = strides.to(f) * torch.tensor(radius, dtype=f)  # [A]
+    rs = strides.to(f) * float(radius)  # [A]; a Python scalar: no tensor from host data in the step
     lo, hi = size_ranges[:, 0].to(f), size_ranges[:, 1].to(f)
     x1, y1, x2, y2 = (gt_boxes[..., i].to(f)[..., None] for i in range(4))  # each [B, M, 1]
     l, t, r, b = px - x1, py - y1, x2 - px, y2 - py  # each [B, M, A]
@@ -49,7 +49,7 @@ def fcos_assign(points: Tensor, strides: Tensor, size_ranges: Tensor, gt_boxes: 
     far = torch.maximum(torch.maximum(l, t), torch.maximum(r, b))
     ok = inside & near & (far > lo) & (far < hi) & gt_mask.reshape(B, M, 1).bool()
     area = (x2 - x1) * (y2 - y1)  # [B, M, 1]
-    cost = torch.where(ok, area, torch.tensor(float("inf"), dtype=f, device=area.device))
+    cost = torch.where(ok, area, float("inf"))
     idx = cost.argmin(dim=1)  # [B, A], first slot on ties
     assigned = torch.where(ok.any(dim=1), idx, -1)
     labels = gt_labels.reshape(B, M).long().gather(1, assigned.clamp(min=0))

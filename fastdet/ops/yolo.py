@@ -47,6 +47,26 @@ def anchor_tables(num_anchors: int, anchor_masks: Sequence[Sequence[int]]) -> tu
     return level, slot
 
 
+# (values, dtype, device) -> the values as a device tensor, made once (see _device_table).
+_TABLES: dict[tuple, Tensor] = {}
+
+
+def _device_table(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A constant table (anchor sizes, anchor levels) on ``device``, copied from the host
+    once per process and reused: a copy per call would be a pageable host-to-device copy
+    in every step, which a CUDA-graph capture refuses and ``--sync-debug`` rejects. The
+    first call is in the warm-up, before any capture. Under ``torch.compile`` the table is
+    a constant of the graph instead."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    key = (tuple(map(tuple, values)) if values and isinstance(values[0], (tuple, list)) else tuple(values),
+           dtype, str(device))
+    t = _TABLES.get(key)
+    if t is None:
+        t = _TABLES[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
+
+
 def yolo_targets_reference(
     gt_boxes: Tensor,
     gt_labels: Tensor,
@@ -78,15 +98,15 @@ def yolo_targets_reference(
     valid = gt_mask.bool() & (gw > 0) & (gh > 0) & (score > 0)
     cx, cy = (x1 + x2) * 0.5 / Wt, (y1 + y2) * 0.5 / Ht
 
-    an = torch.tensor(anchors, dtype=torch.float32, device=dev)  # [K, 2] px
+    an = _device_table(anchors, torch.float32, dev)  # [K, 2] px
     K = an.shape[0]
     aw = an[:, 0] / torch.full((K,), W, dtype=torch.float32, device=dev)
     ah = an[:, 1] / torch.full((K,), H, dtype=torch.float32, device=dev)
     inter = torch.minimum(gw[..., None], aw) * torch.minimum(gh[..., None], ah)  # [B, M, K]
     iou = inter / ((gw * gh)[..., None] + aw * ah - inter)
     best = torch.nan_to_num(iou, nan=-1.0).argmax(-1)  # [B, M]; argmax keeps the first maximum
-    best_level = torch.tensor(level_of, device=dev)[best]
-    best_slot = torch.tensor(slot_of, device=dev)[best]
+    best_level = _device_table(level_of, torch.int64, dev)[best]
+    best_slot = _device_table(slot_of, torch.int64, dev)[best]
     tw = torch.log(gw * Wt / an[best, 0])
     th = torch.log(gh * Ht / an[best, 1])
     tscale = 2.0 - gw * gh

@@ -64,6 +64,20 @@ class _Table:
         self.dtype = ema[0].dtype
 
 
+def same_dense_layout(a: Tensor, b: Tensor) -> bool:
+    """Both one dense block of memory with the elements in the same order (contiguous,
+    channels-last, any same permutation): the kernel reads each as ``numel`` flat
+    elements from ``data_ptr``. Strides of size-1 dims do not change the layout."""
+    if a.shape != b.shape or any(sa != sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1):
+        return False
+    expected = 1  # the dims of size > 1, innermost first, must tile memory without gaps
+    for stride, n in sorted((st, n) for n, st in zip(a.shape, a.stride()) if n > 1):
+        if stride != expected:
+            return False
+        expected *= n
+    return True
+
+
 _cache: dict[tuple, list] = {}
 _CACHE_MAX = 8
 
@@ -83,8 +97,7 @@ def _plan(ema: list[Tensor], src: list[Tensor]) -> list:
         if not e.is_floating_point():
             copy_dst.append(e)
             copy_src.append(s)
-        elif (e.dtype == s.dtype and e.dtype in _TL_DTYPES and e.is_contiguous() and s.is_contiguous()
-              and e.numel() > 0):
+        elif e.dtype == s.dtype and e.dtype in _TL_DTYPES and same_dense_layout(e, s) and e.numel() > 0:
             groups.setdefault(e.dtype, ([], []))
             groups[e.dtype][0].append(e)
             groups[e.dtype][1].append(s)
