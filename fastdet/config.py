@@ -135,6 +135,11 @@ class CompileConfig:
     # inductor's on-disk caches (FX graph, AOTAutograd), shared by the ranks and relaunches
     # on a machine; "" is $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/fastdet/inductor.
     cache_dir: str = ""
+    # "static": one graph per image size; "dynamic": the images' H and W are symbolic
+    # (mark_dynamic). Static stays the default: inductor still compiles each size of a
+    # dynamic graph again, each compile 1.4-2.4x a static one, and its step was 2-3 %
+    # slower (COMPILE.md section 9; bench/throughput.py --modes warmup measures it).
+    shapes: str = "static"
 
 
 @dataclass(frozen=True)

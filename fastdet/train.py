@@ -118,6 +118,8 @@ def check_config(cfg: Config) -> None:
     c = cfg.compile
     if c.warmup not in ("background", "blocking"):
         raise ConfigError(f"compile.warmup must be 'background' or 'blocking', got {c.warmup!r}")
+    if c.shapes not in ("static", "dynamic"):
+        raise ConfigError(f"compile.shapes must be 'static' or 'dynamic', got {c.shapes!r}")
     if c.workers < 0:
         raise ConfigError(f"compile.workers must be >= 0 (0: sized to the cores), got {c.workers}")
     if o.epochs < 1:

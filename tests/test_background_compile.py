@@ -171,14 +171,21 @@ HOOKED_TRAIN = textwrap.dedent("""
         if self.step >= WAIT:
             wait_all(self)
 
-    T.Trainer._poll_background, T.Trainer._start_background = hooked_poll, hooked_start
-    from fastdet.train import main
-    sys.exit(main(sys.argv[2:]))
+    if __name__ == "__main__":  # the compile workers (spawned) import this file again
+        T.Trainer._poll_background, T.Trainer._start_background = hooked_poll, hooked_start
+        from fastdet.train import main
+        sys.exit(main(sys.argv[2:]))
 """)
 
 
+def hooked_train_script(tmp: Path) -> str:
+    path = tmp / "hooked_train.py"
+    path.write_text(HOOKED_TRAIN)
+    return str(path)
+
+
 def _train(data: Path, out: Path, wait: int, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", HOOKED_TRAIN, str(wait), "--arch", "ppyoloe", "--size", "s",
+    cmd = [sys.executable, hooked_train_script(out.parent), str(wait), "--arch", "ppyoloe", "--size", "s",
            "--data", str(data), "--device", "cpu", "--img-size", "64", "--no-multiscale",
            "--batch-size", "4", "--epochs", "2", "--output-dir", str(out), "--workers", "0",
            "--log-interval", "1", "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2",
@@ -198,7 +205,7 @@ def test_background_compile_switches_and_resumes_exactly_across_the_switch(demo_
     log = a.stdout
     assert "1 graph(s) (1 size bucket(s) x 1 loss variant(s)) in 1 worker process(es)" in log
     assert "training starts eager" in log and str(tmp_path / "cache") in log
-    assert re.search(r"compile: graph 1/1 \(64x64 static_assigner=False\) compiled by worker \d+ in", log)
+    assert re.search(r"compile: graph 1/1 \(64x64 static_assigner=True\) compiled by worker \d+ in", log)
     assert "runs compiled from step 3" in log
     assert "recompiled" not in log + a.stderr
     # The log says it before training, then each graph, then the switch.
@@ -222,3 +229,42 @@ def test_background_compile_switches_and_resumes_exactly_across_the_switch(demo_
     wa, wb = load_checkpoint(full / "latest.pth"), load_checkpoint(part / "latest.pth")
     for k, v in wa["model"].items():
         torch.testing.assert_close(wb["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_compile_cli_rejects_bad_input_before_any_work(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
+                        "--num-classes", "0"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "--num-classes must be at least 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
+                        "--data", str(tmp_path / "missing")], capture_output=True, text=True, env=ENV,
+                       timeout=300)
+    assert r.returncode == 2 and str(tmp_path / "missing") in r.stderr
+
+
+@pytest.mark.slow
+def test_compile_cli_fills_the_cache_that_training_then_loads(demo_small, tmp_path):
+    """inductor: ``python -m fastdet.compile`` compiles the recipe's graph; a training
+    launch on the same cache loads it (FX graph and AOTAutograd cache hits, no miss) and
+    switches to it; a second ``fastdet.compile`` finds everything cached."""
+    cache = tmp_path / "cache"
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    flags = ["--arch", "ppyoloe", "--size", "s", "--data", str(demo_small), "--device", "cpu",
+             "--img-size", "64", "--no-multiscale", "--batch-size", "2", "--epochs", "1",
+             "--set", "family.static_assigner_epoch=100"]
+    c = subprocess.run([sys.executable, "-m", "fastdet.compile", *flags], capture_output=True, text=True,
+                       env=env, timeout=3600)
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
+    assert "1 graph(s) (1 size bucket(s) x 1 loss variant(s))" in c.stderr
+    assert re.search(r"graph 1/1 \(64x64 static_assigner=True\): [\d.]+ s \(cache: 0 FX hit", c.stderr)
+    again = subprocess.run([sys.executable, "-m", "fastdet.compile", *flags], capture_output=True, text=True,
+                           env=env, timeout=3600)
+    assert again.returncode == 0 and re.search(r"cache: [1-9]\d* FX hit\(s\) / 0 miss", again.stderr), again.stderr
+    out = tmp_path / "run"
+    cmd = [sys.executable, hooked_train_script(tmp_path), "0", *flags, "--output-dir", str(out), "--workers", "0",
+           "--max-steps", "3", "--log-interval", "1", "--set", "run.eval_interval=100", "--compile"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert str(cache) in r.stdout
+    m = re.search(r"runs compiled from step 1 \(([\d.]+) s for that step: 1 graph\(s\), cache: (\d+) FX hit\(s\) "
+                  r"/ 0 miss\(es\), (\d+) AOTAutograd hit\(s\) / 0 miss", r.stdout)
+    assert m and int(m.group(2)) + int(m.group(3)) > 0, r.stdout[-3000:]

@@ -191,7 +191,8 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     optimizer, ema, _ = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size, dev)
     step = TrainStep(model, model, optimizer, ema, dev, resolve_amp(cfg.compile.amp, dev),
                      clip_grad_norm=cfg.optim.clip_grad_norm, compile=True, cuda_graphs=False,
-                     dynamic=cfg.compile.dynamic, ddp=wrap, backend=cfg.compile.backend)
+                     dynamic=cfg.compile.dynamic, ddp=wrap, backend=cfg.compile.backend,
+                     shapes=cfg.compile.shapes)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 2)
     records = []
     for b in buckets:

@@ -139,7 +139,7 @@ class TrainStep:
                  clip_grad_norm: float = 0.0, compile: bool = False, cuda_graphs: bool = False,
                  dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None,
                  ddp: Callable[[nn.Module], nn.Module] | None = None, backend: str = "inductor",
-                 background: bool = False):
+                 background: bool = False, shapes: str = "static"):
         if cuda_graphs and device.type != "cuda":
             raise ValueError("--cuda-graphs needs a CUDA device (got --device cpu): drop the flag")
         if cuda_graphs and amp_dtype == torch.float16:
@@ -173,6 +173,10 @@ class TrainStep:
                 forward = ddp(forward)
         self.forward: Callable[..., dict[str, Tensor]] = forward
         self.compiled = compile
+        # compile.shapes=dynamic: the images' H and W are symbolic (mark_dynamic), so one
+        # graph can serve several sizes where the backend allows it (aot_eager does; inductor
+        # on the CPU still specialises per size: COMPILE.md section 9).
+        self.mark_hw_dynamic = compile and shapes == "dynamic"
         self.loss_names: tuple[str, ...] | None = None
         # [MAX_LOSSES] device accumulator of the named losses (the first K slots are used).
         # It exists before warm-up, so _preserve_state restores it and graphs capture it.
@@ -203,8 +207,12 @@ class TrainStep:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         targets = {k: inputs[k] for k in TARGET_KEYS}
+        images = inputs["images"]
+        if self.mark_hw_dynamic:
+            torch._dynamo.mark_dynamic(images, 2)
+            torch._dynamo.mark_dynamic(images, 3)
         with self.nvtx("forward"), self._autocast():
-            losses = self.forward(inputs["images"], targets, **kw)
+            losses = self.forward(images, targets, **kw)
         with self.nvtx("backward"):
             self.scaler.scale(losses["total_loss"]).backward()
         with self.nvtx("optimizer"):

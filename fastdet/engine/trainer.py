@@ -36,6 +36,8 @@ from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
 
 log = logging.getLogger("fastdet")
+# When this module was imported (torch already was): the clock of "first step after start".
+_T_START = time.perf_counter()
 
 
 class TrainingError(RuntimeError):
@@ -154,7 +156,8 @@ class Trainer:
             cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
             graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
             ddp=ddp, backend=cfg.compile.backend,
-            background=cfg.compile.compile and cfg.compile.warmup == "background")
+            background=cfg.compile.compile and cfg.compile.warmup == "background",
+            shapes=cfg.compile.shapes)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
 
@@ -463,6 +466,11 @@ class Trainer:
             ckpt_due = run.ckpt_interval_steps > 0 and self.step % run.ckpt_interval_steps == 0
             end = self.step >= total_steps or self.step % self.steps_per_epoch == 0
             log_due = self.step % run.log_interval == 0 or ckpt_due or end
+            if self.step == steps_at_start + 1:
+                h, w = batch["images"].shape[-2:]
+                log.info("first step done %.1f s after start (%s)", time.perf_counter() - _T_START,
+                         "compiled" if cfg.compile.compile and self.train_step.is_compiled(h, w, kw)
+                         else "eager")
             if not self.dist.distributed or log_due:
                 # Ranks agree on ready buckets at log points only (one small all-reduce).
                 self._poll_background()
