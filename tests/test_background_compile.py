@@ -268,3 +268,24 @@ def test_compile_cli_fills_the_cache_that_training_then_loads(demo_small, tmp_pa
     m = re.search(r"runs compiled from step 1 \(([\d.]+) s for that step: 1 graph\(s\), cache: (\d+) FX hit\(s\) "
                   r"/ 0 miss\(es\), (\d+) AOTAutograd hit\(s\) / 0 miss", r.stdout)
     assert m and int(m.group(2)) + int(m.group(3)) > 0, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_worker_and_switch_together(demo_small, tmp_path):
+    """torchrun with 2 ranks: local rank 0 alone starts the worker (each graph compiled once
+    on the machine), both ranks see the bucket ready at the same log point and switch at
+    the same step (the run finishes: DDP's all-reduces stay paired)."""
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+           hooked_train_script(tmp_path), "2", "--arch", "ppyoloe", "--size", "s", "--data", str(demo_small),
+           "--device", "cpu", "--img-size", "64", "--no-multiscale", "--batch-size", "2", "--epochs", "2",
+           "--output-dir", str(out), "--workers", "0", "--log-interval", "1", "--max-steps", "4",
+           "--set", "run.eval_interval=100", "--set", "family.static_assigner_epoch=100",
+           "--compile", "--set", "compile.backend=aot_eager", "--set", f"compile.cache_dir={tmp_path / 'cache'}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "in 1 worker process(es)" in r.stdout and "runs compiled from step 3" in r.stdout
+    assert len(list((out / "compile").glob("*/*.json"))) == 1
+    assert len({ln.split("compiled by worker ")[1].split()[0] for ln in r.stdout.splitlines()
+                if "compiled by worker" in ln}) == 1
+    assert "recompiled" not in r.stdout + r.stderr

@@ -349,6 +349,8 @@ class Trainer:
     def _start_background(self, sizes: list[tuple[int, int]], variants: list[dict[str, Any]]) -> None:
         """compile.warmup=background: start the compile workers (fastdet/engine/background.py);
         training starts at once on the eager twin."""
+        import torch._inductor.config
+
         from fastdet.engine import background as bgc
 
         cfg = self.cfg
