@@ -18,6 +18,18 @@ layout step_eager_fp32_nhwc  step_eager_fp32 with model and images in channels-l
        step_compile_nhwc     step_compile in channels-last; each layout row's speedup is over
                              its NCHW twin in the same run, the figure data.channels_last
                              (the trainer's --channels-last) rests on
+warmup step_compile_dynamic  step_compile with compile.shapes=dynamic (H, W symbolic); its
+                             speedup is over step_compile in the same run (the dynamic-vs-static
+                             step ratio compile.shapes' default rests on)
+       warmup_cold           with an empty inductor cache: ``fastdet.train --compile`` (background
+                             compilation) to its first step, then ``fastdet.compile`` until every
+                             bucket is compiled (graphs, seconds per graph, total)
+       warmup_warm           the same cache again: ``fastdet.compile`` (every graph a cache hit)
+                             and ``fastdet.train --compile`` with compile.warmup=blocking to its
+                             first compiled step
+                             (``--modes warmup`` runs these three and step_compile; not in ``all``:
+                             minutes per inductor graph on a CPU. ``--recipe-sizes`` uses the
+                             recipe's multi-scale buckets instead of ``--img-size``.)
 e2e    e2e_seed              the training loop with the torch loader and the eager fp32 step
        e2e_torch             the training loop with the torch loader and the --e2e-step step
        e2e_dali              the training loop with DALI and the --e2e-step step
@@ -44,6 +56,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -68,6 +84,7 @@ class StepVariant:
     cuda_graphs: bool
     amp: bool  # autocast with --amp (False: fp32)
     channels_last: bool = False  # model and images in NHWC whatever --channels-last says
+    shapes: str = "static"  # compile.shapes
 
 
 STEP_VARIANTS: dict[str, StepVariant] = {
@@ -77,6 +94,7 @@ STEP_VARIANTS: dict[str, StepVariant] = {
     "compile_graphs": StepVariant(compile=True, cuda_graphs=True, amp=True),
     "eager_fp32_nhwc": StepVariant(compile=False, cuda_graphs=False, amp=False, channels_last=True),
     "compile_nhwc": StepVariant(compile=True, cuda_graphs=False, amp=True, channels_last=True),
+    "compile_dynamic": StepVariant(compile=True, cuda_graphs=False, amp=True, shapes="dynamic"),
 }
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -84,13 +102,16 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "layout": ("step_eager_fp32_nhwc", "step_compile_nhwc"),
     "data": ("data_torch", "data_dali"),
     "e2e": ("e2e_seed", "e2e_torch", "e2e_dali"),
+    "warmup": ("step_compile_dynamic", "warmup_cold", "warmup_warm"),
 }
 ALL_MODES = GROUPS["step"] + GROUPS["layout"] + GROUPS["data"] + GROUPS["e2e"]
+KNOWN_MODES = ALL_MODES + GROUPS["warmup"]
 GROUP_OF = {m: g for g, ms in GROUPS.items() for m in ms}
 # The row each mode's speedup is over: its group's baseline; a layout row's NCHW twin.
 GROUP_BASELINES = {"step": "step_eager_fp32", "data": "data_torch", "e2e": "e2e_seed"}
 BASELINE_OF = {m: GROUP_BASELINES[g] if g in GROUP_BASELINES else m.removesuffix("_nhwc")
                for m, g in GROUP_OF.items()}
+BASELINE_OF.update(step_compile_dynamic="step_compile", warmup_cold=None, warmup_warm=None)
 
 # Production defaults (the issue's targets are stated for these, on one H200) and the
 # small --quick configuration for a CPU.
@@ -145,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epoch", type=int, default=0,
                    help="training epoch whose loss settings are used (the recipe's phase of that epoch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipe-sizes", action="store_true",
+                   help="warmup modes: the recipe's multi-scale size buckets (default: --img-size only)")
     p.add_argument("--prepare-data", action="store_true",
                    help="only generate the demo set the data and e2e modes read (--demo-images), "
                         "print where it is and exit (bench/gpu_check.sh does this in the background)")
@@ -184,14 +207,16 @@ def parse_modes(spec: str) -> list[str]:
             continue
         names = ALL_MODES if item == "all" else GROUPS.get(item, (item,))
         for n in names:
-            if n not in ALL_MODES:
-                raise ValueError(f"--modes: unknown mode {n!r}; modes are {', '.join(ALL_MODES)} "
-                                 "(or the groups data, step, layout, e2e, all)")
+            if n not in KNOWN_MODES:
+                raise ValueError(f"--modes: unknown mode {n!r}; modes are {', '.join(KNOWN_MODES)} "
+                                 "(or the groups data, step, layout, e2e, warmup, all)")
             if n not in chosen:
                 chosen.append(n)
     if not chosen:
         raise ValueError("--modes: nothing to run")
-    return [m for m in ALL_MODES if m in chosen]  # always step, layout, data, e2e order
+    if "step_compile_dynamic" in chosen and "step_compile" not in chosen:
+        chosen.append("step_compile")  # its baseline, measured in the same run
+    return [m for m in KNOWN_MODES if m in chosen]  # always step, layout, data, e2e, warmup order
 
 
 def amp_name(dtype: torch.dtype | None) -> str:
@@ -269,14 +294,11 @@ class Bench:
             model = model.to(memory_format=torch.channels_last)
         model.train()
         opt, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size, dev)
-        net, compile_flag = model, v.compile
-        if v.compile and self.args.compile_backend != "inductor":
-            # Same call as TrainStep's, with another backend (a quick check that the mode runs).
-            net = torch.compile(model, backend=self.args.compile_backend, fullgraph=True, dynamic=False)
-            compile_flag = False
-        step = TrainStep(model, net, opt, ema, dev, self.variant_dtype(v),
-                         clip_grad_norm=cfg.optim.clip_grad_norm, compile=compile_flag,
-                         cuda_graphs=v.cuda_graphs, dynamic=False)
+        # Another backend than inductor ('aot_eager', 'eager') only checks that the mode runs.
+        step = TrainStep(model, model, opt, ema, dev, self.variant_dtype(v),
+                         clip_grad_norm=cfg.optim.clip_grad_norm, compile=v.compile,
+                         cuda_graphs=v.cuda_graphs, dynamic=False, backend=self.args.compile_backend,
+                         shapes=v.shapes)
         # steps_per_epoch only shapes the schedule; the LR value does not change the cost.
         schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
         return model, step, schedule, recipes.phase(cfg, self.args.epoch).loss_kwargs
@@ -503,10 +525,73 @@ class Bench:
             row.update(status="failed", reason=f"non-finite loss after the timed windows: {losses}")
         return row
 
+    # ------------------------------------------------------------------ warmup modes
+    def warmup_flags(self, cache: Path, out: Path) -> list[str]:
+        """The training command's flags of this bench's configuration, on ``cache``."""
+        a = self.args
+        paths = self.data_paths()
+        flags = ["--arch", a.arch, "--size", a.size, "--train-ann", str(paths.train_ann),
+                 "--train-images", str(paths.train_images), "--val-ann", str(paths.train_ann),
+                 "--val-images", str(paths.train_images), "--device", a.device,
+                 "--batch-size", str(a.batch_size), "--max-boxes", str(a.max_boxes), "--amp", a.amp,
+                 "--workers", str(a.workers), "--output-dir", str(out), "--compile",
+                 "--set", f"compile.backend={a.compile_backend}", "--set", f"compile.cache_dir={cache}",
+                 "--set", "run.eval_interval=1000000", "--set", "run.tensorboard=false"]
+        if not a.recipe_sizes:
+            flags += ["--img-size", str(a.img_size), "--no-multiscale"]
+        if a.channels_last:
+            flags.append("--channels-last")
+        return flags
+
+    def _run(self, cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {r.returncode}: "
+                               f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        return r, time.perf_counter() - t0
+
+    def run_warmup_mode(self, name: str) -> dict[str, Any]:
+        import tempfile
+
+        row = self.new_row(name, compile=True, dtype=self.amp_dtype)
+        if name == "step_compile_dynamic":
+            return self.run_step_mode(name)
+        root = Path(tempfile.mkdtemp(prefix="fastdet-bench-warmup-"))
+        cache = Path(self.args.cache_dir or root).expanduser() / f"inductor-bench-{self.args.arch}-{self.args.size}"
+        if name == "warmup_cold" and cache.exists():
+            shutil.rmtree(cache)
+        flags = self.warmup_flags(cache, root / "run")
+        py = sys.executable
+        first = re.compile(r"first step done ([\d.]+) s after start \((\w+)\)")
+        per_graph = re.compile(r"graph \d+/(\d+) \(.*?\): ([\d.]+) s \(cache: (\d+) FX hit")
+        if name == "warmup_cold":
+            r, _ = self._run([py, "-m", "fastdet.train", *flags, "--max-steps", "1"])
+            m = first.search(r.stdout)
+            row.update(first_step_s=float(m.group(1)), first_step_kind=m.group(2))
+            r, wall = self._run([py, "-m", "fastdet.compile", *flags])
+        else:
+            r, wall = self._run([py, "-m", "fastdet.compile", *flags])
+        graphs = per_graph.findall(r.stderr)
+        row.update(graphs=len(graphs), all_compiled_s=wall, graph_s=[float(g[1]) for g in graphs],
+                   fx_hits=sum(int(g[2]) for g in graphs), cache_dir=str(cache))
+        if name == "warmup_warm":
+            r2, _ = self._run([py, "-m", "fastdet.train", *flags, "--max-steps", "1",
+                               "--set", "compile.warmup=blocking"])
+            m = first.search(r2.stdout)
+            row.update(first_step_s=float(m.group(1)), first_step_kind=m.group(2))
+        row.update(status="ok", warmup_s=row["first_step_s"],
+                   note=f"{row['graphs']} graph(s); first step {row['first_step_s']:.1f} s "
+                        f"({row['first_step_kind']}); every graph {'compiled' if name == 'warmup_cold' else 'loaded'} "
+                        f"in {wall:.1f} s ({row['fx_hits']} FX cache hits)")
+        shutil.rmtree(root / "run", ignore_errors=True)
+        return row
+
     def run_mode(self, name: str) -> dict[str, Any]:
         runner: Callable[[str], dict[str, Any]] = {
             "step": self.run_step_mode, "layout": self.run_step_mode, "data": self.run_data_mode,
-            "e2e": self.run_e2e_mode,
+            "e2e": self.run_e2e_mode, "warmup": self.run_warmup_mode,
         }[GROUP_OF[name]]
         t0 = time.perf_counter()
         try:
@@ -645,7 +730,7 @@ def describe(row: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     shown = []
     for r in rows:
-        note = r["reason"] or ""
+        note = r["reason"] or (r.get("note") if r["status"] == "ok" else None) or ""
         if r["status"] == "ok" and r.get("epoch_restarts"):
             note = f"{r['epoch_restarts']} epoch restart(s) in the timed windows"
         if r["status"] == "ok" and r.get("data_wait_frac") is not None:

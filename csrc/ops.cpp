@@ -70,7 +70,7 @@ TORCH_LIBRARY(fastdet, m) {
       "Tensor gt_labels, Tensor gt_bboxes, Tensor pad_gt_mask, int bg_index, int topk, "
       "float alpha, float beta, float eps) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "atss_assign(Tensor anchors, int[] num_anchors_list, Tensor gt_labels, Tensor gt_bboxes, "
+      "atss_assign(Tensor anchors, SymInt[] num_anchors_list, Tensor gt_labels, Tensor gt_bboxes, "
       "Tensor pad_gt_mask, Tensor? pred_bboxes, int bg_index, int num_classes, int topk, "
       "float eps) -> (Tensor, Tensor, Tensor)");
   m.def(

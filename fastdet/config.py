@@ -125,6 +125,21 @@ class CompileConfig:
     # graphs (Dynamo + AOTAutograd, same guards and DDP splits) and runs them with eager
     # kernels, compiling in seconds: what the CPU tests of the compiled trainer use.
     backend: str = "inductor"
+    # When --compile compiles: "background" (training starts at once on the step's eager
+    # twin while worker processes compile every bucket into inductor's on-disk cache; each
+    # bucket switches to its compiled, and with --cuda-graphs captured, step once its graph
+    # is ready) or "blocking" (every bucket compiled before the first step).
+    warmup: str = "background"
+    # Compile worker processes per machine (0: sized to the host's cores; 2 cores: 1).
+    workers: int = 0
+    # inductor's on-disk caches (FX graph, AOTAutograd), shared by the ranks and relaunches
+    # on a machine; "" is $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/fastdet/inductor.
+    cache_dir: str = ""
+    # "static": one graph per image size; "dynamic": the images' H and W are symbolic
+    # (mark_dynamic). Static stays the default: inductor still compiles each size of a
+    # dynamic graph again, each compile 1.4-2.4x a static one, and its step was 2-3 %
+    # slower (COMPILE.md section 9; bench/throughput.py --modes warmup measures it).
+    shapes: str = "static"
 
 
 @dataclass(frozen=True)

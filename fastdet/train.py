@@ -115,6 +115,13 @@ def check_config(cfg: Config) -> None:
     bad = [s for s in d.train_sizes if s < div or s % div]
     if bad:
         raise ConfigError(f"data.train_sizes must be positive multiples of {div}, got {bad[0]}")
+    c = cfg.compile
+    if c.warmup not in ("background", "blocking"):
+        raise ConfigError(f"compile.warmup must be 'background' or 'blocking', got {c.warmup!r}")
+    if c.shapes not in ("static", "dynamic"):
+        raise ConfigError(f"compile.shapes must be 'static' or 'dynamic', got {c.shapes!r}")
+    if c.workers < 0:
+        raise ConfigError(f"compile.workers must be >= 0 (0: sized to the cores), got {c.workers}")
     if o.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {o.epochs}")
     if o.base_lr <= 0:

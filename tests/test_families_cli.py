@@ -28,7 +28,7 @@ from fastdet.engine.checkpoint import load_checkpoint
 from fastdet.models import ARCHITECTURES
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-COMPILE = ["--compile", "--set", "compile.backend=aot_eager"]
+COMPILE = ["--compile", "--set", "compile.backend=aot_eager", "--set", "compile.warmup=blocking"]
 # The smallest size of each family. Each compiled CLI run takes a minute or more on a
 # 2-core CPU, so `make test` keeps one of them (YOLOX with DALI, the loader with every
 # stage) and the rest of the matrix is marked slow (`make test-all`).

@@ -118,7 +118,7 @@ def _flat(d, prefix=""):
 
 def test_compiled_training_cli(demo_small, tmp_path):
     r = run(train_cmd(demo_small, tmp_path, "--max-steps", "2", "--compile",
-                      "--set", "family.static_assigner_epoch=100"))
+                      "--set", "family.static_assigner_epoch=100", "--set", "compile.warmup=blocking"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in r.stdout
     assert "COCO AP" in r.stdout
@@ -145,7 +145,10 @@ def one_process(demo_small, tmp_path_factory):
 # --compile with the aot_eager backend: Dynamo and AOTAutograd trace the same graphs as
 # with inductor (same guards, recompiles and DDP splits), without inductor's code
 # generation, which takes many minutes for PP-YOLOE-s on a shared 2-core CPU.
-COMPILE = ["--compile", "--set", "compile.backend=aot_eager"]
+# compile.warmup=blocking: these runs check the compiled step itself, so every bucket is
+# compiled before the first of their three steps (background compilation is
+# tests/test_background_compile.py's subject).
+COMPILE = ["--compile", "--set", "compile.backend=aot_eager", "--set", "compile.warmup=blocking"]
 
 
 @pytest.fixture(scope="module")

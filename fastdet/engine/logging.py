@@ -20,7 +20,7 @@ def setup_logging(output_dir: Path | None, is_main: bool) -> None:
     log.setLevel(logging.INFO if is_main else logging.WARNING)
     log.handlers.clear()
     fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
-    h = logging.StreamHandler(sys.stdout)
+    h = _BarAwareHandler(sys.stdout)
     h.setFormatter(fmt)
     log.addHandler(h)
     if output_dir is not None and is_main:
@@ -28,6 +28,20 @@ def setup_logging(output_dir: Path | None, is_main: bool) -> None:
         fh.setFormatter(fmt)
         log.addHandler(fh)
     log.propagate = False
+
+
+class _BarAwareHandler(logging.StreamHandler):
+    """Log lines go above an active progress bar (``tqdm.write``) instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar = Progress.active
+        if bar is None:
+            super().emit(record)
+            return
+        try:
+            bar.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
 
 
 class TensorBoard:
@@ -58,14 +72,18 @@ class TensorBoard:
 
 
 class Progress:
-    """A tqdm bar on a terminal (rank 0); nothing otherwise."""
+    """A tqdm bar on a terminal (rank 0); nothing otherwise. It moves every step
+    (:meth:`step`); log lines print above it (``_BarAwareHandler``)."""
 
-    def __init__(self, total: int, enabled: bool):
+    active = None  # the tqdm class while a bar is shown (its ``write`` keeps the bar whole)
+
+    def __init__(self, total: int, enabled: bool, force: bool = False):
         self.bar = None
-        if enabled and sys.stdout.isatty():
+        if enabled and (force or sys.stdout.isatty()):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, dynamic_ncols=True, leave=False)
+            self.bar = tqdm(total=total, dynamic_ncols=True, leave=False, file=sys.stdout)
+            Progress.active = tqdm
 
     def update(self, n: int, desc: str = "") -> None:
         if self.bar is not None:
@@ -73,9 +91,23 @@ class Progress:
             if desc:
                 self.bar.set_description(desc)
 
+    def step(self, status: str = "") -> None:
+        """One training step; ``status`` (e.g. graphs compiled so far) as the postfix."""
+        if self.bar is not None:
+            self.bar.update(1)
+            if status != getattr(self, "_status", ""):
+                self._status = status
+                self.bar.set_postfix_str(status, refresh=False)
+
+    def describe(self, desc: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(desc)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+            Progress.active = None
 
 
 def format_eta(seconds: float) -> str:

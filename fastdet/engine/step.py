@@ -49,6 +49,7 @@ capture, as the PyTorch CUDA-graph notes require.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,6 +92,30 @@ class _Graph:
     inputs: dict[str, Tensor]
 
 
+class _Twin(nn.Module):
+    """The step's module and its compiled form; ``use_compiled`` picks which one a call
+    runs. One module, so DDP wraps it once and both share its buckets and hooks."""
+
+    def __init__(self, net: nn.Module, compiled: Callable[..., Any]):
+        super().__init__()
+        self.net = net
+        object.__setattr__(self, "compiled", compiled)  # not a second registered submodule
+        self.use_compiled = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.compiled if self.use_compiled else self.net)(*args, **kwargs)
+
+
+@dataclass
+class Switch:
+    """A bucket moved from its eager twin to its compiled (and captured) step."""
+
+    key: tuple  # (H, W, loss arguments)
+    seconds: float  # that step, compile (cache load) and capture included
+    graphs: int  # Dynamo graphs it compiled (1 expected)
+    cache: dict[str, int]  # inductor cache hits and misses during it
+
+
 class TrainStep:
     """Callable train step over one model, optimizer and (optional) EMA.
 
@@ -113,7 +138,8 @@ class TrainStep:
                  ema: Any, device: torch.device, amp_dtype: torch.dtype | None,
                  clip_grad_norm: float = 0.0, compile: bool = False, cuda_graphs: bool = False,
                  dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None,
-                 ddp: Callable[[nn.Module], nn.Module] | None = None, backend: str = "inductor"):
+                 ddp: Callable[[nn.Module], nn.Module] | None = None, backend: str = "inductor",
+                 background: bool = False, shapes: str = "static"):
         if cuda_graphs and device.type != "cuda":
             raise ValueError("--cuda-graphs needs a CUDA device (got --device cpu): drop the flag")
         if cuda_graphs and amp_dtype == torch.float16:
@@ -130,6 +156,10 @@ class TrainStep:
         self.nvtx = nvtx or Nvtx(False)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         forward = torch.compile(net, fullgraph=True, dynamic=dynamic, backend=backend) if compile else net
+        # compile.warmup=background: a bucket runs eagerly until mark_ready (begin_background).
+        self._twin = _Twin(net, forward) if (compile and background) else None
+        if self._twin is not None:
+            forward = self._twin
         if ddp is not None:
             if cuda_graphs:
                 # The CUDA-graph notes: DDP's reducer must be built on a side stream for its
@@ -143,6 +173,10 @@ class TrainStep:
                 forward = ddp(forward)
         self.forward: Callable[..., dict[str, Tensor]] = forward
         self.compiled = compile
+        # compile.shapes=dynamic: the images' H and W are symbolic (mark_dynamic), so one
+        # graph can serve several sizes where the backend allows it (aot_eager does; inductor
+        # on the CPU still specialises per size: COMPILE.md section 9).
+        self.mark_hw_dynamic = compile and shapes == "dynamic"
         self.loss_names: tuple[str, ...] | None = None
         # [MAX_LOSSES] device accumulator of the named losses (the first K slots are used).
         # It exists before warm-up, so _preserve_state restores it and graphs capture it.
@@ -153,6 +187,9 @@ class TrainStep:
         self._graphs_after_warmup: int | None = None
         self._buckets = 0
         self._warmed_up = False
+        self._ready: set[tuple] = set()  # buckets whose graph can be loaded
+        self._live: set[tuple] = set()  # buckets running compiled
+        self.switches: list[Switch] = []  # the trainer logs and empties it
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
 
@@ -170,8 +207,12 @@ class TrainStep:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         targets = {k: inputs[k] for k in TARGET_KEYS}
+        images = inputs["images"]
+        if self.mark_hw_dynamic:
+            torch._dynamo.mark_dynamic(images, 2)
+            torch._dynamo.mark_dynamic(images, 3)
         with self.nvtx("forward"), self._autocast():
-            losses = self.forward(inputs["images"], targets, **kw)
+            losses = self.forward(images, targets, **kw)
         with self.nvtx("backward"):
             self.scaler.scale(losses["total_loss"]).backward()
         with self.nvtx("optimizer"):
@@ -194,6 +235,16 @@ class TrainStep:
 
     def __call__(self, batch: dict[str, Tensor], kw: dict[str, Any]) -> None:
         inputs = {k: batch[k] for k in INPUT_KEYS}
+        if self._twin is not None:
+            h, w = inputs["images"].shape[-2:]
+            key = (int(h), int(w), _kw_key(kw))
+            if key not in self._live:
+                if key in self._ready:
+                    self._switch(key, inputs, kw)
+                else:
+                    self._eager_step(inputs, kw)
+                self.steps_accumulated += 1
+                return
         if self.cuda_graphs:
             key = (tuple(inputs["images"].shape), _kw_key(kw))
             g = self._graphs.get(key)
@@ -211,6 +262,54 @@ class TrainStep:
         else:
             self._body(inputs, kw)
         self.steps_accumulated += 1
+
+    # ------------------------------------------------------------------ background compile
+    def begin_background(self, n_buckets: int) -> None:
+        """Train from the first step, every bucket on its eager twin until ``mark_ready``."""
+        if self._twin is None:
+            raise RuntimeError("TrainStep.begin_background needs compile=True and background=True")
+        self._buckets = n_buckets
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n_buckets + 2)
+        if self.cuda_graphs:
+            self._allocate_grads()
+        self._graphs_after_warmup = compiled_graph_count()
+        self._warmed_up = True
+
+    def mark_ready(self, h: int, w: int, kw: dict[str, Any]) -> None:
+        """The bucket's graph is in the cache: its next step loads it and runs compiled."""
+        self._ready.add((int(h), int(w), _kw_key(kw)))
+
+    def is_compiled(self, h: int, w: int, kw: dict[str, Any]) -> bool:
+        return self._twin is None or (int(h), int(w), _kw_key(kw)) in self._live
+
+    def _eager_step(self, inputs: dict[str, Tensor], kw: dict[str, Any]) -> None:
+        assert self._twin is not None
+        self._twin.use_compiled = False
+        try:
+            self._body(inputs, kw)
+        finally:
+            self._twin.use_compiled = True
+
+    def _switch(self, key: tuple, inputs: dict[str, Tensor], kw: dict[str, Any]) -> None:
+        """This step compiles the bucket (a cache load once a worker has compiled it),
+        captures it with --cuda-graphs, and runs it on the real batch."""
+        from fastdet.engine.background import cache_counts, count_delta
+
+        t0, c0, n0 = time.perf_counter(), cache_counts(), compiled_graph_count()
+        if self.cuda_graphs:
+            gkey = (tuple(inputs["images"].shape), _kw_key(kw))
+            g = self._capture(gkey, inputs, kw)
+            for k in INPUT_KEYS:
+                g.inputs[k].copy_(inputs[k], non_blocking=True)
+            g.graph.replay()
+        else:
+            self._body(inputs, kw)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._live.add(key)
+        n1 = compiled_graph_count()
+        self._graphs_after_warmup = n1  # check_recompiles: nothing new from here on
+        self.switches.append(Switch(key, time.perf_counter() - t0, n1 - n0, count_delta(c0, cache_counts())))
 
     # ------------------------------------------------------------------ losses
     def read_losses(self) -> dict[str, float]:

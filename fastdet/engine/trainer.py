@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import replace
 from functools import partial
@@ -35,6 +36,8 @@ from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
 
 log = logging.getLogger("fastdet")
+# When this module was imported (torch already was): the clock of "first step after start".
+_T_START = time.perf_counter()
 
 
 class TrainingError(RuntimeError):
@@ -152,7 +155,9 @@ class Trainer:
             clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
             cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
             graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
-            ddp=ddp, backend=cfg.compile.backend)
+            ddp=ddp, backend=cfg.compile.backend,
+            background=cfg.compile.compile and cfg.compile.warmup == "background",
+            shapes=cfg.compile.shapes)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
 
@@ -295,6 +300,7 @@ class Trainer:
                     self.save("latest")
         progress.close()
         self.tb.close()
+        self.close_background()
         if stats and self.dist.is_main:
             log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s; val predictions "
                      "drawn in %s)", stats["AP"], stats["AP50"], self.best_ap, self.out,
@@ -330,12 +336,107 @@ class Trainer:
         # Every phase the rest of the run goes through: its distinct loss arguments x the
         # loader's size buckets, so that nothing compiles after warm-up.
         variants = recipes.loss_variants(cfg, self.epoch, last_epoch)
+        if cfg.compile.compile and cfg.compile.warmup == "background":
+            self._start_background(list(sizes), variants)
+            return
         t = time.perf_counter()
         self.train_step.warmup(list(sizes), cfg.data.batch_size, cfg.data.max_boxes,
                                variants, channels_last=cfg.data.channels_last)
         log.info("warm-up: %d size bucket(s) x %d loss variant(s) compiled%s in %.1f s",
                  len(sizes), len(variants), " and captured" if cfg.compile.cuda_graphs else "",
                  time.perf_counter() - t)
+
+    def _start_background(self, sizes: list[tuple[int, int]], variants: list[dict[str, Any]]) -> None:
+        """compile.warmup=background: start the compile workers (fastdet/engine/background.py);
+        training starts at once on the eager twin."""
+        import torch._inductor.config
+
+        from fastdet.engine import background as bgc
+
+        cfg = self.cfg
+        cache = bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
+        buckets = bgc.train_buckets(sizes, variants)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # This process only loads graphs: its own compile threads must not take the cores
+        # of the other ranks and the workers.
+        torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+        launch = dist.broadcast_object(bgc.launch_id())
+        bg = bgc.BackgroundCompile(cfg, buckets, bgc.ready_dir_for(self.out, launch), self.device,
+                                   local_rank=self.dist.local_rank, local_ranks=local_ranks,
+                                   ddp=self.dist.distributed)
+        if self.device.type == "cuda" and self.dist.distributed and self.device.index != 0:
+            log.warning("compile: this rank's device is %s and inductor's cache key holds the device, "
+                        "so it cannot load the graphs local rank 0's workers compile for cuda:0; "
+                        "launch with torchrun --virtual-local-rank to share them", self.device)
+        log.info("compile: %d graph(s) (%d size bucket(s) x %d loss variant(s)) in %d worker "
+                 "process(es) x %d compile thread(s), backend %s; training starts eager and each "
+                 "bucket switches to its compiled%s step when its graph is ready; inductor cache %s "
+                 "(compile.cache_dir or TORCHINDUCTOR_CACHE_DIR moves it; python -m fastdet.compile "
+                 "fills it ahead of time)", len(buckets), len(sizes), len(variants),
+                 bg.workers, bg.threads, cfg.compile.backend,
+                 " and captured" if cfg.compile.cuda_graphs else "", cache)
+        self.train_step.begin_background(len(buckets))
+        dist.barrier()  # the ready directory is fresh before any rank looks into it
+        bg.start()
+        self.background = bg
+
+    def _poll_background(self) -> None:
+        """Buckets the workers finished become ready; switches done by the last step are logged."""
+        bg = getattr(self, "background", None)
+        if bg is None:
+            return
+        ts = self.train_step
+        for sw in ts.switches:
+            h, w, kw = sw.key
+            how = bgc_describe(sw.cache)
+            msg = ("compile: bucket %dx%d%s runs compiled from step %d (%.1f s for that step: "
+                   "%d graph(s), %s)")
+            args = (h, w, "".join(f" {k}={v}" for k, v in kw), self.step, sw.seconds, sw.graphs, how)
+            if sw.cache.get("fx_miss", 0) or sw.cache.get("aot_miss", 0):
+                log.warning(msg + "; cache misses: the trainer compiled it itself", *args)
+            else:
+                log.info(msg, *args)
+        ts.switches.clear()
+        if not bg.pending:
+            return
+        agree = self._agree_min if self.dist.distributed else None
+        for b, record in bg.poll(agree):
+            if not record.get("ok", False):
+                raise TrainingError(f"compile worker failed on bucket {b.name}: {record.get('error')}")
+            log.info("compile: graph %d/%d (%s) compiled by worker %s in %.1f s (%s)", len(bg.done),
+                     len(bg.buckets), b.name, record.get("pid"), record["seconds"],
+                     bgc_describe(record.get("cache", {})))
+            ts.mark_ready(b.h, b.w, b.kwargs)
+        if bg.total_s is not None:
+            log.info("compile: all %d graph(s) compiled, %.1f s after training started", len(bg.buckets),
+                     bg.total_s)
+        dead = bg.dead_workers()
+        if dead and not getattr(self, "_dead_reported", False):
+            self._dead_reported = True
+            log.error("compile: worker(s) %s stopped with %d bucket(s) left; those train eagerly in "
+                      "this run", ", ".join(dead), len(bg.pending))
+
+    def _compile_status(self) -> str:
+        """The progress bar's postfix: how many graphs are compiled while some are not."""
+        bg = getattr(self, "background", None)
+        if bg is None or (not bg.pending and not self.train_step.switches):
+            return ""
+        return f"{bg.status()}, {len(self.train_step._live)} running compiled"
+
+    def _agree_min(self, flags: list[int]) -> list[int]:
+        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return t.tolist()
+
+    def close_background(self) -> None:
+        bg = getattr(self, "background", None)
+        if bg is None:
+            return
+        if bg.pending:
+            log.info("compile: training ended with %d of %d graph(s) not compiled; the workers stop "
+                     "(the cache keeps what they finished)", len(bg.pending), len(bg.buckets))
+        bg.close()
+        self.background = None
 
     def _train_epoch(self, total_steps: int, progress: Progress, t_start: float,
                      steps_at_start: int) -> bool:
@@ -366,9 +467,19 @@ class Trainer:
             timer.lap()
             ckpt_due = run.ckpt_interval_steps > 0 and self.step % run.ckpt_interval_steps == 0
             end = self.step >= total_steps or self.step % self.steps_per_epoch == 0
+            log_due = self.step % run.log_interval == 0 or ckpt_due or end
+            if self.step == steps_at_start + 1:
+                h, w = batch["images"].shape[-2:]
+                log.info("first step done %.1f s after start (%s)", time.perf_counter() - _T_START,
+                         "compiled" if cfg.compile.compile and self.train_step.is_compiled(h, w, kw)
+                         else "eager")
+            if not self.dist.distributed or log_due:
+                # Ranks agree on ready buckets at log points only (one small all-reduce).
+                self._poll_background()
+            progress.step(self._compile_status())
             # Losses are read (and checked) before every checkpoint, so a saved
             # checkpoint never holds weights from after a non-finite loss.
-            if self.step % run.log_interval == 0 or ckpt_due or end:
+            if log_due:
                 if not self._log(progress, t_start, steps_at_start, total_steps, data_time, n_images):
                     return True
                 data_time, n_images = 0.0, 0
@@ -402,7 +513,7 @@ class Trainer:
         log.info("epoch %d  step %d/%d  %s  lr %.3g  %.1f img/s  data %.3f s/it  mem %.0f MB  eta %s",
                  self.epoch, self.step, total_steps, loss_txt, lr, ips, data_time / max(1, n),
                  mem, format_eta(eta))
-        progress.update(n, f"ep {self.epoch} loss {losses.get('total_loss', float('nan')):.3f}")
+        progress.describe(f"ep {self.epoch} loss {losses.get('total_loss', float('nan')):.3f}")
         self.tb.scalars({f"train/{k}": v for k, v in losses.items()}, self.step)
         if self.dist.is_main:
             with open(self.out / "metrics.jsonl", "a") as f:
@@ -413,10 +524,17 @@ class Trainer:
         return True
 
 
+def bgc_describe(cache: dict[str, int]) -> str:
+    from fastdet.engine.background import describe_cache
+
+    return describe_cache(cache) if cache else "no cache counters"
+
+
 def train(cfg: Config) -> dict[str, float]:
     trainer = Trainer(cfg)
     try:
         return trainer.train()
     finally:
+        trainer.close_background()
         dist.shutdown()
 

@@ -177,7 +177,9 @@ def atss_assign(
     C = bg_index if num_classes is None else num_classes
     backend = _backend("atss_assign", gt_bboxes)
     dtype = gt_bboxes.dtype
-    counts = [int(n) for n in num_anchors_list]
+    # Under a dynamic-shape compile the counts are SymInts (h * w of each level): the op's
+    # schema takes SymInt[], and int() here would guard them back to one size.
+    counts = [n if isinstance(n, torch.SymInt) else int(n) for n in num_anchors_list]
     usable = (
         backend != "torch"
         and 0 <= bg_index <= C
@@ -189,7 +191,7 @@ def atss_assign(
     if not usable:
         return _assigners.atss_assign(anchors, num_anchors_list, gt_labels, gt_bboxes, pad_gt_mask, bg_index, topk,
                                       pred_bboxes, num_classes)
-    if sum(counts) != anchors.shape[0]:
+    if all(isinstance(n, int) for n in counts) and sum(counts) != anchors.shape[0]:
         raise ValueError(f"fastdet.ops.atss_assign: num_anchors_list sums to {sum(counts)}, anchors has "
                          f"{anchors.shape[0]} rows")
     kdtype = torch.float64 if dtype == torch.float64 else torch.float32

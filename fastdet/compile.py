@@ -1,0 +1,114 @@
+"""``python -m fastdet.compile``: fill inductor's on-disk cache ahead of training.
+
+Takes the training command's flags (the recipe, ``--data``, ``--batch-size``, ``--amp``,
+``--channels-last``, ``--set ...``) and compiles every graph that training would: each
+(image size x loss variant) bucket of the recipe, in worker processes sized to the cores.
+A later ``python -m fastdet.train ... --compile`` on this machine (or a cluster job that
+reuses the cache directory) then loads each graph in seconds instead of compiling it::
+
+    python -m fastdet.compile --arch ppyoloe --size s --data /data/coco
+    python -m fastdet.compile --arch yolox --size s --num-classes 80 --ddp   # for torchrun
+    TORCHINDUCTOR_CACHE_DIR=/shared/inductor python -m fastdet.compile --arch fcos --size r50 ...
+
+The model's class count comes from the training annotations (``--data``), or
+``--num-classes`` without reading them. ``--ddp`` compiles the graphs a ``torchrun``
+launch uses (DDP cuts them at its gradient buckets). On a GPU machine the graphs are
+compiled for ``cuda:0``: launch training with ``torchrun --virtual-local-rank`` so every
+rank loads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fastdet.config import ConfigError, apply_overrides
+
+
+def build_parser():
+    from fastdet.train import build_parser as train_parser
+
+    p = train_parser()
+    p.prog = "python -m fastdet.compile"
+    p.description = __doc__
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="classes of the model (default: counted from the training annotations of --data)")
+    p.add_argument("--ddp", action="store_true",
+                   help="compile the graphs of a torchrun launch (DDP's gradient-bucket cuts)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log = logging.getLogger("fastdet")
+    from fastdet import recipes
+    from fastdet.engine import background as bgc
+    from fastdet.engine.dist import resolve_device
+    from fastdet.train import check_config, resolve_config
+
+    try:
+        cfg = resolve_config(args)
+        check_config(cfg)
+        if args.num_classes is not None:
+            if args.num_classes < 1:
+                raise ConfigError(f"--num-classes must be at least 1, got {args.num_classes}")
+            n = args.num_classes
+        else:
+            from fastdet.data.coco import load_coco, resolve_data
+
+            paths = resolve_data(cfg.data, splits=("train",))
+            n = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=cfg.data.keep_empty_train,
+                          check_images="none").num_classes
+        cfg = apply_overrides(recipes.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
+        device = resolve_device(cfg.run.device)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"fastdet.compile: error: {e}", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        import torch
+
+        device = torch.device("cuda", 0)
+    cache = bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
+    sizes = bgc.bucket_sizes(cfg)
+    variants = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)
+    buckets = bgc.train_buckets(sizes, variants)
+    workers, threads = bgc.plan_workers(len(buckets), cfg.compile.workers, 0)
+    log.info("fastdet.compile: %s-%s, %d classes, batch %d on %s: %d graph(s) (%d size bucket(s) x %d loss "
+             "variant(s)) in %d worker process(es) x %d compile thread(s), backend %s, into %s",
+             cfg.model.arch, cfg.model.size, n, cfg.data.batch_size, device, len(buckets), len(sizes),
+             len(variants), workers, threads, cfg.compile.backend, cache)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fastdet-compile-") as tmp:
+        bg = bgc.BackgroundCompile(cfg, buckets, Path(tmp), device, local_rank=0, local_ranks=0, ddp=args.ddp)
+        bg.workers, bg.threads = workers, threads
+        bg.start()
+        failed = False
+        try:
+            while bg.pending:
+                for b, rec in bg.poll():
+                    if rec.get("ok"):
+                        log.info("graph %d/%d (%s): %.1f s (%s)", len(bg.done), len(buckets), b.name,
+                                 rec["seconds"], bgc.describe_cache(rec.get("cache", {})))
+                    else:
+                        log.error("graph %s failed: %s", b.name, rec.get("error"))
+                        failed = True
+                dead = bg.dead_workers()
+                if dead or failed:
+                    if dead:
+                        log.error("worker(s) %s stopped with %d graph(s) left", ", ".join(dead), len(bg.pending))
+                    break
+                time.sleep(0.5)
+        finally:
+            bg.close()
+    if bg.pending or failed:
+        return 1
+    log.info("fastdet.compile: %d graph(s) in %.1f s; cache %s", len(buckets), time.perf_counter() - t0, cache)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

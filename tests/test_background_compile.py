@@ -1,0 +1,291 @@
+"""Compile without the wait (issue 31): the eager twin, the switch, the workers, the log.
+
+The orchestration is what is tested, on the ``aot_eager`` backend (Dynamo and AOTAutograd
+trace the same graphs and guards as inductor, in seconds instead of minutes).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdet import recipes
+from fastdet.config import ConfigError, apply_overrides
+from fastdet.engine import background as bgc
+from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.engine.logging import Progress, setup_logging
+from fastdet.engine.optim import build_optimizer_and_ema
+from fastdet.engine.step import TrainStep, compiled_graph_count, synthetic_batch
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+# --------------------------------------------------------------------------- planning
+
+def test_workers_are_sized_to_the_cores_and_threads_do_not_oversubscribe():
+    assert bgc.plan_workers(30, 0, 1, cpus=2) == (1, 1)  # 2 cores: one worker
+    assert bgc.plan_workers(30, 0, 8, cpus=16) == (2, 4)  # 8 ranks + 2 x 4 threads = 16
+    assert bgc.plan_workers(3, 0, 1, cpus=64) == (3, 21)  # never more workers than graphs
+    assert bgc.plan_workers(30, 5, 1, cpus=2) == (5, 1)  # compile.workers wins
+    for n, ranks, cpus in ((30, 1, 2), (30, 8, 16), (22, 4, 32), (10, 2, 8)):
+        w, t = bgc.plan_workers(n, 0, ranks, cpus=cpus)
+        assert ranks + w * t <= max(cpus, ranks + w), (n, ranks, cpus, w, t)
+
+
+def test_buckets_are_the_recipes_sizes_times_its_loss_variants_in_order_of_use():
+    counts = {}
+    for arch, size in (("ppyoloe", "s"), ("yolox", "s"), ("ppyolo", "r50vd_dcn"), ("fcos", "r50")):
+        cfg = recipes.get_preset(arch, size)
+        sizes = bgc.bucket_sizes(cfg)
+        variants = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)
+        buckets = bgc.train_buckets(sizes, variants)
+        counts[arch] = len(buckets)
+        assert buckets[0].kwargs == variants[0] and (buckets[0].h, buckets[0].w) == sizes[0]
+        assert len({b.file_id for b in buckets}) == len(buckets)
+    # The issue's counts of the published recipes: 15 x 2, 11 x 2, 10, 3 keep-ratio canvases.
+    assert counts == {"ppyoloe": 30, "yolox": 22, "ppyolo": 10, "fcos": 3}
+
+
+def test_cache_dir_setting_then_environment_then_default(monkeypatch, tmp_path):
+    monkeypatch.setenv(bgc.CACHE_ENV, str(tmp_path / "env"))
+    assert bgc.resolve_cache_dir(str(tmp_path / "set")) == tmp_path / "set"
+    assert bgc.resolve_cache_dir("") == tmp_path / "env"
+    monkeypatch.delenv(bgc.CACHE_ENV)
+    assert bgc.resolve_cache_dir("") == Path("~/.cache/fastdet/inductor").expanduser().resolve()
+
+
+def test_bad_compile_settings_are_one_clear_error():
+    from fastdet.train import check_config
+
+    cfg = recipes.get_preset("ppyoloe", "s")
+    with pytest.raises(ConfigError, match="compile.warmup"):
+        check_config(apply_overrides(cfg, {"compile.warmup": "later"}))
+    with pytest.raises(ConfigError, match="compile.workers"):
+        check_config(apply_overrides(cfg, {"compile.workers": -1}))
+
+
+def test_log_lines_print_above_the_progress_bar(monkeypatch):
+    """A log line during training is a whole line of its own, not glued to the bar's text."""
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    setup_logging(None, True)
+    bar = Progress(10, True, force=True)
+    try:
+        bar.step("compiled 0/2")
+        logging.getLogger("fastdet").info("compile: graph 1/2 ready")
+        bar.step("compiled 1/2")
+        assert bar.bar.n == 2
+    finally:
+        bar.close()
+        logging.getLogger("fastdet").handlers.clear()
+    lines = [seg.split("\r")[-1] for seg in out.getvalue().split("\n")]
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d compile: graph 1/2 ready", ln) for ln in lines), lines
+
+
+# --------------------------------------------------------------------------- the step
+
+def _step(background: bool):
+    cfg = apply_overrides(recipes.get_preset("ppyoloe", "s"), {"model.num_classes": 3})
+    torch.manual_seed(0)
+    model = recipes.build_detector(cfg).train()
+    opt, ema, _ = build_optimizer_and_ema(cfg.optim, model, 2, torch.device("cpu"))
+    step = TrainStep(model, model, opt, ema, torch.device("cpu"), None, clip_grad_norm=cfg.optim.clip_grad_norm,
+                     compile=background, backend="aot_eager", background=background)
+    return model, step
+
+
+def test_a_bucket_runs_eager_until_ready_then_compiled_with_eager_results():
+    """Before mark_ready a bucket compiles nothing; its next step loads the graph (1 graph),
+    later steps compile nothing more, another bucket stays eager, and the weights after the
+    mixed run match an all-eager run. A graph compiled after a switch fails loudly."""
+    gen = torch.Generator().manual_seed(1)
+    a = synthetic_batch(2, 64, 64, 6, torch.device("cpu"), gen)
+    b = synthetic_batch(2, 96, 96, 6, torch.device("cpu"), gen)
+    kw = {"static_assigner": True}
+    ref_model, ref = _step(False)
+    for batch in (a, a, a, b):
+        ref(batch, kw)
+    model, step = _step(True)
+    step.begin_background(2)
+    g0 = compiled_graph_count()
+    step(a, kw)
+    assert compiled_graph_count() == g0 and not step.is_compiled(64, 64, kw)
+    step.mark_ready(64, 64, kw)
+    step(a, kw)  # the switch
+    assert step.is_compiled(64, 64, kw) and compiled_graph_count() == g0 + 1
+    assert [(s.key[:2], s.graphs) for s in step.switches] == [((64, 64), 1)]
+    step(a, kw)
+    step(b, kw)  # not ready: eager
+    assert compiled_graph_count() == g0 + 1 and not step.is_compiled(96, 96, kw)
+    step.check_recompiles()
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+    ref_losses, losses = ref.read_losses(), step.read_losses()
+    for k in ref_losses:
+        assert losses[k] == pytest.approx(ref_losses[k], rel=1e-4), k
+    # A bucket compiled behind the trainer's back (a guard leak) is a recompile.
+    step._twin.compiled(b["images"], {k: b[k] for k in ("gt_boxes", "gt_labels", "gt_mask", "gt_scores")},
+                        **kw)["total_loss"].backward()
+    with pytest.raises(RuntimeError, match="recompiled 1 time"):
+        step.check_recompiles()
+
+
+# --------------------------------------------------------------------------- through the CLI
+
+# Runs fastdet.train with one hook: at step WAIT the trainer waits until the workers have
+# compiled every bucket (also right after a resumed run starts at or past WAIT), so the
+# switch falls on step WAIT + 1 in every run whatever the machine's load.
+HOOKED_TRAIN = textwrap.dedent("""
+    import sys, time
+    from fastdet.engine import trainer as T
+
+    WAIT = int(sys.argv[1])
+    poll, start = T.Trainer._poll_background, T.Trainer._start_background
+
+    def wait_all(self):
+        bg = self.background
+        t0 = time.time()
+        while bg.pending:
+            poll(self)
+            if bg.dead_workers() or time.time() - t0 > 1200:
+                raise SystemExit("compile workers did not finish")
+            time.sleep(0.5)
+
+    def hooked_poll(self):
+        if self.background is not None and self.step == WAIT:
+            wait_all(self)
+        poll(self)
+
+    def hooked_start(self, *a):
+        start(self, *a)
+        if self.step >= WAIT:
+            wait_all(self)
+
+    if __name__ == "__main__":  # the compile workers (spawned) import this file again
+        T.Trainer._poll_background, T.Trainer._start_background = hooked_poll, hooked_start
+        from fastdet.train import main
+        sys.exit(main(sys.argv[2:]))
+""")
+
+
+def hooked_train_script(tmp: Path) -> str:
+    path = tmp / "hooked_train.py"
+    path.write_text(HOOKED_TRAIN)
+    return str(path)
+
+
+def _train(data: Path, out: Path, wait: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, hooked_train_script(out.parent), str(wait), "--arch", "ppyoloe", "--size", "s",
+           "--data", str(data), "--device", "cpu", "--img-size", "64", "--no-multiscale",
+           "--batch-size", "4", "--epochs", "2", "--output-dir", str(out), "--workers", "0",
+           "--log-interval", "1", "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2",
+           "--set", "run.eval_interval=100", "--set", "family.static_assigner_epoch=100",
+           "--compile", "--set", "compile.backend=aot_eager",
+           "--set", f"compile.cache_dir={out.parent / 'cache'}", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800)
+
+
+@pytest.mark.slow
+def test_background_compile_switches_and_resumes_exactly_across_the_switch(demo_small, tmp_path):
+    """Training starts eager with a worker compiling; the bucket switches to its compiled
+    step; a run stopped before the switch and resumed matches the uninterrupted one."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    a = _train(demo_small, full, 2, "--max-steps", "5")
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    log = a.stdout
+    assert "1 graph(s) (1 size bucket(s) x 1 loss variant(s)) in 1 worker process(es)" in log
+    assert "training starts eager" in log and str(tmp_path / "cache") in log
+    assert re.search(r"compile: graph 1/1 \(64x64 static_assigner=True\) compiled by worker \d+ in", log)
+    assert "runs compiled from step 3" in log
+    assert "recompiled" not in log + a.stderr
+    # The log says it before training, then each graph, then the switch.
+    assert log.index("training starts eager") < log.index("step 1/5") < log.index("compiled by worker") \
+        < log.index("runs compiled from step 3")
+    ready = list((full / "compile").glob("*/*.json"))
+    assert len(ready) == 1 and json.loads(ready[0].read_text())["ok"] is True
+
+    b1 = _train(demo_small, part, 2, "--max-steps", "2")
+    assert b1.returncode == 0, b1.stdout[-3000:] + b1.stderr[-3000:]
+    assert "runs compiled" not in b1.stdout  # stopped on the eager twin
+    b2 = _train(demo_small, part, 2, "--max-steps", "5", "--resume")
+    assert b2.returncode == 0, b2.stdout[-3000:] + b2.stderr[-3000:]
+    assert "resumed from" in b2.stdout and "runs compiled from step 3" in b2.stdout
+    ma = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in mb] == [m["step"] for m in ma] == [1, 2, 3, 4, 5]
+    for x, y in zip(ma, mb):
+        for k in ("total_loss", "loss_cls", "loss_iou", "loss_dfl", "lr"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
+    wa, wb = load_checkpoint(full / "latest.pth"), load_checkpoint(part / "latest.pth")
+    for k, v in wa["model"].items():
+        torch.testing.assert_close(wb["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_compile_cli_rejects_bad_input_before_any_work(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
+                        "--num-classes", "0"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and "--num-classes must be at least 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
+                        "--data", str(tmp_path / "missing")], capture_output=True, text=True, env=ENV,
+                       timeout=300)
+    assert r.returncode == 2 and str(tmp_path / "missing") in r.stderr
+
+
+@pytest.mark.slow
+def test_compile_cli_fills_the_cache_that_training_then_loads(demo_small, tmp_path):
+    """inductor: ``python -m fastdet.compile`` compiles the recipe's graph; a training
+    launch on the same cache loads it (FX graph and AOTAutograd cache hits, no miss) and
+    switches to it; a second ``fastdet.compile`` finds everything cached."""
+    cache = tmp_path / "cache"
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    flags = ["--arch", "ppyoloe", "--size", "s", "--data", str(demo_small), "--device", "cpu",
+             "--img-size", "64", "--no-multiscale", "--batch-size", "2", "--epochs", "1",
+             "--set", "family.static_assigner_epoch=100"]
+    c = subprocess.run([sys.executable, "-m", "fastdet.compile", *flags], capture_output=True, text=True,
+                       env=env, timeout=3600)
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
+    assert "1 graph(s) (1 size bucket(s) x 1 loss variant(s))" in c.stderr
+    assert re.search(r"graph 1/1 \(64x64 static_assigner=True\): [\d.]+ s \(cache: 0 FX hit", c.stderr)
+    again = subprocess.run([sys.executable, "-m", "fastdet.compile", *flags], capture_output=True, text=True,
+                           env=env, timeout=3600)
+    assert again.returncode == 0 and re.search(r"cache: [1-9]\d* FX hit\(s\) / 0 miss", again.stderr), again.stderr
+    out = tmp_path / "run"
+    cmd = [sys.executable, hooked_train_script(tmp_path), "0", *flags, "--output-dir", str(out), "--workers", "0",
+           "--max-steps", "3", "--log-interval", "1", "--set", "run.eval_interval=100", "--compile"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert str(cache) in r.stdout
+    m = re.search(r"runs compiled from step 1 \(([\d.]+) s for that step: 1 graph\(s\), cache: (\d+) FX hit\(s\) "
+                  r"/ 0 miss\(es\), (\d+) AOTAutograd hit\(s\) / 0 miss", r.stdout)
+    assert m and int(m.group(2)) + int(m.group(3)) > 0, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_worker_and_switch_together(demo_small, tmp_path):
+    """torchrun with 2 ranks: local rank 0 alone starts the worker (each graph compiled once
+    on the machine), both ranks see the bucket ready at the same log point and switch at
+    the same step (the run finishes: DDP's all-reduces stay paired)."""
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+           hooked_train_script(tmp_path), "2", "--arch", "ppyoloe", "--size", "s", "--data", str(demo_small),
+           "--device", "cpu", "--img-size", "64", "--no-multiscale", "--batch-size", "2", "--epochs", "2",
+           "--output-dir", str(out), "--workers", "0", "--log-interval", "1", "--max-steps", "4",
+           "--set", "run.eval_interval=100", "--set", "family.static_assigner_epoch=100",
+           "--compile", "--set", "compile.backend=aot_eager", "--set", f"compile.cache_dir={tmp_path / 'cache'}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "in 1 worker process(es)" in r.stdout and "runs compiled from step 3" in r.stdout
+    assert len(list((out / "compile").glob("*/*.json"))) == 1
+    assert len({ln.split("compiled by worker ")[1].split()[0] for ln in r.stdout.splitlines()
+                if "compiled by worker" in ln}) == 1
+    assert "recompiled" not in r.stdout + r.stderr
