@@ -32,6 +32,7 @@ the 1 % check can be run against. The paper's figure comes from its ablation tab
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -90,8 +91,12 @@ def conv_bn(c_in: int, c_out: int, k: int) -> ConvBNAct:
 
 
 class CoordConv(nn.Module):
-    """``conv_bn(cat(x, gx, gy))`` with ``gx``, ``gy`` linear ramps from -1 to 1 across the
-    width and height (Liu et al. 2018); needs at least 2 pixels per side."""
+    """``conv_bn(cat(x, gx, gy))`` with PaddleDetection 2.6's coordinate ramps.
+
+    Paddle's ``add_coord`` (ppdet/modeling/necks/yolo_fpn.py) computes
+    ``arange(n) / ((n - 1) * 2) - 1``, which runs from -1 to -0.5 across the width and
+    height, not the -1..1 of Liu et al. 2018; the released weights were trained with it,
+    and with -1..1 their dense outputs move by up to 23 %. Needs at least 2 pixels per side."""
 
     def __init__(self, c_in: int, c_out: int, k: int):
         super().__init__()
@@ -99,8 +104,8 @@ class CoordConv(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, _, h, w = x.shape
-        gx = torch.arange(w, device=x.device, dtype=x.dtype) / (w - 1.0) * 2.0 - 1.0
-        gy = torch.arange(h, device=x.device, dtype=x.dtype) / (h - 1.0) * 2.0 - 1.0
+        gx = torch.arange(w, device=x.device, dtype=x.dtype) / ((w - 1.0) * 2.0) - 1.0
+        gy = torch.arange(h, device=x.device, dtype=x.dtype) / ((h - 1.0) * 2.0) - 1.0
         coords = torch.stack([gx.expand(h, w), gy[:, None].expand(h, w)])  # [2, H, W]
         return self.conv(torch.cat([x, coords.expand(b, 2, h, w)], dim=1))
 
@@ -354,8 +359,10 @@ class YOLOv3Head(nn.Module):
             all_scores.append(scores.permute(0, 1, 3, 4, 2).reshape(b, -1, self.num_classes))
         boxes = torch.cat(all_boxes, dim=1)
         h, w = (feats[0].shape[-2] * self.strides[0], feats[0].shape[-1] * self.strides[0])
-        limit = boxes.new_tensor([w, h, w, h])
-        return torch.minimum(boxes.clamp(min=0.0), limit), torch.cat(all_scores, dim=1)
+        # Paddle's yolo_box (clip_bbox) clips one-sided: x1, y1 >= 0 and x2 <= w - 1, y2 <= h - 1.
+        lo = boxes.new_tensor([0.0, 0.0, -math.inf, -math.inf])
+        hi = boxes.new_tensor([math.inf, math.inf, w - 1.0, h - 1.0])
+        return torch.minimum(torch.maximum(boxes, lo), hi), torch.cat(all_scores, dim=1)
 
     # ------------------------------------------------------------------ training
 
