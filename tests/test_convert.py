@@ -141,8 +141,8 @@ def megvii_dense(model):
     return run
 
 
-@pytest.mark.parametrize("size", ["nano", "s"])
-@pytest.mark.parametrize("layout", ["release", "trainer"])
+@pytest.mark.parametrize("size,layout", [("nano", "release"), ("nano", "trainer"),
+                                         ("s", "release")])
 def test_megvii_yolox_computes_megvii_function(tmp_path, size, layout):
     ref = megvii_yolox(size)
     path = tmp_path / f"yolox_{size}.pth"
@@ -169,3 +169,89 @@ def test_wrong_size_is_refused_naming_the_key_and_the_likely_size(tmp_path):
     assert "shape [32, 12, 3, 3], yolox-m expects [48, 12, 3, 3]; this looks like yolox-s" in msg
     with pytest.raises(ConvertError, match="not torchvision's fcos|converts weights from"):
         convert(path, "fcos", source="megvii")
+
+
+# --------------------------------------------------------------------------- torchvision FCOS
+
+
+def torchvision_fcos():
+    """torchvision's ``fcos_resnet50_fpn`` as its builder makes it for released weights
+    (FrozenBatchNorm2d, so the file has no num_batches_tracked), 91 classes."""
+    from torchvision.models import resnet50
+    from torchvision.models.detection import FCOS
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    torch.manual_seed(0)
+    body = resnet50(norm_layer=FrozenBatchNorm2d)
+    backbone = _resnet_fpn_extractor(body, 3, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256))
+    return randomise(FCOS(backbone, num_classes=91), seed=2)
+
+
+def torchvision_dense(model):
+    """Dense boxes and scores through torchvision's own anchor generator and box coder."""
+    from torchvision.models.detection.image_list import ImageList
+
+    def run(x, dtype):
+        model.to(dtype)
+        feats = list(model.backbone(x).values())
+        out = model.head(feats)
+        images = ImageList(x, [tuple(x.shape[-2:])] * x.shape[0])
+        anchors = model.anchor_generator(images, feats)
+        boxes = torch.stack([model.box_coder.decode(out["bbox_regression"][b], anchors[b]) for b in range(x.shape[0])])
+        scores = torch.sqrt(out["cls_logits"].sigmoid() * out["bbox_ctrness"].sigmoid())
+        return boxes, scores
+    return run
+
+
+@pytest.mark.slow  # ~45 s on the loaded 2-core CPU (a float64 ResNet-50 FCOS twice)
+def test_torchvision_fcos_computes_torchvision_function(tmp_path):
+    """At 160 x 128 P6 is 3 x 2: torchvision's integer stride there is 160 // 3 = 53 (not 64)."""
+    ref = torchvision_fcos()
+    path = tmp_path / "fcos_resnet50_fpn_coco.pth"
+    torch.save(ref.state_dict(), path)
+    ck, size = convert(path, "fcos", source="torchvision")
+    assert size == "r50" and ck["config"]["family"]["decode"] == "torchvision"
+    assert ck["config"]["model"]["num_classes"] == 91 and ck["class_names"][1] == "person" and ck["cat_ids"][1] == 1
+    ours = load_converted(ck, "fcos", "r50")
+    x = torch.randn(1, 3, 128, 160)
+    assert_authors_function(runner(ours), torchvision_dense(ref), x)
+    # The Paddle decode (half-stride points, nominal strides, no sqrt) is another function.
+    ours.head.decode = "paddle"
+    with torch.no_grad():
+        boxes, scores = ours(x)
+        want = torchvision_dense(ref)(x, torch.float32)
+    assert rel_err(boxes, want[0]) > 1e-2 and rel_err(scores, want[1]) > 1e-2
+
+
+# --------------------------------------------------------------------------- the converted file in use
+
+
+def test_cli_output_and_the_official_file_load_as_detectors(tmp_path, caplog):
+    """``python -m fastdet.convert`` writes a checkpoint load_detector takes (class names, the
+    recipe's eval settings); load_detector(SRC, arch=...) converts the official file itself
+    and says so; both give the same detections."""
+    import logging
+
+    import fastdet
+
+    ref = megvii_yolox("nano")
+    src, out = tmp_path / "yolox_nano.pth", tmp_path / "yolox_nano_fastdet.pth"
+    torch.save({"model": ref.state_dict()}, src)
+    r = subprocess.run([sys.executable, "-m", "fastdet.convert", "--from", "megvii", str(src), "--arch", "yolox",
+                        "--output", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "yolox-nano, 80 classes" in r.stdout
+    det = fastdet.load_detector(out)
+    assert det.info.class_names[0] == "person" and det.info.img_size == 416
+    with caplog.at_level(logging.INFO, logger="fastdet.convert"):
+        direct = fastdet.load_detector(src, arch="yolox")
+    assert "converted from megvii's released yolox weights (yolox-nano, 80 classes)" in caplog.text
+    img = (np.random.default_rng(0).random((90, 120, 3)) * 255).astype(np.uint8)
+    a, b = fastdet.detect(det, [img], score_thresh=0.0), fastdet.detect(direct, [img], score_thresh=0.0)
+    torch.testing.assert_close(a[0]["boxes"], b[0]["boxes"])
+    # A wrong size through the CLI: one line, exit status 2.
+    r = subprocess.run([sys.executable, "-m", "fastdet.convert", str(src), "--arch", "yolox", "--size", "s",
+                        "--output", str(tmp_path / "x.pth")], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "this looks like yolox-nano" in r.stderr

@@ -191,3 +191,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.src} ({ck['converted_from']['source']}) -> {out}: {args.arch}-{size}, {n} classes, "
           f"{len(ck['model'])} tensors")
     return 0
+
+
+def load_any(path: str | Path, arch: str, size: Optional[str] = None, source: Optional[str] = None
+             ) -> tuple[dict[str, Any], bool]:
+    """A fastdet checkpoint as it is, or the authors' released file converted for ``arch``
+    (logged once: which source, which size); returns ``(checkpoint dict, converted)``."""
+    path = Path(path)
+    if is_torch_file(path):
+        try:
+            raw = read_weights(path)
+        except ValueError as e:
+            raise ConvertError(str(e)) from None
+        if is_fastdet_checkpoint(raw):
+            return raw, False
+    ck, size = convert(path, arch, size, source)
+    log.info("%s: converted from %s's released %s weights (%s-%s, %d classes)", path, ck["converted_from"]["source"],
+             arch, arch, size, ck["config"]["model"]["num_classes"])
+    return ck, True
