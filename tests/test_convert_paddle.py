@@ -28,7 +28,7 @@ _spec = importlib.util.spec_from_file_location("record_paddle_fixtures",
 record = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(record)
 
-CASES = [("ppyoloe_crn_s", "ppyoloe", "s")]
+CASES = [("ppyoloe_crn_s", "ppyoloe", "s"), ("ppyolo_r50vd_dcn", "ppyolo", "r50vd_dcn"), ("ppyolo_r18vd", "ppyolo", "r18vd")]
 
 
 def manifest_arrays(fixture: str) -> dict[str, np.ndarray]:
@@ -71,7 +71,9 @@ def test_tiny_model_computes_paddles_function(fixture, arch, size, tmp_path):
     write_pdparams(path, weights)
     conv = ARCHITECTURES[arch].weight_sources["paddle"].convert
     state, num_classes = conv(unwrap(read_weights(path), path))
-    model = build_model(arch, size, num_classes, width_mult=float(f["width"]), depth_mult=float(f["depth"])).eval()
+    tiny = json.loads(str(f["options"]))  # the recorded model: PP-YOLOE at a narrower (width, depth)
+    options = {"width_mult": tiny[0], "depth_mult": tiny[1]} if arch == "ppyoloe" else {}
+    model = build_model(arch, size, num_classes, **options).eval()
     result = model.load_state_dict(state, strict=False)
     assert not result.unexpected_keys and all(k.endswith("num_batches_tracked") for k in result.missing_keys)
     x = torch.from_numpy(f["x"])

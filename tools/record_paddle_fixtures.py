@@ -91,7 +91,53 @@ def ppyoloe(width: float, depth: float):
     return Model()
 
 
-def record(name: str, build, full: tuple[float, float], tiny: tuple[float, float], seed: int, hw=(64, 96)) -> None:
+COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
+# configs/ppyolo/_base_/ppyolo_r50vd_dcn.yml and ppyolo_r18vd.yml (backbone, neck, head, YOLOBox)
+PPYOLO = {
+    "r50vd_dcn": dict(depth=50, return_idx=[1, 2, 3], dcn=[3], coord_conv=True, spp=True, iou_aware=True,
+                      anchors=COCO_ANCHORS, masks=[[6, 7, 8], [3, 4, 5], [0, 1, 2]], conf=0.01, blocks=2),
+    "r18vd": dict(depth=18, return_idx=[2, 3], dcn=[-1], coord_conv=False, spp=False, iou_aware=False,
+                  anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
+                  masks=[[3, 4, 5], [0, 1, 2]], conf=0.01, blocks=0),
+}
+
+
+def ppyolo(size: str):
+    from ppdet.modeling.backbones.resnet import ResNet
+    from ppdet.modeling.heads.yolo_head import YOLOv3Head
+    from ppdet.modeling.layers import YOLOBox
+    from ppdet.modeling.necks.yolo_fpn import PPYOLOFPN
+    import paddle
+
+    c = PPYOLO[size]
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.backbone = ResNet(depth=c["depth"], variant="d", return_idx=c["return_idx"], dcn_v2_stages=c["dcn"],
+                                   freeze_at=-1, freeze_norm=False, norm_decay=0.0)
+            self.neck = PPYOLOFPN(in_channels=[s.channels for s in self.backbone.out_shape], coord_conv=c["coord_conv"],
+                                  drop_block=True, block_size=3, keep_prob=0.9, spp=c["spp"],
+                                  conv_block_num=c["blocks"])
+            self.yolo_head = YOLOv3Head(in_channels=[s.channels for s in self.neck.out_shape], anchors=c["anchors"],
+                                        anchor_masks=c["masks"], loss="YOLOv3Loss", iou_aware=c["iou_aware"],
+                                        iou_aware_factor=0.4)
+            self.box = YOLOBox(num_classes=80, conf_thresh=c["conf"], downsample_ratio=32, clip_bbox=True,
+                               scale_x_y=1.05)
+
+        def forward(self, x):
+            outs = self.yolo_head(self.neck(self.backbone({"image": x})))
+            n = x.shape[0]
+            hw = paddle.to_tensor([list(x.shape[-2:])] * n, dtype=x.dtype)
+            boxes, scores = self.box(outs, self.yolo_head.mask_anchors, hw, paddle.ones([n, 2], dtype=x.dtype))
+            return boxes, scores.transpose([0, 2, 1])  # [B, A, 4] xyxy px, [B, A, 80]
+
+    return Model()
+
+
+def record(name: str, build, full: tuple, tiny: tuple, seed: int, hw=(64, 96)) -> None:
+    """``build(*full)``: the released model (its key manifest); ``build(*tiny)``: the one whose
+    outputs are recorded (a narrower PP-YOLOE; PP-YOLO at full width on a small input)."""
     import paddle
 
     model = build(*full)
@@ -114,7 +160,7 @@ def record(name: str, build, full: tuple[float, float], tiny: tuple[float, float
     with paddle.no_grad():
         b64, s64 = (t.numpy() for t in model64(paddle.to_tensor(x.astype(np.float64))))
     np.savez_compressed(OUT / f"{name}_tiny.npz", names=np.array(names), shapes=np.array(json.dumps(shapes)),
-                        seed=seed, width=tiny[0], depth=tiny[1], x=x, boxes32=b32, scores32=s32, boxes64=b64,
+                        seed=seed, options=np.array(json.dumps(tiny)), x=x, boxes32=b32, scores32=s32, boxes64=b64,
                         scores64=s64)
     print(f"{name}: {len(manifest)} keys (full size), tiny outputs {b32.shape} {s32.shape}")
 
@@ -126,6 +172,8 @@ def main() -> None:
     import_ppdet(args.ppdet)
     OUT.mkdir(parents=True, exist_ok=True)
     record("ppyoloe_crn_s", ppyoloe, full=(0.50, 0.33), tiny=(0.125, 0.33), seed=25)
+    for size in PPYOLO:
+        record(f"ppyolo_{size}", ppyolo, full=(size,), tiny=(size,), seed=26, hw=(64, 64))
 
 
 if __name__ == "__main__":
