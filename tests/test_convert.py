@@ -255,3 +255,25 @@ def test_cli_output_and_the_official_file_load_as_detectors(tmp_path, caplog):
     r = subprocess.run([sys.executable, "-m", "fastdet.convert", str(src), "--arch", "yolox", "--size", "s",
                         "--output", str(tmp_path / "x.pth")], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "this looks like yolox-nano" in r.stderr
+
+
+def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp_path):
+    """What ``fastdet.train --ckpt yolox_nano.pth`` does (Trainer._finetune): the released file
+    converted, everything but the 80-class predictors loaded into a 3-class model."""
+    from fastdet.convert import load_any
+    from fastdet.engine.checkpoint import load_weights_tolerant
+
+    ref = megvii_yolox("nano")
+    src = tmp_path / "yolox_nano.pth"
+    torch.save({"model": ref.state_dict()}, src)
+    ck, converted = load_any(src, "yolox", "nano")
+    assert converted
+    from fastdet.models import build_model
+
+    model = build_model("yolox", "nano", 3)
+    skipped = load_weights_tolerant(model, ck["model"])
+    assert sorted(s.split(" ")[0] for s in skipped) == sorted(
+        f"head.cls_preds.{i}.{p}" for i in range(3) for p in ("weight", "bias"))
+    torch.testing.assert_close(model.backbone.stem.conv.conv.weight, ref.backbone.backbone.stem.conv.conv.weight)
+    with pytest.raises(ConvertError, match="this looks like yolox-nano"):
+        load_any(src, "yolox", "s")
