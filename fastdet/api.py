@@ -79,7 +79,8 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
 
 
 def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
-                  device: str | torch.device = "cpu") -> Detector:
+                  device: str | torch.device = "cpu", arch: str | None = None, size: str | None = None,
+                  source: str | None = None) -> Detector:
     """The detector of a fastdet checkpoint, in eval mode, with ``.info`` (:class:`DetectorInfo`).
 
     Args:
@@ -89,8 +90,21 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
         fuse: fold re-parameterisable blocks (RepVGG branches, conv+BN) for inference;
             the outputs stay the same up to float rounding.
         device: where the model lives.
+        arch, size, source: with ``arch``, ``ckpt_path`` may also be the authors' released
+            file (Megvii ``.pth``, Paddle ``.pdparams``, torchvision ``.pth``), converted on
+            load as ``python -m fastdet.convert`` does (and logged); ``size`` is inferred
+            from the shapes when None.
     """
-    ck, cfg = read_checkpoint(ckpt_path)
+    if arch is not None:
+        from fastdet.convert import load_any
+
+        ck, converted = load_any(ckpt_path, arch, size, source)
+        if not converted:
+            ck, cfg = read_checkpoint(ckpt_path)
+        else:
+            cfg = recipes.config_from_dict(ck["config"])
+    else:
+        ck, cfg = read_checkpoint(ckpt_path)
     arch = cfg.model.arch
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{ckpt_path}: architecture {arch!r} is not registered here "

@@ -132,9 +132,11 @@ def check_config(cfg: Config) -> None:
         path = Path(cfg.run.ckpt).expanduser()
         if not path.is_file():
             raise ConfigError(f"--ckpt {path}: no such file")
-        if not is_checkpoint_archive(path):
+        with open(path, "rb") as f:
+            pickled = f.read(1) == b"\x80"  # a Paddle .pdparams (fastdet.convert reads it)
+        if not is_checkpoint_archive(path) and not pickled:
             raise ConfigError(f"--ckpt {path} is not a checkpoint: torch.save writes a zip archive "
-                              "and this file is not one (corrupt, truncated or another format)")
+                              "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
 
 
 def main(argv: list[str] | None = None) -> int:

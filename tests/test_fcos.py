@@ -472,3 +472,33 @@ def test_bench_adapter_is_torchvisions_fcos():
         boxes, scores = model(x)
     assert boxes.shape == (2, 16 * 20 + 8 * 10 + 4 * 5 + 2 * 3 + 1 * 2, 4) and scores.shape[-1] == 3
     assert bool(((scores >= 0) & (scores <= 1)).all())
+
+
+def test_torchvision_decode_is_torchvisions():
+    """``decode="torchvision"``: torchvision's AnchorGenerator (points at j * (W // w_l), no
+    half stride, integer strides) and BoxLinearCoder(normalize_by_size=True), scores
+    sqrt(cls * centerness), no per-level scales; the Paddle decode differs from it."""
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.image_list import ImageList
+    from torchvision.models.detection._utils import BoxLinearCoder
+
+    from fastdet.models.fcos import FCOSHead, feature_shapes
+
+    torch.manual_seed(0)
+    head = FCOSHead(32, num_classes=3, decode="torchvision").eval()
+    with torch.no_grad():
+        head.scales.fill_(3.0)  # ignored by torchvision's decode
+    H, W = 128, 160  # P6 is 2 x 3: torchvision's stride there is 160 // 3 = 53
+    feats = [torch.randn(1, 32, h, w) for h, w in feature_shapes(H, W)]
+    with torch.no_grad():
+        boxes, scores = head.inference(feats)
+        gen = AnchorGenerator(((8,), (16,), (32,), (64,), (128,)), ((1.0,),) * 5)
+        anchors = gen(ImageList(torch.zeros(1, 3, H, W), [(H, W)]), feats)[0]
+        cls, ltrb, ctr = head.raw_outputs(feats)
+    want = BoxLinearCoder(normalize_by_size=True).decode(ltrb[0], anchors)
+    torch.testing.assert_close(boxes[0], want)
+    torch.testing.assert_close(scores, (cls.sigmoid() * ctr.sigmoid()[..., None]).sqrt())
+    head.decode = "paddle"
+    with torch.no_grad():
+        paddle_boxes, _ = head.inference(feats)
+    assert not torch.allclose(paddle_boxes[0], want, atol=1.0)

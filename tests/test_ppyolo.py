@@ -122,7 +122,8 @@ def test_contract(size):
         boxes, scores = model(x)
     A = sum(3 * (64 // s) ** 2 for s in model.head.strides)
     assert boxes.shape == (2, A, 4) and scores.shape == (2, A, 3)
-    assert (boxes >= 0).all() and (boxes <= 64).all() and (scores >= 0).all() and (scores <= 1).all()
+    # Paddle's one-sided yolo_box clip: x1, y1 >= 0, x2, y2 <= size - 1.
+    assert (boxes[..., :2] >= 0).all() and (boxes[..., 2:] <= 63).all() and (scores >= 0).all() and (scores <= 1).all()
     dets = model.predict(x)
     assert len(dets) == 2 and all(d["boxes"].shape[0] <= 100 for d in dets)
 
@@ -320,3 +321,42 @@ def test_matrix_nms_matches_paddle_loop(use_gaussian):
         np.testing.assert_allclose(got["scores"].numpy(), [d[0] for d in want], rtol=1e-5, atol=1e-6)
         assert got["labels"].tolist() == [d[1] for d in want]
         np.testing.assert_allclose(got["boxes"].numpy(), boxes[b, [d[2] for d in want]].numpy(), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- PaddleDetection 2.6's numerics
+
+
+def test_coord_conv_uses_paddledetection_ramps():
+    """PaddleDetection 2.6 ``add_coord``: ``arange(n) / ((n - 1) * 2) - 1`` (-1 .. -0.5), the
+    formula the released weights were trained with (not Liu et al.'s -1 .. 1)."""
+    from fastdet.models.ppyolo import CoordConv
+
+    cc = CoordConv(1, 1, 1)
+    seen = {}
+    cc.conv.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))  # [B, C + 2, H, W]
+    cc(torch.zeros(1, 1, 3, 5))
+    gx, gy = seen["x"][0, 1], seen["x"][0, 2]
+    torch.testing.assert_close(gx[0], torch.tensor([-1.0, -0.875, -0.75, -0.625, -0.5]))
+    torch.testing.assert_close(gy[:, 0], torch.tensor([-1.0, -0.75, -0.5]))
+    assert (gx == gx[:1]).all() and (gy == gy[:, :1]).all()
+
+
+def test_inference_clips_boxes_as_paddle_yolo_box():
+    """Paddle ``yolo_box(clip_bbox=True)``: x1, y1 >= 0 and x2 <= w - 1, y2 <= h - 1 (not [0, w])."""
+    torch.manual_seed(0)
+    model = build_ppyolo("r18vd", num_classes=3).eval()
+    head = model.head
+    feats = [torch.zeros(1, c, 64 // s, 64 // s) for c, s in zip(model.neck.out_channels, head.strides)]
+    level = head._level
+
+    def huge(i, f):  # log-sizes of 5: every box spans far past the image on all sides
+        ioup, p = level(i, f)
+        p = p.clone()
+        p[:, :, 2:4] = 5.0
+        return ioup, p
+
+    head._level = huge
+    with torch.no_grad():
+        boxes, _ = head.inference(feats)
+    assert boxes[..., :2].min() == 0 and boxes[..., :2].max() == 0
+    assert boxes[..., 2:].min() == 63 and boxes[..., 2:].max() == 63

@@ -219,7 +219,9 @@ class Trainer:
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch, self.step)
 
     def _finetune(self, path: str) -> None:
-        ck = load_checkpoint(path)
+        from fastdet.convert import load_any  # also the authors' released files, converted
+
+        ck, _ = load_any(path, self.cfg.model.arch, self.cfg.model.size)
         weights = ck.get("ema") or ck.get("model") or ck
         if isinstance(weights, dict) and "module" in weights:
             weights = weights["module"]

@@ -22,6 +22,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class WeightSource:
+    """How a family reads one source's released weight files (``fastdet.convert``).
+
+    ``convert(state) -> (state, num_classes)``: the authors' ``{name: tensor}`` (after the
+    file's layout is unwrapped) to fastdet's names, with the class count read from the
+    head's shapes; a key the family does not know raises ``KeyError`` naming it.
+    ``options``: the family options (config ``family`` section) these weights need, e.g.
+    their own decode. ``classes``: the label set of the released COCO models, ``"coco80"``
+    or ``"coco91"`` (torchvision's indexing, label = COCO category id).
+    ``file_format``: ``"torch"`` or ``"paddle"``.
+    """
+
+    convert: Callable[[dict[str, Any]], tuple[dict[str, Any], int]]
+    file_format: str = "torch"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    classes: str = "coco80"
+
+
+@dataclass(frozen=True)
 class ArchFamily:
     """What the registry knows of an architecture family.
 
@@ -30,7 +49,8 @@ class ArchFamily:
     takes as keyword options (see ``fastdet.models.build_model_from_config``);
     ``preprocess`` is how evaluation, prediction and export feed the network
     (``fastdet.data.preprocess``); ``recipe`` is how the family trains (presets, demo,
-    options, phases, post-processing: ``fastdet.models.recipe``).
+    options, phases, post-processing: ``fastdet.models.recipe``); ``weight_sources``: the
+    authors' released files it converts (:class:`WeightSource`, ``fastdet.convert``).
     """
 
     build: Callable[..., "Detector"]
@@ -38,6 +58,8 @@ class ArchFamily:
     config_fields: tuple[str, ...] = field(default_factory=tuple)
     preprocess: Preprocess = field(default_factory=Preprocess)
     recipe: Optional["Recipe"] = None
+    # Released weights this family reads, by source name ("megvii", "paddle", "torchvision").
+    weight_sources: Mapping[str, WeightSource] = field(default_factory=dict)
 
 
 class Detector(nn.Module):

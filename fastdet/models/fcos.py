@@ -32,12 +32,13 @@ from fastdet.data.stages import Flip, Normalize, Resize
 from fastdet.losses import all_reduce_mean, giou_loss
 from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
-from fastdet.models.detector import ArchFamily, Detector
+from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import fcos_assign
 
 SIZES = {"r50": 50}
 STRIDES = (8, 16, 32, 64, 128)
+DECODES = ("paddle", "torchvision")
 # Paddle object_sizes_boundary [64, 128, 256, 512]: the range of max(l, t, r, b) per level.
 SIZE_RANGES = ((0.0, 64.0), (64.0, 128.0), (128.0, 256.0), (256.0, 512.0), (512.0, math.inf))
 
@@ -158,8 +159,11 @@ class FCOSHead(nn.Module):
         focal_alpha: float = 0.25,
         focal_gamma: float = 2.0,
         prior_prob: float = 0.01,
+        decode: str = "paddle",
     ):
         super().__init__()
+        if decode not in DECODES:
+            raise ValueError(f"FCOSHead: decode must be one of {', '.join(DECODES)}, got {decode!r}")
         if len(strides) != len(size_ranges):
             raise ValueError(f"FCOSHead: {len(strides)} strides but {len(size_ranges)} size ranges")
         self.num_classes = num_classes
@@ -177,6 +181,9 @@ class FCOSHead(nn.Module):
             nn.init.zeros_(conv.bias)
         nn.init.constant_(self.cls_logits.bias, -math.log((1 - prior_prob) / prior_prob))  # sigmoid = 0.01
         self.scales = nn.Parameter(torch.ones(len(self.strides)))
+        self.decode = decode
+        if decode == "torchvision":  # torchvision's head has no per-level scales: they stay 1
+            self.scales.requires_grad_(False)
 
     def tower_bias_names(self) -> list[str]:
         """The tower convs' biases, which Paddle trains at twice the LR (ConvNormLayer lr_scale 2)."""
@@ -194,7 +201,8 @@ class FCOSHead(nn.Module):
             cls_feat = self.cls_tower(feat)
             reg_feat = self.reg_tower(feat)
             cls_list.append(self.cls_logits(cls_feat).flatten(2).transpose(1, 2))  # [B, HW, C]
-            reg = F.relu(self.scales[i] * self.bbox_reg(reg_feat))  # [B, 4, H, W]
+            reg = self.bbox_reg(reg_feat)  # [B, 4, H, W]
+            reg = F.relu(reg if self.decode == "torchvision" else self.scales[i] * reg)
             reg_list.append(reg.flatten(2).transpose(1, 2))
             ctr_list.append(self.centerness(reg_feat).flatten(1))  # [B, HW]
         return (torch.cat(cls_list, 1).float(), torch.cat(reg_list, 1).float(), torch.cat(ctr_list, 1).float())
@@ -205,13 +213,35 @@ class FCOSHead(nn.Module):
 
     # ------------------------------------------------------------------ inference
 
+    def torchvision_points(self, feats: Sequence[Tensor]) -> Tensor:
+        """torchvision's anchor centres [A, 2] px: ``j * (W // w_l)``, no half-stride offset and
+        an integer stride per level (``AnchorGenerator``: 320 // 3 = 106 at P7 of 320 px)."""
+        H, W = feats[0].shape[-2] * self.strides[0], feats[0].shape[-1] * self.strides[0]
+        points = []
+        for f in feats:
+            h, w = f.shape[-2:]
+            ys = torch.arange(h, device=f.device, dtype=torch.float32) * (H // h)
+            xs = torch.arange(w, device=f.device, dtype=torch.float32) * (W // w)
+            yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+            points.append(torch.stack([xx, yy], dim=-1).reshape(-1, 2))
+        return torch.cat(points)
+
     def inference(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """-> boxes [B, A, 4] xyxy input px, scores [B, A, C] = sigmoid(cls) * sigmoid(centerness)."""
+        """-> boxes [B, A, 4] xyxy input px, scores [B, A, C].
+
+        Paddle's decode (``decode="paddle"``): points at ``(j + 0.5) * stride``, scores
+        ``sigmoid(cls) * sigmoid(centerness)``; torchvision's (weights converted from
+        torchvision): points from :meth:`torchvision_points`, distances times the level's
+        anchor size (8 .. 128, ``BoxLinearCoder(normalize_by_size=True)``), scores
+        ``sqrt(sigmoid(cls) * sigmoid(centerness))``."""
         cls, ltrb, ctr = self.raw_outputs(feats)
         points, strides, _ = self.points(feats)
+        scores = cls.sigmoid() * ctr.sigmoid()[..., None]
+        if self.decode == "torchvision":
+            points, scores = self.torchvision_points(feats), scores.sqrt()
         d = ltrb * strides[:, None]  # [B, A, 4] px
         boxes = torch.cat([points - d[..., :2], points + d[..., 2:]], dim=-1)
-        return boxes, cls.sigmoid() * ctr.sigmoid()[..., None]
+        return boxes, scores
 
     # ------------------------------------------------------------------ training
 
@@ -291,18 +321,21 @@ def build_fcos(
     *,
     from_scratch: bool = False,
     backbone_weights: Optional[str | Path] = None,
+    decode: str = "paddle",
 ) -> FCOS:
     """FCOS of ``size`` r50 (ResNet-50 + FPN P3-P7 + FCOSHead).
 
     ``from_scratch``: trainable BatchNorm and no frozen stages in the backbone (see
     :mod:`fastdet.models.backbones.resnet` for why a from-scratch run needs both);
-    ``backbone_weights``: a local torchvision-format ResNet-50 state dict to start from.
+    ``backbone_weights``: a local torchvision-format ResNet-50 state dict to start from;
+    ``decode``: ``"paddle"`` (PaddleDetection's FCOS, the recipe) or ``"torchvision"``
+    (weights converted from torchvision's ``fcos_resnet50_fpn``, see :class:`FCOSHead`).
     """
     backbone = ResNetBackbone(SIZES[size], pretrained_form=not from_scratch, freeze_at=0)
     if backbone_weights is not None:
         load_backbone_weights(backbone, backbone_weights)
     neck = FPN(backbone.out_channels, 256)
-    head = FCOSHead(256, num_classes=num_classes)
+    head = FCOSHead(256, num_classes=num_classes, decode=decode)
     return FCOS(backbone, neck, head)
 
 
@@ -325,6 +358,9 @@ class FCOSOptions(NMSOptions):
     # Train the backbone's BatchNorm and its first stages too (a from-scratch run, e.g.
     # the demo): see fastdet/models/backbones/resnet.py for why frozen ones need weights.
     from_scratch: bool = False
+    # How boxes and scores decode: "paddle" (this recipe) or "torchvision" (weights converted
+    # from torchvision's fcos_resnet50_fpn: FCOSHead.inference).
+    decode: str = "paddle"
 
 
 def fcos_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
@@ -378,11 +414,62 @@ RECIPE = Recipe(
     },
 )
 
+# --------------------------------------------------------------------------- released weights
+
+
+def _tv_fpn(rest: str) -> str:
+    """torchvision FPN names (``inner_blocks.i.0.weight``; before 0.13 ``inner_blocks.i.weight``)."""
+    for tv, ours in (("inner_blocks.", "lateral."), ("layer_blocks.", "output.")):
+        if rest.startswith(tv):
+            i, *tail = rest[len(tv):].split(".")
+            if len(tail) == 2 and tail[0] == "0":
+                tail = tail[1:]
+            return f"neck.{ours}{i}.{'.'.join(tail)}"
+    if rest.startswith("extra_blocks."):
+        return "neck." + rest[len("extra_blocks."):]
+    raise KeyError(f"backbone.fpn.{rest} (not a torchvision FPN name)")
+
+
+_TV_HEAD = {
+    "head.classification_head.conv.": "head.cls_tower.",
+    "head.classification_head.cls_logits.": "head.cls_logits.",
+    "head.regression_head.conv.": "head.reg_tower.",
+    "head.regression_head.bbox_reg.": "head.bbox_reg.",
+    "head.regression_head.bbox_ctrness.": "head.centerness.",
+}
+
+
+def from_torchvision(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """torchvision ``fcos_resnet50_fpn`` names -> fastdet's: ``backbone.body.*`` -> ``backbone.*``
+    (the same torchvision ResNet), ``backbone.fpn.*`` -> ``neck.*``, the two heads' towers and
+    predictors -> ``head.*``; the per-level scales torchvision lacks are created at 1 (the
+    torchvision decode never reads them)."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if k.startswith("backbone.body."):
+            out["backbone." + k[len("backbone.body."):]] = v
+        elif k.startswith("backbone.fpn."):
+            out[_tv_fpn(k[len("backbone.fpn."):])] = v
+        else:
+            prefix = next((p for p in _TV_HEAD if k.startswith(p)), None)
+            if prefix is None:
+                raise KeyError(f"{k} (not a torchvision fcos_resnet50_fpn name)")
+            out[_TV_HEAD[prefix] + k[len(prefix):]] = v
+    if "head.cls_logits.weight" not in out:
+        raise KeyError("head.classification_head.cls_logits.weight (absent: not a torchvision FCOS)")
+    out["head.scales"] = torch.ones(len(STRIDES))
+    return out, int(out["head.cls_logits.weight"].shape[0])
+
+
 # Paddle fcos_reader.yml: Resize [800, 1333] keep_ratio, interp 1 (linear); ImageNet mean/std.
 FAMILY = ArchFamily(
     build=build_fcos,
     sizes=tuple(SIZES),
-    config_fields=("from_scratch",),
+    config_fields=("from_scratch", "decode"),
     preprocess=Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear"),
     recipe=RECIPE,
+    # torchvision's FCOS evaluates with its constructor's defaults: score 0.2, top 1000
+    # candidates, NMS 0.6, 100 detections.
+    weight_sources={"torchvision": WeightSource(from_torchvision, options={"decode": "torchvision", "score_thresh": 0.2},
+                                                classes="coco91")},
 )

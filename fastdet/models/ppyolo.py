@@ -32,6 +32,8 @@ the 1 % check can be run against. The paper's figure comes from its ablation tab
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -43,8 +45,9 @@ from fastdet.config import Config
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Resize
 from fastdet.models.backbones.resnet_vd import ResNetVd
-from fastdet.models.detector import ArchFamily, Detector
+from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, ConvBNAct, paddle_conv_init_
+from fastdet.models.paddle_names import NAME_TABLE, bn_name
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import box_iou, yolo_targets
 
@@ -90,8 +93,12 @@ def conv_bn(c_in: int, c_out: int, k: int) -> ConvBNAct:
 
 
 class CoordConv(nn.Module):
-    """``conv_bn(cat(x, gx, gy))`` with ``gx``, ``gy`` linear ramps from -1 to 1 across the
-    width and height (Liu et al. 2018); needs at least 2 pixels per side."""
+    """``conv_bn(cat(x, gx, gy))`` with PaddleDetection 2.6's coordinate ramps.
+
+    Paddle's ``add_coord`` (ppdet/modeling/necks/yolo_fpn.py) computes
+    ``arange(n) / ((n - 1) * 2) - 1``, which runs from -1 to -0.5 across the width and
+    height, not the -1..1 of Liu et al. 2018; the released weights were trained with it,
+    and with -1..1 their dense outputs move by up to 23 %. Needs at least 2 pixels per side."""
 
     def __init__(self, c_in: int, c_out: int, k: int):
         super().__init__()
@@ -99,8 +106,8 @@ class CoordConv(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, _, h, w = x.shape
-        gx = torch.arange(w, device=x.device, dtype=x.dtype) / (w - 1.0) * 2.0 - 1.0
-        gy = torch.arange(h, device=x.device, dtype=x.dtype) / (h - 1.0) * 2.0 - 1.0
+        gx = torch.arange(w, device=x.device, dtype=x.dtype) / ((w - 1.0) * 2.0) - 1.0
+        gy = torch.arange(h, device=x.device, dtype=x.dtype) / ((h - 1.0) * 2.0) - 1.0
         coords = torch.stack([gx.expand(h, w), gy[:, None].expand(h, w)])  # [2, H, W]
         return self.conv(torch.cat([x, coords.expand(b, 2, h, w)], dim=1))
 
@@ -354,8 +361,10 @@ class YOLOv3Head(nn.Module):
             all_scores.append(scores.permute(0, 1, 3, 4, 2).reshape(b, -1, self.num_classes))
         boxes = torch.cat(all_boxes, dim=1)
         h, w = (feats[0].shape[-2] * self.strides[0], feats[0].shape[-1] * self.strides[0])
-        limit = boxes.new_tensor([w, h, w, h])
-        return torch.minimum(boxes.clamp(min=0.0), limit), torch.cat(all_scores, dim=1)
+        # Paddle's yolo_box (clip_bbox) clips one-sided: x1, y1 >= 0 and x2 <= w - 1, y2 <= h - 1.
+        lo = boxes.new_tensor([0.0, 0.0, -math.inf, -math.inf])
+        hi = boxes.new_tensor([math.inf, math.inf, w - 1.0, h - 1.0])
+        return torch.minimum(torch.maximum(boxes, lo), hi), torch.cat(all_scores, dim=1)
 
     # ------------------------------------------------------------------ training
 
@@ -641,4 +650,62 @@ RECIPE = Recipe(
     },
 )
 
-FAMILY = ArchFamily(build=build_ppyolo, sizes=tuple(SIZES), recipe=RECIPE)
+# --------------------------------------------------------------------------- released weights
+
+# Paddle's PPYOLODetBlock children in order; fastdet's ``layers`` index is the position,
+# DropBlock ("drop", no weights) included (yolo_fpn.py PPYOLOFPN, drop_block on in both configs).
+_BLOCK_ORDER = {
+    (2, True): ("conv0", "conv1", "conv2", "spp", "conv3", "drop", "route"),  # coarsest level
+    (2, False): ("conv0", "conv1", "drop", "conv2", "conv3", "route"),
+    (0, True): ("spp", "drop", "route"),
+    (0, False): ("drop", "route"),
+}
+
+
+def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """PaddleDetection PP-YOLO (r50vd_dcn, r18vd) ``.pdparams`` names -> fastdet's.
+
+    Backbone ``conv1.conv1_{1,2,3}`` -> ``stem.0..2``, ``resN.resN<letter>`` -> ``stages.N-2.<i>``,
+    the vd shortcut ``short.conv.{conv,norm}`` -> ``short.1`` (after its avg-pool), DCN
+    ``branch2b.conv_offset`` -> ``branch2b.conv.conv_offset`` (offset/mask channels kept in
+    Paddle's order, which fastdet's DeformConv2d uses); neck ``yolo_block.i.conv_module.<name>``
+    -> ``blocks.i.layers.<position>`` (:data:`_BLOCK_ORDER`), ``yolo_transition`` ->
+    ``transitions``; head ``yolo_head.yolo_output.i`` -> ``head.outputs.i``; ``norm`` /
+    ``batch_norm`` -> ``bn``, ``_mean`` / ``_variance`` -> running statistics.
+    """
+    state = {k: v for k, v in state.items() if k != NAME_TABLE}
+    deep = any(k.startswith("neck.yolo_block.0.conv_module.conv0.") for k in state)  # conv_block_num 2
+    spp = any(k.startswith("neck.yolo_block.0.conv_module.spp.") for k in state)
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        name = bn_name(k).replace(".batch_norm.", ".bn.").replace(".norm.", ".bn.")
+        if m := re.match(r"backbone\.conv1\.conv1_(\d)\.(.*)", name):
+            name = f"backbone.stem.{int(m[1]) - 1}.{m[2]}"
+        elif m := re.match(r"backbone\.res(\d)\.res\d([a-z])\.(.*)", name):
+            rest = re.sub(r"^short\.conv\.(conv|bn)\.", r"short.1.\1.", m[3])
+            rest = rest.replace("branch2b.conv_offset.", "branch2b.conv.conv_offset.")
+            name = f"backbone.stages.{int(m[1]) - 2}.{ord(m[2]) - ord('a')}.{rest}"
+        elif m := re.match(r"neck\.yolo_block\.(\d+)\.conv_module\.(\w+)\.(.*)", name):
+            order = _BLOCK_ORDER[(2 if deep else 0, m[1] == "0" and spp)]
+            if m[2] not in order:
+                raise KeyError(f"{k} (a PPYOLODetBlock layer fastdet does not have)")
+            name = f"neck.blocks.{m[1]}.layers.{order.index(m[2])}.{m[3]}"
+        elif m := re.match(r"neck\.yolo_block\.(\d+)\.tip\.(.*)", name):
+            name = f"neck.blocks.{m[1]}.tip.{m[2]}"
+        elif m := re.match(r"neck\.yolo_transition\.(\d+)\.(.*)", name):
+            name = f"neck.transitions.{m[1]}.{m[2]}"
+        elif m := re.match(r"yolo_head\.yolo_output\.(\d+)\.(.*)", name):
+            name = f"head.outputs.{m[1]}.{m[2]}"
+        else:
+            raise KeyError(f"{k} (not a PaddleDetection PP-YOLO name)")
+        out[name] = v
+    if "head.outputs.0.weight" not in out:
+        raise KeyError("yolo_head.yolo_output.0.weight (absent: not a PP-YOLO model)")
+    # Channels per level: na IoU logits (r50vd_dcn, which has the DCN) + na * (5 + C), na = 3.
+    iou_aware = any("conv_offset" in k for k in out)
+    per_anchor = out["head.outputs.0.weight"].shape[0] // 3
+    return out, int(per_anchor - 5 - (1 if iou_aware else 0))
+
+
+FAMILY = ArchFamily(build=build_ppyolo, sizes=tuple(SIZES), recipe=RECIPE,
+                      weight_sources={"paddle": WeightSource(from_paddle, file_format="paddle")})

@@ -12,8 +12,9 @@ Feature maps, anchors and predictions are ordered as in Paddle: stride 32, 16, 8
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,9 @@ from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.stages import Distort, ExpandCrop, Flip, Normalize, Resize
 from fastdet.losses import all_reduce_mean, distribution_focal_loss, giou_loss, varifocal_loss
 from fastdet.models.backbones.cspresnet import CSPResNet, scale_channels, scale_depths
-from fastdet.models.detector import ArchFamily, Detector
+from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, BasicBlock, ConvBNAct
+from fastdet.models.paddle_names import NAME_TABLE, bn_name, dfl_projection_checked
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import atss_assign, task_aligned_assign
 
@@ -427,4 +429,56 @@ RECIPE = Recipe(
     },
 )
 
-FAMILY = ArchFamily(build=build_ppyoloe, sizes=tuple(SIZES), recipe=RECIPE)
+# --------------------------------------------------------------------------- released weights
+
+
+def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """PaddleDetection PP-YOLOE (crn) ``.pdparams`` names -> fastdet's.
+
+    ``backbone.stem.conv1..3`` -> ``stem.0..2``; the neck's ``{fpn,pan}_stages.N.0.`` lose
+    their one-stage ``0.`` level; inside a CSPStage Paddle names the SPP ``convs.spp`` after
+    block ``(n - 1) // 2``, which fastdet's ``convs`` Sequential holds at that index + 1
+    (later blocks shift by one); ``yolo_head.`` -> ``head.``; BatchNorm ``_mean`` /
+    ``_variance`` -> running statistics; RepVGG blocks stay unfused as stored; the fixed
+    DFL projection ``yolo_head.proj_conv`` is checked and dropped.
+    """
+    state = {k: v for k, v in state.items() if k != NAME_TABLE}
+    # Blocks per neck stage (n), from the stored indices, to place the SPP.
+    blocks: dict[str, int] = {}
+    for k in state:
+        m = re.match(r"neck\.((?:fpn|pan)_stages\.\d+)\.0\.convs\.(\d+)\.", k)
+        if m:
+            blocks[m[1]] = max(blocks.get(m[1], 0), int(m[2]) + 1)
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        name = bn_name(k)
+        if name == "yolo_head.proj_conv.weight":
+            dfl_projection_checked(v, k)
+            continue
+        if name.startswith("yolo_head."):
+            name = "head." + name[len("yolo_head."):]
+        elif name.startswith("backbone.stem.conv"):
+            i, rest = name[len("backbone.stem.conv"):].split(".", 1)
+            name = f"backbone.stem.{int(i) - 1}.{rest}"
+        elif name.startswith("neck."):
+            m = re.match(r"neck\.((?:fpn|pan)_stages\.\d+)\.(\d+)\.(.*)", name)
+            if m:
+                if m[2] != "0":
+                    raise KeyError(f"{k} (a second CSPStage per level: stage_num 1 in the crn configs)")
+                stage, rest = m[1], m[3]
+                spp_at = (blocks.get(stage, 1) - 1) // 2 + 1
+                c = re.match(r"convs\.(spp|\d+)\.(.*)", rest)
+                if c:
+                    j = spp_at if c[1] == "spp" else int(c[1]) + (int(c[1]) >= spp_at)
+                    rest = f"convs.{j}.{c[2]}"
+                name = f"neck.{stage}.{rest}"
+        elif not name.startswith("backbone."):
+            raise KeyError(f"{k} (PP-YOLOE names start with backbone., neck. or yolo_head.)")
+        out[name] = v
+    if "head.pred_cls.0.weight" not in out:
+        raise KeyError("yolo_head.pred_cls.0.weight (absent: not a PP-YOLOE model)")
+    return out, int(out["head.pred_cls.0.weight"].shape[0])
+
+
+FAMILY = ArchFamily(build=build_ppyoloe, sizes=tuple(SIZES), recipe=RECIPE,
+                      weight_sources={"paddle": WeightSource(from_paddle, file_format="paddle")})

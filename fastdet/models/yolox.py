@@ -27,7 +27,7 @@ from fastdet.data.preprocess import Preprocess
 from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffine, Resize
 from fastdet.losses import all_reduce_mean
 from fastdet.models.backbones.cspdarknet import CSPDarknet, CSPLayer, base_conv, conv
-from fastdet.models.detector import ArchFamily, Detector
+from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import simota_assign
 
@@ -450,8 +450,31 @@ RECIPE = Recipe(
     },
 )
 
+# --------------------------------------------------------------------------- released weights
+
+
+def from_megvii(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """Megvii's names -> fastdet's: ``backbone.backbone.*`` (CSPDarknet) -> ``backbone.*``,
+    the PAFPN's own ``backbone.*`` -> ``neck.*``, ``head.*`` unchanged (same module tree).
+    BatchNorm eps/momentum are not in the file; :func:`build_yolox` sets Megvii's."""
+    out = {}
+    for k, v in state.items():
+        if k.startswith("backbone.backbone."):
+            out["backbone." + k[len("backbone.backbone."):]] = v
+        elif k.startswith("backbone."):
+            out["neck." + k[len("backbone."):]] = v
+        elif k.startswith("head."):
+            out[k] = v
+        else:
+            raise KeyError(f"{k} (Megvii YOLOX names start with backbone. or head.)")
+    if "head.cls_preds.0.weight" not in out:
+        raise KeyError("head.cls_preds.0.weight (absent: not a Megvii YOLOX model)")
+    return out, int(out["head.cls_preds.0.weight"].shape[0])
+
+
 FAMILY = ArchFamily(
     build=build_yolox,
+    weight_sources={"megvii": WeightSource(from_megvii)},
     sizes=tuple(SIZES),
     preprocess=Preprocess(resize="letterbox", pad_value=114.0, mean=None, std=None, interp="linear"),
     recipe=RECIPE,

@@ -1,0 +1,5 @@
+import sys
+
+from fastdet.convert import main
+
+sys.exit(main())

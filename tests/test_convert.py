@@ -1,0 +1,279 @@
+"""fastdet.convert: the authors' released files read safely, converted, and computing the
+authors' function (their own code as the reference, random weights with non-trivial
+BatchNorm statistics, saved in the released layout)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastdet.convert import ConvertError, convert
+from fastdet.convert.io import UnsafeWeightsError, load_pdparams, load_torch_file, read_weights
+
+
+# --------------------------------------------------------------------------- loading runs no code
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("PAYLOAD-RAN",))
+
+
+def test_pdparams_with_a_reduce_payload_is_refused_without_running_it(tmp_path, capsys):
+    path = tmp_path / "evil.pdparams"
+    path.write_bytes(pickle.dumps({"conv.weight": np.ones((2, 2), np.float32), "x": _Payload()}, protocol=4))
+    with pytest.raises(UnsafeWeightsError, match=r"evil\.pdparams: refused: the pickle asks for builtins\.print"):
+        load_pdparams(path)
+    assert "PAYLOAD-RAN" not in capsys.readouterr().out
+    # The same file through plain pickle does run it: the payload is real.
+    pickle.loads(path.read_bytes())
+    assert "PAYLOAD-RAN" in capsys.readouterr().out
+
+
+def test_torch_file_with_a_reduce_payload_is_refused(tmp_path, capsys):
+    path = tmp_path / "evil.pth"
+    torch.save({"model": {"w": torch.ones(2)}, "x": _Payload()}, path)
+    capsys.readouterr()
+    with pytest.raises(UnsafeWeightsError, match="evil.pth: refused"):
+        load_torch_file(path)
+    assert "PAYLOAD-RAN" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_pdparams_of_numpy_arrays_load(tmp_path, protocol):
+    """Paddle's layout: {name: float32 array} plus the name table, any pickle protocol."""
+    state = {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "a._mean": np.zeros(3, np.float32),
+             "StructuredToParameterName@@": {"a.weight": "conv2d_0.w_0"}}
+    path = tmp_path / "m.pdparams"
+    path.write_bytes(pickle.dumps(state, protocol=protocol))
+    got = read_weights(path)
+    np.testing.assert_array_equal(got["a.weight"], state["a.weight"])
+    assert got["StructuredToParameterName@@"] == {"a.weight": "conv2d_0.w_0"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Deterministic random weights and non-trivial BatchNorm statistics (eval-mode outputs
+    then depend on every stored tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if not t.is_floating_point():
+                continue
+            if name.endswith("running_var"):
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            elif name.endswith(("running_mean", "bias")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+            elif t.dim() == 1:  # norm weights
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            else:  # fan-in scaled, so activations stay O(1) through deep stacks
+                fan_in = t[0].numel()
+                t.copy_(torch.randn(t.shape, generator=g) / fan_in**0.5)
+    return model.eval()
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def assert_authors_function(ours, theirs, x: torch.Tensor) -> None:
+    """``ours(x)`` / ``theirs(x)`` -> (boxes, scores). In float64 they agree to 1e-4 relative;
+    in float32 ours is within 4x the authors' own float32 error (both against float64)."""
+    with torch.no_grad():
+        ref64 = theirs(x.double(), torch.float64)
+        ref32 = theirs(x, torch.float32)
+        our64 = ours(x.double(), torch.float64)
+        our32 = ours(x, torch.float32)
+    for i, what in enumerate(("boxes", "scores")):
+        assert ref64[i].shape == our64[i].shape, what
+        assert rel_err(our64[i], ref64[i]) <= 1e-4, (what, rel_err(our64[i], ref64[i]))
+        authors = rel_err(ref32[i], ref64[i])
+        assert rel_err(our32[i], ref64[i]) <= max(4 * authors, 1e-6), (what, rel_err(our32[i], ref64[i]), authors)
+
+
+def load_converted(ck: dict, arch: str, size: str):
+    from fastdet import recipes
+
+    cfg = recipes.config_from_dict(ck["config"])
+    assert (cfg.model.arch, cfg.model.size) == (arch, size)
+    model = recipes.build_detector(cfg)
+    model.load_state_dict(ck["model"])
+    return model.eval()
+
+
+def runner(model):
+    def run(x, dtype):
+        return model.to(dtype)(x)
+    return run
+
+
+# --------------------------------------------------------------------------- Megvii YOLOX
+
+
+def megvii_yolox(size: str):
+    """Megvii's own model as its exp files build it (``yolox_base.get_model``: BN eps 1e-3,
+    momentum 0.03; nano depthwise)."""
+    yolox_models = pytest.importorskip("yolox.models", reason="Megvii's yolox is a test dependency")
+    from fastdet.models.yolox import SIZES
+
+    depth, width, dw = SIZES[size]
+    model = yolox_models.YOLOX(yolox_models.YOLOPAFPN(depth, width, depthwise=dw),
+                               yolox_models.YOLOXHead(80, width, depthwise=dw))
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps, m.momentum = 1e-3, 0.03
+    return randomise(model, seed=1)
+
+
+def megvii_dense(model):
+    def run(x, dtype):
+        out = model.to(dtype)(x)  # [B, A, 5 + C]: cx, cy, w, h px, sigmoid obj, sigmoid cls
+        boxes = torch.cat([out[..., :2] - out[..., 2:4] / 2, out[..., :2] + out[..., 2:4] / 2], -1)
+        return boxes, out[..., 5:] * out[..., 4:5]
+    return run
+
+
+@pytest.mark.parametrize("size,layout", [("nano", "release"), ("nano", "trainer"),
+                                         ("s", "release")])
+def test_megvii_yolox_computes_megvii_function(tmp_path, size, layout):
+    ref = megvii_yolox(size)
+    path = tmp_path / f"yolox_{size}.pth"
+    state = ref.state_dict()
+    torch.save({"model": state} if layout == "release" else
+               {"start_epoch": 300, "model": state, "optimizer": {"state": {}, "param_groups": []}, "best_ap": 40.5},
+               path)
+    ck, got_size = convert(path, "yolox")  # size inferred from the shapes
+    assert got_size == size and ck["converted_from"]["source"] == "megvii"
+    assert len(ck["class_names"]) == 80 and ck["class_names"][0] == "person" and ck["cat_ids"][-1] == 90
+    ours = load_converted(ck, "yolox", size)
+    x = torch.rand(2, 3, 64, 96) * 255
+    assert_authors_function(runner(ours), megvii_dense(ref), x)
+
+
+def test_wrong_size_is_refused_naming_the_key_and_the_likely_size(tmp_path):
+    ref = megvii_yolox("s")
+    path = tmp_path / "yolox_s.pth"
+    torch.save({"model": ref.state_dict()}, path)
+    with pytest.raises(ConvertError) as e:
+        convert(path, "yolox", "m")
+    msg = str(e.value)
+    assert "\n" not in msg and "yolox_s.pth" in msg
+    assert "shape [32, 12, 3, 3], yolox-m expects [48, 12, 3, 3]; this looks like yolox-s" in msg
+    with pytest.raises(ConvertError, match="not torchvision's fcos|converts weights from"):
+        convert(path, "fcos", source="megvii")
+
+
+# --------------------------------------------------------------------------- torchvision FCOS
+
+
+def torchvision_fcos():
+    """torchvision's ``fcos_resnet50_fpn`` as its builder makes it for released weights
+    (FrozenBatchNorm2d, so the file has no num_batches_tracked), 91 classes."""
+    from torchvision.models import resnet50
+    from torchvision.models.detection import FCOS
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    torch.manual_seed(0)
+    body = resnet50(norm_layer=FrozenBatchNorm2d)
+    backbone = _resnet_fpn_extractor(body, 3, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256))
+    return randomise(FCOS(backbone, num_classes=91), seed=2)
+
+
+def torchvision_dense(model):
+    """Dense boxes and scores through torchvision's own anchor generator and box coder."""
+    from torchvision.models.detection.image_list import ImageList
+
+    def run(x, dtype):
+        model.to(dtype)
+        feats = list(model.backbone(x).values())
+        out = model.head(feats)
+        images = ImageList(x, [tuple(x.shape[-2:])] * x.shape[0])
+        anchors = model.anchor_generator(images, feats)
+        boxes = torch.stack([model.box_coder.decode(out["bbox_regression"][b], anchors[b]) for b in range(x.shape[0])])
+        scores = torch.sqrt(out["cls_logits"].sigmoid() * out["bbox_ctrness"].sigmoid())
+        return boxes, scores
+    return run
+
+
+@pytest.mark.slow  # ~45 s on the loaded 2-core CPU (a float64 ResNet-50 FCOS twice)
+def test_torchvision_fcos_computes_torchvision_function(tmp_path):
+    """At 160 x 128 P6 is 3 x 2: torchvision's integer stride there is 160 // 3 = 53 (not 64)."""
+    ref = torchvision_fcos()
+    path = tmp_path / "fcos_resnet50_fpn_coco.pth"
+    torch.save(ref.state_dict(), path)
+    ck, size = convert(path, "fcos", source="torchvision")
+    assert size == "r50" and ck["config"]["family"]["decode"] == "torchvision"
+    assert ck["config"]["model"]["num_classes"] == 91 and ck["class_names"][1] == "person" and ck["cat_ids"][1] == 1
+    ours = load_converted(ck, "fcos", "r50")
+    x = torch.randn(1, 3, 128, 160)
+    assert_authors_function(runner(ours), torchvision_dense(ref), x)
+    # The Paddle decode (half-stride points, nominal strides, no sqrt) is another function.
+    ours.head.decode = "paddle"
+    with torch.no_grad():
+        boxes, scores = ours(x)
+        want = torchvision_dense(ref)(x, torch.float32)
+    assert rel_err(boxes, want[0]) > 1e-2 and rel_err(scores, want[1]) > 1e-2
+
+
+# --------------------------------------------------------------------------- the converted file in use
+
+
+def test_cli_output_and_the_official_file_load_as_detectors(tmp_path, caplog):
+    """``python -m fastdet.convert`` writes a checkpoint load_detector takes (class names, the
+    recipe's eval settings); load_detector(SRC, arch=...) converts the official file itself
+    and says so; both give the same detections."""
+    import logging
+
+    import fastdet
+
+    ref = megvii_yolox("nano")
+    src, out = tmp_path / "yolox_nano.pth", tmp_path / "yolox_nano_fastdet.pth"
+    torch.save({"model": ref.state_dict()}, src)
+    r = subprocess.run([sys.executable, "-m", "fastdet.convert", "--from", "megvii", str(src), "--arch", "yolox",
+                        "--output", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "yolox-nano, 80 classes" in r.stdout
+    det = fastdet.load_detector(out)
+    assert det.info.class_names[0] == "person" and det.info.img_size == 416
+    with caplog.at_level(logging.INFO, logger="fastdet.convert"):
+        direct = fastdet.load_detector(src, arch="yolox")
+    assert "converted from megvii's released yolox weights (yolox-nano, 80 classes)" in caplog.text
+    img = (np.random.default_rng(0).random((90, 120, 3)) * 255).astype(np.uint8)
+    a, b = fastdet.detect(det, [img], score_thresh=0.0), fastdet.detect(direct, [img], score_thresh=0.0)
+    torch.testing.assert_close(a[0]["boxes"], b[0]["boxes"])
+    # A wrong size through the CLI: one line, exit status 2.
+    r = subprocess.run([sys.executable, "-m", "fastdet.convert", str(src), "--arch", "yolox", "--size", "s",
+                        "--output", str(tmp_path / "x.pth")], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "this looks like yolox-nano" in r.stderr
+
+
+def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp_path):
+    """What ``fastdet.train --ckpt yolox_nano.pth`` does (Trainer._finetune): the released file
+    converted, everything but the 80-class predictors loaded into a 3-class model."""
+    from fastdet.convert import load_any
+    from fastdet.engine.checkpoint import load_weights_tolerant
+
+    ref = megvii_yolox("nano")
+    src = tmp_path / "yolox_nano.pth"
+    torch.save({"model": ref.state_dict()}, src)
+    ck, converted = load_any(src, "yolox", "nano")
+    assert converted
+    from fastdet.models import build_model
+
+    model = build_model("yolox", "nano", 3)
+    skipped = load_weights_tolerant(model, ck["model"])
+    assert sorted(s.split(" ")[0] for s in skipped) == sorted(
+        f"head.cls_preds.{i}.{p}" for i in range(3) for p in ("weight", "bias"))
+    torch.testing.assert_close(model.backbone.stem.conv.conv.weight, ref.backbone.backbone.stem.conv.conv.weight)
+    with pytest.raises(ConvertError, match="this looks like yolox-nano"):
+        load_any(src, "yolox", "s")

@@ -1,0 +1,96 @@
+"""PaddleDetection's released layouts, against fixtures recorded with PaddleDetection 2.6's
+own modules under paddlepaddle 3.3 (tools/record_paddle_fixtures.py; no paddle needed here).
+
+Per model: the full-size key manifest converts onto the fastdet size exactly (and is
+refused as another size), and a tiny-width model filled with the recorded seed, saved as
+a ``.pdparams`` pickle, converts and computes Paddle's dense boxes and scores on the
+recorded input (float64 within 1e-4 relative; float32 within 4x Paddle's own float32 error).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastdet.convert import ConvertError, _fit, convert, unwrap
+from fastdet.convert.io import read_weights
+from fastdet.models import ARCHITECTURES, build_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "paddle"
+_spec = importlib.util.spec_from_file_location("record_paddle_fixtures",
+                                               Path(__file__).parents[1] / "tools" / "record_paddle_fixtures.py")
+record = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(record)
+
+CASES = [("ppyoloe_crn_s", "ppyoloe", "s"), ("ppyolo_r50vd_dcn", "ppyolo", "r50vd_dcn"), ("ppyolo_r18vd", "ppyolo", "r18vd")]
+
+
+def manifest_arrays(fixture: str) -> dict[str, np.ndarray]:
+    """Zeros of the released shapes (PP-YOLOE's fixed DFL projection holds 0..16)."""
+    manifest = json.loads((FIXTURES / f"{fixture}_manifest.json").read_text())
+    return {k: (np.arange(np.prod(s), dtype=np.float32).reshape(s) if k.endswith("proj_conv.weight")
+                else np.zeros(s, np.float32)) for k, s in manifest}
+
+
+def write_pdparams(path: Path, weights: dict[str, np.ndarray]) -> None:
+    """As paddle.save writes it: protocol 4, the name table included."""
+    state = dict(weights)
+    state["StructuredToParameterName@@"] = {k: f"param_{i}" for i, k in enumerate(weights)}
+    path.write_bytes(pickle.dumps(state, protocol=4))
+
+
+@pytest.mark.parametrize("fixture,arch,size", CASES)
+def test_released_key_manifest_converts_exactly(fixture, arch, size, tmp_path):
+    state = manifest_arrays(fixture)
+    conv = ARCHITECTURES[arch].weight_sources["paddle"].convert
+    ours, num_classes = conv(unwrap(state, tmp_path))
+    assert num_classes == 80
+    assert _fit(ours, arch, size, num_classes, {}) is None
+    other = next(s for s in ARCHITECTURES[arch].sizes if s != size)
+    assert _fit(ours, arch, other, num_classes, {}) is not None
+
+
+def rel_err(a, ref) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fixture,arch,size", CASES)
+def test_tiny_model_computes_paddles_function(fixture, arch, size, tmp_path):
+    f = np.load(FIXTURES / f"{fixture}_tiny.npz")
+    names = [str(n) for n in f["names"]]
+    shapes = [tuple(s) for s in json.loads(str(f["shapes"]))]
+    weights = record.fill(names, shapes, int(f["seed"]))
+    path = tmp_path / f"{fixture}_tiny.pdparams"
+    write_pdparams(path, weights)
+    conv = ARCHITECTURES[arch].weight_sources["paddle"].convert
+    state, num_classes = conv(unwrap(read_weights(path), path))
+    tiny = json.loads(str(f["options"]))  # the recorded model: PP-YOLOE at a narrower (width, depth)
+    options = {"width_mult": tiny[0], "depth_mult": tiny[1]} if arch == "ppyoloe" else {}
+    model = build_model(arch, size, num_classes, **options).eval()
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and all(k.endswith("num_batches_tracked") for k in result.missing_keys)
+    x = torch.from_numpy(f["x"])
+    with torch.no_grad():
+        b32, s32 = model(x)
+        b64, s64 = model.double()(x.double())
+    for ours32, ours64, want32, want64 in ((b32, b64, f["boxes32"], f["boxes64"]), (s32, s64, f["scores32"], f["scores64"])):
+        assert ours64.shape == want64.shape
+        assert rel_err(ours64, want64) <= 1e-4
+        assert rel_err(ours32, want64) <= max(4 * rel_err(want32, want64), 1e-6)
+
+
+def test_pdparams_through_the_cli_converter_needs_a_fitting_size(tmp_path):
+    path = tmp_path / "ppyoloe_crn_s_300e_coco.pdparams"
+    write_pdparams(path, manifest_arrays("ppyoloe_crn_s"))
+    ck, size = convert(path, "ppyoloe")
+    assert size == "s" and ck["converted_from"]["source"] == "paddle" and ck["class_names"][0] == "person"
+    assert ck["model"]["backbone.stem.0.bn.num_batches_tracked"].item() == 0
+    with pytest.raises(ConvertError, match="this looks like ppyoloe-s"):
+        convert(path, "ppyoloe", "l")

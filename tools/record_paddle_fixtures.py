@@ -1,0 +1,180 @@
+"""Record PaddleDetection fixtures for tests/test_convert_paddle.py (so `make test` needs no paddle).
+
+Runs PaddleDetection 2.6's own modules (its source tree, given with --ppdet; only the
+model files are imported, not ppdet/__init__) under paddlepaddle, and writes to
+tests/fixtures/paddle/:
+
+- ``<model>_manifest.json``: every key of the full-size model's state dict in Paddle's
+  order with its shape (what a released ``.pdparams`` holds), for the key-count checks;
+- ``<model>_tiny.npz``: a tiny-width model's key order and shapes, the seed that fills
+  its weights (:func:`fill`, which the test repeats), a fixed input, and Paddle's dense
+  outputs on it (boxes, scores) in float32 and float64.
+
+Regenerate (CPU is enough):
+
+    pip install paddlepaddle==3.3.1
+    git clone --branch v2.6.0 https://github.com/PaddlePaddle/PaddleDetection /tmp/PaddleDetection
+    python tools/record_paddle_fixtures.py --ppdet /tmp/PaddleDetection
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "paddle"
+
+
+def fill(names: list[str], shapes: list[tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+    """Deterministic weights with non-trivial BatchNorm statistics, from names and shapes only
+    (the test rebuilds the same arrays without paddle)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in zip(names, shapes):
+        if name.endswith("_variance"):
+            a = rng.random(shape) + 0.5
+        elif name.endswith(("_mean", "bias")):
+            a = rng.standard_normal(shape) * 0.1
+        elif len(shape) == 1:
+            a = rng.random(shape) + 0.5
+        elif name.endswith("proj_conv.weight"):
+            a = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape)
+        else:
+            a = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
+        out[name] = a.astype(np.float32)
+    return out
+
+
+def import_ppdet(root: Path) -> None:
+    """Make ``ppdet.modeling.*`` importable without running ppdet/__init__ (data, engine,
+    metrics and their dependencies are not needed to build a model)."""
+    pkg = root / "ppdet"
+    for name in ("ppdet", "ppdet.modeling", "ppdet.modeling.backbones", "ppdet.modeling.necks",
+                 "ppdet.modeling.heads", "ppdet.modeling.assigners", "ppdet.modeling.losses"):
+        m = types.ModuleType(name)
+        m.__path__ = [str(root / name.replace(".", "/"))]
+        if name in ("ppdet.modeling.assigners", "ppdet.modeling.losses"):  # training only
+            m.__getattr__ = lambda attr: type(attr, (), {"__init__": lambda self, *a, **k: None})
+        sys.modules[name] = m
+    assert pkg.is_dir(), f"--ppdet {root}: no ppdet/ folder"
+
+
+def ppyoloe(width: float, depth: float):
+    from ppdet.modeling.backbones.cspresnet import CSPResNet
+    from ppdet.modeling.heads.ppyoloe_head import PPYOLOEHead
+    from ppdet.modeling.necks.custom_pan import CustomCSPPAN
+    import paddle
+
+    class Model(paddle.nn.Layer):  # PaddleDetection's YOLOv3 architecture wrapper: names as released
+        def __init__(self):
+            super().__init__()
+            self.backbone = CSPResNet(layers=[3, 6, 6, 3], channels=[64, 128, 256, 512, 1024], return_idx=[1, 2, 3],
+                                      use_large_stem=True, width_mult=width, depth_mult=depth, act="swish")
+            chans = [s.channels for s in self.backbone.out_shape]
+            self.neck = CustomCSPPAN(in_channels=chans, out_channels=[768, 384, 192], stage_num=1, block_num=3,
+                                     act="swish", spp=True, width_mult=width, depth_mult=depth)
+            self.yolo_head = PPYOLOEHead(in_channels=[s.channels for s in self.neck.out_shape], num_classes=80,
+                                         fpn_strides=[32, 16, 8], grid_cell_scale=5.0, grid_cell_offset=0.5,
+                                         static_assigner_epoch=100, use_varifocal_loss=True,
+                                         exclude_post_process=True, nms=None)
+
+        def forward(self, x):
+            outs = self.yolo_head(self.neck(self.backbone({"image": x})))
+            dense, _, _ = self.yolo_head.post_process(outs, None)
+            return dense[..., :4], dense[..., 4:]  # [B, A, 4] xyxy px, [B, A, 80]
+
+    return Model()
+
+
+COCO_ANCHORS = [[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119], [116, 90], [156, 198], [373, 326]]
+# configs/ppyolo/_base_/ppyolo_r50vd_dcn.yml and ppyolo_r18vd.yml (backbone, neck, head, YOLOBox)
+PPYOLO = {
+    "r50vd_dcn": dict(depth=50, return_idx=[1, 2, 3], dcn=[3], coord_conv=True, spp=True, iou_aware=True,
+                      anchors=COCO_ANCHORS, masks=[[6, 7, 8], [3, 4, 5], [0, 1, 2]], conf=0.01, blocks=2),
+    "r18vd": dict(depth=18, return_idx=[2, 3], dcn=[-1], coord_conv=False, spp=False, iou_aware=False,
+                  anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
+                  masks=[[3, 4, 5], [0, 1, 2]], conf=0.01, blocks=0),
+}
+
+
+def ppyolo(size: str):
+    from ppdet.modeling.backbones.resnet import ResNet
+    from ppdet.modeling.heads.yolo_head import YOLOv3Head
+    from ppdet.modeling.layers import YOLOBox
+    from ppdet.modeling.necks.yolo_fpn import PPYOLOFPN
+    import paddle
+
+    c = PPYOLO[size]
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.backbone = ResNet(depth=c["depth"], variant="d", return_idx=c["return_idx"], dcn_v2_stages=c["dcn"],
+                                   freeze_at=-1, freeze_norm=False, norm_decay=0.0)
+            self.neck = PPYOLOFPN(in_channels=[s.channels for s in self.backbone.out_shape], coord_conv=c["coord_conv"],
+                                  drop_block=True, block_size=3, keep_prob=0.9, spp=c["spp"],
+                                  conv_block_num=c["blocks"])
+            self.yolo_head = YOLOv3Head(in_channels=[s.channels for s in self.neck.out_shape], anchors=c["anchors"],
+                                        anchor_masks=c["masks"], loss="YOLOv3Loss", iou_aware=c["iou_aware"],
+                                        iou_aware_factor=0.4)
+            self.box = YOLOBox(num_classes=80, conf_thresh=c["conf"], downsample_ratio=32, clip_bbox=True,
+                               scale_x_y=1.05)
+
+        def forward(self, x):
+            outs = self.yolo_head(self.neck(self.backbone({"image": x})))
+            n = x.shape[0]
+            hw = paddle.to_tensor([list(x.shape[-2:])] * n, dtype=x.dtype)
+            boxes, scores = self.box(outs, self.yolo_head.mask_anchors, hw, paddle.ones([n, 2], dtype=x.dtype))
+            return boxes, scores.transpose([0, 2, 1])  # [B, A, 4] xyxy px, [B, A, 80]
+
+    return Model()
+
+
+def record(name: str, build, full: tuple, tiny: tuple, seed: int, hw=(64, 96)) -> None:
+    """``build(*full)``: the released model (its key manifest); ``build(*tiny)``: the one whose
+    outputs are recorded (a narrower PP-YOLOE; PP-YOLO at full width on a small input)."""
+    import paddle
+
+    model = build(*full)
+    sd = model.state_dict()
+    manifest = [[k, list(v.shape)] for k, v in sd.items()]
+    (OUT / f"{name}_manifest.json").write_text(json.dumps(manifest, indent=0))
+    model = build(*tiny)
+    model.eval()
+    sd = model.state_dict()
+    names, shapes = list(sd), [tuple(v.shape) for v in sd.values()]
+    weights = fill(names, shapes, seed)
+    model.set_state_dict({k: paddle.to_tensor(v) for k, v in weights.items()})
+    x = np.random.default_rng(seed + 1).random((1, 3) + hw).astype(np.float32)
+    with paddle.no_grad():
+        b32, s32 = (t.numpy() for t in model(paddle.to_tensor(x)))
+    model64 = build(*tiny)
+    model64.eval()
+    model64.to(dtype="float64")
+    model64.set_state_dict({k: paddle.to_tensor(v.astype(np.float64)) for k, v in weights.items()})
+    with paddle.no_grad():
+        b64, s64 = (t.numpy() for t in model64(paddle.to_tensor(x.astype(np.float64))))
+    np.savez_compressed(OUT / f"{name}_tiny.npz", names=np.array(names), shapes=np.array(json.dumps(shapes)),
+                        seed=seed, options=np.array(json.dumps(tiny)), x=x, boxes32=b32, scores32=s32, boxes64=b64,
+                        scores64=s64)
+    print(f"{name}: {len(manifest)} keys (full size), tiny outputs {b32.shape} {s32.shape}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ppdet", required=True, type=Path, help="a PaddleDetection v2.6 source tree")
+    args = ap.parse_args()
+    import_ppdet(args.ppdet)
+    OUT.mkdir(parents=True, exist_ok=True)
+    record("ppyoloe_crn_s", ppyoloe, full=(0.50, 0.33), tiny=(0.125, 0.33), seed=25)
+    for size in PPYOLO:
+        record(f"ppyolo_{size}", ppyolo, full=(size,), tiny=(size,), seed=26, hw=(64, 64))
+
+
+if __name__ == "__main__":
+    main()
