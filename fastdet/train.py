@@ -54,6 +54,8 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
                      "CUDA: fail on any host sync inside a training step after warm-up (a check)"),
     "--tf32": ("compile.tf32", True, "allow TF32 in convolutions and matmuls on CUDA (off by default)"),
     "--resume": ("run.resume", True, "continue the run in --output-dir from latest.pth"),
+    "--exist-ok": ("run.exist_ok", True, "write into --output-dir even if it holds another run "
+                   "(otherwise a new run goes to the next numbered directory, e.g. runs/ppyoloe_s2)"),
     "--nvtx": ("run.nvtx", True, "NVTX ranges around data, forward, backward, optimizer, EMA"),
     "--channels-last": ("data.channels_last", True,
                         "model and images in channels-last (NHWC); bench/throughput.py --modes layout measures it"),

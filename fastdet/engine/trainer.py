@@ -31,6 +31,7 @@ from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.previews import log_val_predictions
+from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
 
@@ -59,6 +60,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         cfg = recipes.resolve(cfg)
         self._setup_process(cfg)
+        cfg = replace(cfg, run=replace(cfg.run, output_dir=str(self.out)))  # the directory chosen
         self.cfg = self._load_data(cfg)
         self._build_model()
         self._build_loaders()
@@ -88,11 +90,17 @@ class Trainer:
             torch.backends.cudnn.benchmark = True
             torch.backends.cudnn.allow_tf32 = cfg.compile.tf32
             torch.backends.cuda.matmul.allow_tf32 = cfg.compile.tf32
-        self.out = output_dir(cfg)
+        asked = output_dir(cfg)
+        # Rank 0 chooses (another rank could see the directory rank 0 just made as taken).
+        self.out = dist.broadcast_object(
+            asked if cfg.run.resume or cfg.run.exist_ok else free_run_dir(asked))
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         setup_logging(self.out, self.dist.is_main)
+        if self.out != asked:
+            log.info("%s holds another run: this run writes to %s (--resume continues that run, "
+                     "--exist-ok writes into it)", asked, self.out)
         dist.seed_everything(cfg.run.seed, self.dist.rank)
 
     def _load_data(self, cfg: Config) -> Config:
