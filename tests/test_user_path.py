@@ -84,3 +84,44 @@ def test_predict_never_writes_over_a_source_image(demo_small, tmp_path):
     assert r.returncode == 2
     assert "would replace the source image" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert (imgs / "a.jpg").read_bytes() == before
+
+
+# --------------------------------------------------------------------------- 2. the end of a run, at its start
+
+def _copy_with(demo_small: Path, dst: Path, edit) -> Path:
+    """``demo_small`` copied to ``dst`` with ``edit(doc, split)`` applied to both annotation files."""
+    shutil.copytree(demo_small, dst)
+    for split in ("train", "val"):
+        f = dst / "annotations" / f"instances_{split}2017.json"
+        doc = json.loads(f.read_text())
+        edit(doc, split)
+        f.write_text(json.dumps(doc))
+    return dst
+
+
+def test_coco_file_without_iscrowd_and_area_is_filled_counted_and_evaluates(demo_small, tmp_path):
+    def strip(doc, split):
+        for a in doc["annotations"]:
+            a.pop("iscrowd", None)
+            a.pop("area", None)
+    data = _copy_with(demo_small, tmp_path / "data", strip)
+    n_val = len(json.loads((data / "annotations" / "instances_val2017.json").read_text())["annotations"])
+    r = run(train_cmd(data, tmp_path / "out", "--max-steps", "1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "COCO AP" in r.stdout
+    assert f"filled in {n_val} missing 'area', {n_val} missing 'iscrowd' as COCO defines them" in r.stdout, r.stdout
+
+
+def test_an_evaluation_problem_fails_before_the_first_step_in_one_line(demo_small, tmp_path):
+    """An ``area`` written as a string (some converters do) reads fine and breaks
+    pycocotools' area ranges; before, that came after training, at the first evaluation."""
+    def bad_area(doc, split):
+        if split == "val":
+            doc["annotations"][0]["area"] = "12.5"
+    data = _copy_with(demo_small, tmp_path / "data", bad_area)
+    out = tmp_path / "out"
+    r = run(train_cmd(data, out, "--max-steps", "2"))
+    assert r.returncode == 1
+    assert "fails before training, scoring with pycocotools against" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert not (out / "metrics.jsonl").exists() and not (out / "latest.pth").exists()

@@ -30,6 +30,7 @@ from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, r
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
+from fastdet.engine.preflight import PreflightError, check_end_of_run_path
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
@@ -267,6 +268,7 @@ class Trainer:
             total_steps = min(total_steps, run.max_steps)
         if getattr(self, "_scaler_state", None):
             self.train_step.scaler.load_state_dict(self._scaler_state)
+        self._preflight()
         # Modes first: warm-up compiles and captures the model in the mode it trains in
         # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
         self._train_mode()
@@ -326,6 +328,22 @@ class Trainer:
         self.model.train()
         if self.cfg.model.freeze_bn:
             freeze_bn_stats(self.model)
+
+    def _preflight(self) -> None:
+        """The evaluation and checkpoint paths on one eval batch per rank, before step 1
+        (fastdet/engine/preflight.py), so that they fail in the first minute."""
+        cfg, d = self.cfg, self.dist
+        model = self.ema.averaged() if self.ema is not None else self.model
+        build = partial(build_eval_loader, cfg.data, preprocess=recipes.family(cfg.model.arch).preprocess,
+                        rank=d.rank, world_size=d.world_size, device=self.device)
+        try:
+            secs = check_end_of_run_path(model, self.val_set, build, self.amp_dtype,
+                                         recipes.predict_kwargs(cfg), cfg.data.eval_batch_size * d.world_size,
+                                         self._state, self.out, d.is_main)
+        except PreflightError as e:
+            raise TrainingError(str(e)) from e
+        log.info("checked before training: evaluation (eval loader, predict, pycocotools on %s) "
+                 "and a checkpoint write (%.1f s)", self.val_set.ann_file.name, secs)
 
     def _warmup(self) -> None:
         cfg = self.cfg
