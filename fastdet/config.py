@@ -141,6 +141,8 @@ class RunConfig:
     # otherwise a new run there goes to the next numbered directory (fastdet/engine/rundir.py).
     exist_ok: bool = False
     ckpt: Optional[str] = None  # fine-tune from these weights
+    # --ckpt from another family or size: load the tensors that fit (refused otherwise).
+    ckpt_partial: bool = False
     nvtx: bool = False
     profile_steps: Optional[str] = None  # "A:B": cudaProfilerStart at step A, stop at B
     tensorboard: bool = True

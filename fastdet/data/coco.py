@@ -124,6 +124,8 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
             assert base is not None
             path, origin = getattr(base, key), f"--data {data_cfg.data}"
         is_ann = key.endswith("_ann")
+        if is_ann and path.is_dir():
+            raise DataError(f"{origin}: {path} is a directory; expected the COCO annotation JSON file")
         if is_ann and not path.is_file():
             raise DataError(f"{origin}: annotation file {path} not found")
         if not is_ann and not path.is_dir():
