@@ -188,6 +188,7 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     two = two_ranks(demo_small, tmp_path / "two", port=29517)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "plain BatchNorm" in two.stdout
+    assert two.stdout.count("COCO AP") == 1, two.stdout  # the final line once, not once per rank
     assert_same_training(one, tmp_path / "two")
 
 

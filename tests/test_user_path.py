@@ -257,3 +257,26 @@ def test_detect_inputs_paths_pil_arrays_one_or_many(demo_small):
         with pytest.raises(ValueError) as e:
             as_rgb_images(bad)
         assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_demo_generation_says_what_it_does(tmp_path):
+    import logging
+
+    from fastdet.data.demo import make_demo
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("fastdet")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        make_demo(tmp_path / "demo", num_train=2, num_val=1, seed=0)
+        make_demo(tmp_path / "demo", num_train=2, num_val=1, seed=0)  # present: says nothing
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("generating the demo set (2 train, 1 val images") and str(tmp_path) in lines[0]
+    assert lines[1].startswith("demo set generated in ")
