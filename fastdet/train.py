@@ -299,13 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg, note = with_dataset_classes(cfg)
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + note)
         return 0
+    from fastdet.data.augment import ImageDecodeError
     from fastdet.data.coco import DataError
     from fastdet.data.schedule import LoaderError
     from fastdet.engine.trainer import TrainingError, train
 
     try:
         stats = train(cfg)
-    except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError) as e:
+    except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError,
+            ImageDecodeError) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
         print(f"fastdet.train: error: {e}", file=sys.stderr)
         return 1
