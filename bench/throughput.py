@@ -633,6 +633,9 @@ class Bench:
             },
             "results": self.rows,
             "targets": targets(self.rows, self),
+            # The machine's load when the run started and now: figures taken under load are not
+            # the code's (see each row's spread_pct and reliable).
+            "machine_load": {"start": getattr(self, "load_start", None), "end": machine_load()},
         }
 
 
@@ -680,17 +683,62 @@ def targets(rows: list[dict[str, Any]], bench: Bench) -> list[dict[str, Any]]:
     applies = (bench.device.type == "cuda" and "H200" in str(gpu.get("name")) and a.arch == "ppyoloe"
                and a.size == "s" and a.img_size == 640 and a.batch_size == 64
                and bench.amp_dtype == torch.bfloat16 and a.compile_backend == "inductor")
+    def spread(*modes: str) -> float | None:
+        return sum(r[m]["spread_pct"] for m in modes) if all(m in r for m in modes) else None
+
     out = []
-    for name, got, want in (
-        ("step_compile_graphs / step_eager_amp", ratio("step_compile_graphs", "step_eager_amp"), 1.5),
-        ("step_compile_graphs / step_eager_fp32", ratio("step_compile_graphs", "step_eager_fp32"), 5.0),
-        ("e2e_dali / its step only (of_step)", value("e2e_dali", "of_step"), 0.9),
-        ("e2e_dali images/s", value("e2e_dali", "images_per_s"), 2000.0),
-        (f"data_dali / data_torch ({a.workers} workers)", ratio("data_dali", "data_torch"), 3.0),
+    for name, got, want, modes in (
+        ("step_compile_graphs / step_eager_amp", ratio("step_compile_graphs", "step_eager_amp"), 1.5,
+         ("step_compile_graphs", "step_eager_amp")),
+        ("step_compile_graphs / step_eager_fp32", ratio("step_compile_graphs", "step_eager_fp32"), 5.0,
+         ("step_compile_graphs", "step_eager_fp32")),
+        ("e2e_dali / its step only (of_step)", value("e2e_dali", "of_step"), 0.9, ("e2e_dali",)),
+        ("e2e_dali images/s", value("e2e_dali", "images_per_s"), 2000.0, ("e2e_dali",)),
+        (f"data_dali / data_torch ({a.workers} workers)", ratio("data_dali", "data_torch"), 3.0,
+         ("data_dali", "data_torch")),
     ):
-        out.append({"target": name, "value": got, "at_least": want,
-                    "met": None if got is None else bool(got >= want), "applies": applies})
+        out.append({"target": name, "value": got, "at_least": want, "applies": applies,
+                    "spread_pct": spread(*modes), **verdict(got, want, spread(*modes), applies)})
     return out
+
+
+def verdict(got: float | None, want: float, spread_pct: float | None, applies: bool) -> dict[str, Any]:
+    """``met`` (True / False / None) and ``verdict`` of one target. None and "not checked"
+    where the target is stated for another machine or setting, or nothing was measured;
+    "within noise" (met None) where the value's own spread reaches across the target: the
+    figures' spreads summed, as a fraction of the value, is its uncertainty here."""
+    if got is None:
+        return {"met": None, "verdict": "not measured"}
+    if not applies:
+        return {"met": None, "verdict": "not checked (stated for another machine or setting)"}
+    u = got * (spread_pct or 0.0) / 100.0
+    if abs(got - want) <= u:
+        return {"met": None, "verdict": f"within noise (+/- {u:.2g})"}
+    return {"met": bool(got >= want), "verdict": "met" if got >= want else "MISSED"}
+
+
+# A figure whose windows differ by more than this (percent of the median) is not a
+# measurement of the code but of the machine (other processes, clocks): it is flagged.
+UNRELIABLE_SPREAD_PCT = 10.0
+
+
+def reliability(row: dict[str, Any]) -> str:
+    """The note on an ok row's spread: "" or why its figure cannot be trusted."""
+    if row.get("status") != "ok" or row.get("spread_pct") is None:
+        return ""
+    if not math.isfinite(row["spread_pct"]) or row["spread_pct"] > UNRELIABLE_SPREAD_PCT:
+        return (f"UNRELIABLE: spread {row['spread_pct']:.0f}% > {UNRELIABLE_SPREAD_PCT:g}% "
+                "(a busy machine? rerun on an idle one, or with more --windows)")
+    return ""
+
+
+def machine_load() -> dict[str, Any]:
+    """The 1/5/15-minute load averages and the CPU count, to read the figures against."""
+    try:
+        load = list(os.getloadavg())
+    except OSError:  # not on this platform
+        load = None
+    return {"loadavg_1_5_15": load, "cpus": os.cpu_count()}
 
 
 # --------------------------------------------------------------------------- output
@@ -735,6 +783,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             note = f"{r['epoch_restarts']} epoch restart(s) in the timed windows"
         if r["status"] == "ok" and r.get("data_wait_frac") is not None:
             note = (note + "; " if note else "") + f"data wait {100 * r['data_wait_frac']:.0f}%"
+        if reliability(r):
+            note = reliability(r) + ("; " + note if note else "")
         shown.append({**r, "what": describe(r), "note": f"{r['status'].upper()}: {note}"
                       if r["status"] != "ok" else note})
     return format_table(shown, COLUMNS)
@@ -754,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         print(bench.data_paths().train_ann.parent.parent)
         return 0
     bench.env = env_info(bench.device)
+    bench.load_start = machine_load()
     print(env_line(bench.env), flush=True)
     print(f"{args.arch}-{args.size}, {args.img_size} px, batch {args.batch_size}, amp "
           f"{amp_name(bench.amp_dtype)}, {args.windows} windows x {args.iters} iterations after "
@@ -763,7 +814,10 @@ def main(argv: list[str] | None = None) -> int:
         row = bench.run_mode(name)
         bench.rows.append(row)
         bench.add_speedups()
+        if row["status"] == "ok":
+            row["reliable"] = not reliability(row)
         msg = (f"{row['images_per_s']:.1f} img/s (spread {row['spread_pct']:.1f}%)"
+               + (f"; {reliability(row)}" if reliability(row) else "")
                if row["status"] == "ok" else row["reason"])
         print(f"[{name}] {row['status']}: {msg} ({row['wall_s']:.1f} s)", flush=True)
         if args.json:
@@ -775,11 +829,18 @@ def main(argv: list[str] | None = None) -> int:
     print(table(bench.rows))
     print()
     measured = [t for t in doc["targets"] if t["value"] is not None]
-    if measured:
-        scope = "" if measured[0]["applies"] else " (stated for one H200 at ppyoloe-s/640/bf16/64: not this run)"
-        print(f"targets{scope}:")
+    if measured and not measured[0]["applies"]:
+        print("targets not checked: they are stated for one H200 at ppyoloe-s/640/bf16/batch 64/inductor, "
+              f"and this run is {env_line(bench.env).split(' | ')[0]} at {args.arch}-{args.size}/"
+              f"{args.img_size}/{amp_name(bench.amp_dtype)}/batch {args.batch_size}")
+    elif measured:
+        print("targets:")
         for t in measured:
-            print(f"  {t['target']}: {t['value']:.2f} (>= {t['at_least']:g}: {'met' if t['met'] else 'MISSED'})")
+            print(f"  {t['target']}: {t['value']:.2f} (>= {t['at_least']:g}: {t['verdict']})")
+    load = doc["machine_load"]
+    if load["end"]["loadavg_1_5_15"]:
+        print(f"machine load (1 min) {load['start']['loadavg_1_5_15'][0]:.1f} at the start, "
+              f"{load['end']['loadavg_1_5_15'][0]:.1f} at the end, on {load['end']['cpus']} CPU(s)")
     if args.json:
         print(f"\nwritten: {args.json}")
     return 1 if any(r["status"] == "failed" for r in bench.rows) else 0

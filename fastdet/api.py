@@ -2,7 +2,7 @@
 
     >>> import fastdet
     >>> det = fastdet.load_detector("runs/demo/best.pth")        # eval mode, EMA weights, fused
-    >>> results = fastdet.detect(det, [rgb_uint8_hwc])           # boxes in original pixels
+    >>> results = fastdet.detect(det, "img.jpg")                 # a path, PIL image, array or a list
     >>> boxes, scores = det(images)                              # dense outputs, [N,A,4], [N,A,C]
 
 :func:`load_detector` returns the family's :class:`~fastdet.models.Detector` with a
@@ -149,18 +149,72 @@ def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preproc
     return torch.stack(out), scales
 
 
+def _one_rgb(image: Any, where: str) -> np.ndarray:
+    """One image as RGB uint8 ``[H, W, 3]``; ``ValueError`` (one line) for what cannot be one."""
+    from PIL import Image
+
+    from fastdet.data.augment import ImageDecodeError, decode_image
+
+    if isinstance(image, (str, Path)):
+        try:
+            return decode_image(str(image))
+        except ImageDecodeError as e:
+            raise ValueError(str(e)) from None
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))  # grayscale, palette, RGBA (alpha dropped)
+    if isinstance(image, Tensor):
+        image = image.detach().cpu().numpy()
+    if not isinstance(image, np.ndarray):
+        raise ValueError(f"{where}: expected a path, a PIL image or an [H, W, C] array, got {type(image).__name__}")
+    x = image
+    if x.ndim == 2:
+        x = x[:, :, None]
+    if x.ndim != 3 or x.shape[2] not in (1, 3, 4):
+        raise ValueError(f"{where}: expected an [H, W] or [H, W, 1|3|4] image, got shape {tuple(image.shape)}")
+    if x.dtype.kind == "f":
+        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
+        if not (np.isfinite(lo) and np.isfinite(hi)) or lo < 0 or hi > 255:
+            raise ValueError(f"{where}: float image values must lie in 0..255, got {lo:g}..{hi:g}")
+        if 0 < hi <= 1:
+            raise ValueError(f"{where}: float image values lie in 0..{hi:g}; fastdet reads images as "
+                             "0..255 (multiply a [0, 1] image by 255)")
+        x = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+    elif x.dtype != np.uint8:
+        raise ValueError(f"{where}: expected uint8 (or float 0..255) pixels, got {x.dtype}")
+    if x.shape[2] == 1:
+        x = np.repeat(x, 3, axis=2)
+    elif x.shape[2] == 4:
+        x = x[:, :, :3]  # alpha dropped, as PIL's convert("RGB") and the predict CLI do
+    return x
+
+
+def as_rgb_images(images: Any) -> list[np.ndarray]:
+    """``images`` as a list of RGB uint8 ``[H, W, 3]`` arrays: one image or a list of them,
+    each a path, a PIL image or an array / tensor ``[H, W]`` (grayscale), ``[H, W, 1|3|4]``
+    (RGBA: alpha dropped), uint8 or float in 0..255; a 4-D array ``[N, H, W, C]`` is N images."""
+    if isinstance(images, (str, Path)) or not isinstance(images, (list, tuple, np.ndarray, Tensor)):
+        images = [images]
+    elif isinstance(images, (np.ndarray, Tensor)) and images.ndim <= 3:
+        images = [images]
+    return [_one_rgb(im, f"images[{i}]") for i, im in enumerate(images)]
+
+
 @torch.no_grad()
-def detect(detector: Detector, images: Sequence[np.ndarray], score_thresh: float | None = None,
+def detect(detector: Detector, images: Any, score_thresh: float | None = None,
            img_size: int | None = None) -> list[dict[str, Tensor]]:
     """Detections per image in its original pixels: ``{"boxes" [K,4] xyxy, "scores" [K], "labels" [K]}``.
 
     Args:
-        images: RGB uint8 ``[H, W, 3]`` arrays (e.g. ``np.array(PIL.Image.open(f).convert("RGB"))``).
+        images: one image or a list (see :func:`as_rgb_images`): file paths, PIL images,
+            RGB/grayscale/RGBA arrays, uint8 or float in 0..255 (a float image in [0, 1]
+            is refused in one line rather than read as near-black). Always a list back,
+            one entry per image.
         score_thresh: overrides the recipe's (``detector.info.predict_kwargs``).
         img_size: overrides the recipe's evaluation input size (a multiple of 32).
     """
     info: DetectorInfo = detector.info
     size = img_size or info.img_size
+    images = as_rgb_images(images)
     batch, scales = preprocess_images(images, info.preprocess, size)
     kw = dict(info.predict_kwargs)
     if score_thresh is not None:

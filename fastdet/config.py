@@ -152,7 +152,12 @@ class RunConfig:
     eval_interval: int = 10  # epochs; the last epoch is always evaluated
     ckpt_interval_steps: int = 0  # also write `latest` every N steps (0: per epoch only)
     resume: bool = False
+    # Write into an output directory that holds another run (its logs started anew);
+    # otherwise a new run there goes to the next numbered directory (fastdet/engine/rundir.py).
+    exist_ok: bool = False
     ckpt: Optional[str] = None  # fine-tune from these weights
+    # --ckpt from another family or size: load the tensors that fit (refused otherwise).
+    ckpt_partial: bool = False
     nvtx: bool = False
     profile_steps: Optional[str] = None  # "A:B": cudaProfilerStart at step A, stop at B
     tensorboard: bool = True

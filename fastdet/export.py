@@ -21,6 +21,17 @@ represents and the TorchScript exporter's tracing would freeze. The exported fil
 checked with ``onnx.checker``, holds only standard ONNX ops (no ``fastdet.ops`` kernel),
 and is run once with onnxruntime against torch; the largest difference is printed.
 Needs ``pip install 'fastdet[export]'`` (onnx, onnxruntime, onnxscript).
+
+``--nms`` is for the families whose post-processing is the base multiclass NMS, which
+the ONNX op reproduces: PP-YOLOE and FCOS. YOLOX (class-aware top-1 NMS) and PP-YOLO
+(Matrix NMS) have their own and are exported dense only (``--nms`` is refused, in one line).
+
+The file is self-describing: its metadata (``onnx.load(f).metadata_props``, or
+onnxruntime's ``get_modelmeta().custom_metadata_map``) holds ``class_names``,
+``category_ids``, ``input_size``, ``resize`` (stretch / letterbox / keep_ratio),
+``pad_value``, ``interpolation`` (the exact call: ``torch.nn.functional.interpolate`` on
+uint8 pixels, ``antialias=False``; PIL's filters give other values), ``mean``/``std``
+(on 0..255) and the NMS settings of the recipe.
 """
 
 from __future__ import annotations
@@ -147,7 +158,51 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
     foreign = sorted({f"{n.domain}::{n.op_type}" for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
     if foreign or proto.functions:
         raise RuntimeError(f"{output}: the graph holds non-standard ops {foreign or [f.name for f in proto.functions]}")
+    info = getattr(detector, "info", None)
+    if info is not None:
+        onnx.helper.set_model_props(proto, onnx_metadata(info, img_size, nms, predict_kwargs))
+        onnx.save(proto, str(output))
     return output
+
+
+def onnx_metadata(info: Any, img_size: int, nms: bool, predict_kwargs: dict[str, Any] | None = None
+                  ) -> dict[str, str]:
+    """What a deployment needs to feed the graph and read its outputs, as ONNX metadata
+    (``metadata_props``: string keys and values; lists and mappings as JSON).
+
+    ``interpolation`` names the exact resize (``torch.nn.functional.interpolate`` on uint8
+    pixels, ``align_corners=False, antialias=False``); PIL's resize filters an image before
+    sampling and gives different input values."""
+    import json
+
+    p = info.preprocess
+    mode = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}[p.interp]
+    interp = (f"torch.nn.functional.interpolate(uint8 NCHW, mode='{mode}'"
+              + (")" if mode == "nearest-exact" else ", align_corners=False, antialias=False)"))
+    kw = dict(predict_kwargs or info.predict_kwargs or {})
+    meta = {
+        "producer": "fastdet.export",
+        "arch": info.arch, "size": info.size,
+        "class_names": json.dumps(list(info.class_names)),
+        "category_ids": json.dumps([int(c) for c in info.cat_ids]),
+        "input": "images float32 [N, 3, H, W], RGB",
+        "input_size": json.dumps([img_size, img_size]),
+        "resize": p.resize,
+        "resize_note": {"stretch": "each side scaled to the canvas (aspect ratio not kept)",
+                        "letterbox": "aspect kept, scaled to fit, pasted top-left, rest pad_value",
+                        "keep_ratio": f"aspect kept: short side {p.short}, long side at most {p.max_long} "
+                                      "at the recipe's size (scaled with it), pasted top-left"}[p.resize],
+        "pad_value": json.dumps(float(p.pad_value)),
+        "interpolation": interp,
+        "mean": json.dumps(list(p.mean) if p.mean is not None else None),
+        "std": json.dumps(list(p.std) if p.std is not None else None),
+        "normalize": ("(pixel 0..255 - mean) / std per RGB channel" if p.mean is not None
+                      else "none: raw 0..255 pixels as float32"),
+        "boxes": "xyxy in input pixels; divide x by sx and y by sy (input px per original px) for the original image",
+        "outputs": "boxes, scores, labels, num_dets (after NMS)" if nms else "boxes [N, A, 4], scores [N, A, C] (before NMS)",
+        "nms": json.dumps({k: kw[k] for k in ("score_thresh", "iou_thresh", "max_det", "pre_nms_topk") if k in kw}),
+    }
+    return meta
 
 
 @torch.no_grad()

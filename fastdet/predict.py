@@ -83,6 +83,16 @@ def output_names(files: list[Path]) -> list[str]:
     return names
 
 
+def check_no_source_overwritten(files: list[Path], out: Path, names: list[str]) -> None:
+    """``ValueError`` (one line) if a drawn copy or ``predictions.json`` would replace one of
+    the source files (``--output-dir`` the source folder, or a source named ``predictions.json``)."""
+    sources = {f.resolve() for f in files}
+    for target in [out / n for n in names] + [out / "predictions.json"]:
+        if target.resolve() in sources:
+            raise ValueError(f"--output-dir {out}: the drawn copy would replace the source image "
+                             f"{target}; choose another --output-dir")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every flag error, before any work."""
     if not 0.0 <= args.score_thresh <= 1.0:
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
         files = find_images(args.source)
+        check_no_source_overwritten(files, Path(args.output_dir), output_names(files))
         device = resolve_device(args.device)
         det = load_detector(args.ckpt, ema=args.weights == "ema", device=device)
     except (ValueError, CheckpointError) as e:

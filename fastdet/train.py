@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,28 +24,34 @@ from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--data": ("data.data", dict(metavar="demo|COCO_ROOT", help="'demo' (built in) or a COCO root")),
-    "--train-ann": ("data.train_ann", dict(metavar="JSON")),
-    "--val-ann": ("data.val_ann", dict(metavar="JSON")),
-    "--train-images": ("data.train_images", dict(metavar="DIR")),
-    "--val-images": ("data.val_images", dict(metavar="DIR")),
-    "--loader": ("data.loader", dict(choices=["dali", "torch", "auto"])),
+    "--train-ann": ("data.train_ann", dict(metavar="JSON", help="COCO instances file of the training set "
+                                           "(without --data: give all four of these paths)")),
+    "--val-ann": ("data.val_ann", dict(metavar="JSON", help="COCO instances file of the validation set")),
+    "--train-images": ("data.train_images", dict(metavar="DIR", help="folder the training file_names are in")),
+    "--val-images": ("data.val_images", dict(metavar="DIR", help="folder the validation file_names are in")),
+    "--loader": ("data.loader", dict(choices=["dali", "torch", "auto"],
+                                     help="auto: DALI on CUDA when installed, else the torch DataLoader")),
     "--batch-size": ("data.batch_size", dict(type=int, help="images per process")),
-    "--img-size": ("data.img_size", dict(type=int, help="evaluation size (and the training size with --no-multiscale)")),
-    "--workers": ("data.num_workers", dict(type=int)),
-    "--max-boxes": ("data.max_boxes", dict(type=int)),
-    "--epochs": ("optim.epochs", dict(type=int)),
+    "--img-size": ("data.img_size", dict(type=int, help="training and evaluation size: the recipe's multi-scale "
+                                         "training sizes move with it (--no-multiscale: this size only)")),
+    "--workers": ("data.num_workers", dict(type=int, help="loader worker processes per rank")),
+    "--max-boxes": ("data.max_boxes", dict(type=int, help="ground-truth boxes kept per image (the largest)")),
+    "--epochs": ("optim.epochs", dict(type=int, help="epochs of the schedule")),
     "--lr": ("optim.base_lr", dict(type=float, help="base LR for optim.ref_batch images")),
-    "--device": ("run.device", dict(choices=["cpu", "cuda", "auto"])),
-    "--amp": ("compile.amp", dict(choices=["bf16", "fp16", "off", "auto"])),
-    "--max-steps": ("run.max_steps", dict(type=int)),
-    "--output-dir": ("run.output_dir", dict(metavar="DIR")),
+    "--device": ("run.device", dict(choices=["cpu", "cuda", "auto"], help="auto: CUDA when available")),
+    "--amp": ("compile.amp", dict(choices=["bf16", "fp16", "off", "auto"],
+                                  help="mixed precision (auto: bf16 on GPUs that have it, off on the CPU)")),
+    "--max-steps": ("run.max_steps", dict(type=int, help="stop after this many steps (0: the whole schedule)")),
+    "--output-dir": ("run.output_dir", dict(metavar="DIR", help="the run's directory (default runs/{arch}_{size}; "
+                                            "one holding another run gets a number: runs/ppyoloe_s2)")),
     "--backbone-weights": ("model.backbone_weights", dict(
         metavar="PATH", help="start the backbone from this local state dict (FCOS: a torchvision ResNet-50's)")),
     "--ckpt": ("run.ckpt", dict(metavar="PATH", help="fine-tune from these weights (with --resume: resume from it)")),
-    "--seed": ("run.seed", dict(type=int)),
-    "--log-interval": ("run.log_interval", dict(type=int)),
-    "--eval-interval": ("run.eval_interval", dict(type=int)),
-    "--ckpt-interval-steps": ("run.ckpt_interval_steps", dict(type=int)),
+    "--seed": ("run.seed", dict(type=int, help="random seed (runs repeat exactly)")),
+    "--log-interval": ("run.log_interval", dict(type=int, help="steps between log lines")),
+    "--eval-interval": ("run.eval_interval", dict(type=int, help="epochs between evaluations (the last is always)")),
+    "--ckpt-interval-steps": ("run.ckpt_interval_steps", dict(type=int,
+                                                              help="also write latest.pth every N steps")),
     "--profile-steps": ("run.profile_steps", dict(metavar="A:B", help="bracket steps A..B-1 with cudaProfilerStart/Stop")),
 }
 SWITCHES: dict[str, tuple[str, Any, str]] = {
@@ -54,20 +61,26 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
                      "CUDA: fail on any host sync inside a training step after warm-up (a check)"),
     "--tf32": ("compile.tf32", True, "allow TF32 in convolutions and matmuls on CUDA (off by default)"),
     "--resume": ("run.resume", True, "continue the run in --output-dir from latest.pth"),
+    "--exist-ok": ("run.exist_ok", True, "write into --output-dir even if it holds another run "
+                   "(otherwise a new run goes to the next numbered directory, e.g. runs/ppyoloe_s2)"),
     "--nvtx": ("run.nvtx", True, "NVTX ranges around data, forward, backward, optimizer, EMA"),
     "--channels-last": ("data.channels_last", True,
                         "model and images in channels-last (NHWC); bench/throughput.py --modes layout measures it"),
     "--no-multiscale": ("data.multiscale", False, "train at --img-size only"),
     "--no-augment": ("data.augment", False, "no data augmentation"),
     "--no-ema": ("optim.ema", False, "train without an EMA of the weights"),
+    "--ckpt-partial": ("run.ckpt_partial", True,
+                       "with --ckpt from another family or size: load the tensors that fit, start the rest fresh"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastdet.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="ppyoloe", help="architecture (a name in fastdet.models.ARCHITECTURES)")
-    p.add_argument("--size", default="s", help="model size (the family's; ppyoloe: s, m, l, x)")
+    p.add_argument("--arch", default=None, help=f"architecture, one of {', '.join(sorted(_archs()))} "
+                   f"(default {DEFAULT_ARCH}; with --resume: the run's)")
+    p.add_argument("--size", default=None, help="model size: " + "; ".join(
+        f"{a}: {', '.join(sizes)}" for a, sizes in _archs().items()) + f" (default {DEFAULT_SIZE})")
     for flag, (_, kw) in FLAGS.items():
         p.add_argument(flag, default=None, **kw)
     for flag, (_, _, help_) in SWITCHES.items():
@@ -78,11 +91,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    """The family's preset, then its demo overrides (for --data demo), then flags, then --set."""
-    from fastdet import recipes
+DEFAULT_ARCH, DEFAULT_SIZE = "ppyoloe", "s"
+# The explicit dataset paths: without --data they are the dataset, all four needed.
+DATA_PATH_FLAGS = ("--train-ann", "--train-images", "--val-ann", "--val-images")
+# What a resumed run may change (everything else is the run's recipe, kept from its
+# checkpoint): how long it runs, how often it logs, evaluates and checkpoints, and the
+# machinery (device, workers, loader, compile, profiling) that does not change the maths.
+RESUMABLE = frozenset({
+    "run.max_steps", "run.log_interval", "run.eval_interval", "run.ckpt_interval_steps",
+    "run.device", "run.resume", "run.ckpt", "run.output_dir", "run.exist_ok", "run.nvtx",
+    "run.profile_steps", "run.sync_debug", "run.progress", "run.tensorboard",
+    "data.num_workers", "data.loader", "data.cache_dir", "data.eval_batch_size",
+    "compile.compile", "compile.cuda_graphs", "compile.backend", "compile.dynamic",
+})
 
-    cfg = recipes.get_preset(args.arch, args.size)
+
+def _archs() -> dict[str, tuple[str, ...]]:
+    from fastdet.models import ARCHITECTURES
+
+    return {a: tuple(f.sizes) for a, f in sorted(ARCHITECTURES.items())}
+
+
+def flag_of(key: str) -> str:
+    """The flag that sets config ``key`` (``--set key=`` where none does)."""
+    for flag, (k, _) in FLAGS.items():
+        if k == key:
+            return flag
+    for flag, (k, _, _) in SWITCHES.items():
+        if k == key:
+            return flag
+    return f"--set {key}="
+
+
+def explicit_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"section.field": value}`` of the flags and --set given on the command line."""
     overrides: dict[str, Any] = {}
     for flag, (key, _) in FLAGS.items():
         v = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -92,12 +134,84 @@ def resolve_config(args: argparse.Namespace) -> Config:
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             overrides[key] = value
     overrides.update(parse_set_args(args.set))
-    if overrides.get("data.data", cfg.data.data) == "demo":
-        cfg = apply_overrides(cfg, recipes.demo_overrides(args.arch))
+    return overrides
+
+
+def scaled_sizes(sizes: tuple[int, ...], ref: int, img_size: int, div: int = 32) -> tuple[int, ...]:
+    """The recipe's training sizes around ``ref`` moved to around ``img_size`` (same ratios,
+    multiples of ``div``): PP-YOLOE's 320..768 around 640 is 160..384 around 320."""
+    return tuple(sorted({max(div, round(s * img_size / ref / div) * div) for s in sizes}))
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The family's preset, then its demo overrides (for --data demo), then flags, then --set.
+    With --resume: the run's stored config, with only the RESUMABLE fields taken from the flags."""
+    from fastdet import recipes
+
+    overrides = explicit_overrides(args)
+    if overrides.get("run.resume"):
+        return resolve_resume(args, overrides)
+    arch, size = args.arch or DEFAULT_ARCH, args.size or DEFAULT_SIZE
+    cfg = recipes.get_preset(arch, size)
+    given = [f for f in DATA_PATH_FLAGS if FLAGS[f][0] in overrides]
+    if given and "data.data" not in overrides:
+        missing = [f for f in DATA_PATH_FLAGS if f not in given]
+        if missing:
+            raise ConfigError(f"{' '.join(missing)} missing: without --data, {', '.join(DATA_PATH_FLAGS)} "
+                              "name the dataset and all four are needed (or give --data COCO_ROOT)")
+    elif overrides.get("data.data", cfg.data.data) == "demo":
+        cfg = apply_overrides(cfg, recipes.demo_overrides(arch))
+    ref_size, ref_sizes = cfg.data.img_size, cfg.data.train_sizes
     cfg = apply_overrides(cfg, overrides)
     if not cfg.data.multiscale:
         cfg = apply_overrides(cfg, {"data.train_sizes": (cfg.data.img_size,)})
+    elif "data.img_size" in overrides and "data.train_sizes" not in overrides:
+        cfg = apply_overrides(cfg, {"data.train_sizes": scaled_sizes(ref_sizes, ref_size, cfg.data.img_size)})
     return cfg
+
+
+def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
+    """The config stored in the checkpoint being resumed; a flag that differs from it is a
+    ConfigError naming it unless it is RESUMABLE."""
+    from fastdet import recipes
+    from fastdet.config import RunConfig
+    from fastdet.engine.checkpoint import load_checkpoint
+
+    if overrides.get("run.ckpt"):
+        path = Path(overrides["run.ckpt"]).expanduser()
+    else:
+        out = overrides.get("run.output_dir") or RunConfig.output_dir.format(
+            arch=args.arch or DEFAULT_ARCH, size=args.size or DEFAULT_SIZE)
+        path = Path(out).expanduser() / "latest.pth"
+    if not path.is_file():
+        raise ConfigError(f"--resume: no checkpoint at {path} (train once without --resume, "
+                          "or name the run's directory with --output-dir)")
+    try:
+        ck = load_checkpoint(path)
+        stored = recipes.config_from_dict(ck["config"])
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--resume: {path}: {e}") from None
+    given = {"model.arch": args.arch, "model.size": args.size, **overrides}
+    flags = {"model.arch": "--arch", "model.size": "--size"}
+    cfg = stored
+    for key, value in given.items():
+        if value is None:
+            continue
+        new = apply_overrides(stored, {key: value})
+        sec, name = key.split(".", 1)
+        old_v, new_v = getattr(getattr(stored, sec), name), getattr(getattr(new, sec), name)
+        if new_v != old_v and key not in RESUMABLE:
+            flag = flags.get(key) or flag_of(key)
+            shown = flag if flag in SWITCHES else f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
+            raise ConfigError(
+                f"--resume: {shown} differs from the run's {key} {old_v} (stored in {path}); a resumed run keeps its config, only --max-steps, "
+                "--log-interval, --eval-interval, --ckpt-interval-steps, --workers, --device and the "
+                "compile flags may change: drop the flag, or start a new run")
+        cfg = apply_overrides(cfg, {key: value})
+    if not overrides.get("run.output_dir") and not overrides.get("run.ckpt"):
+        cfg = apply_overrides(cfg, {"run.output_dir": str(path.parent)})
+    # run.ckpt: the run's own fine-tuning source is not what it resumes from.
+    return apply_overrides(cfg, {"run.resume": True, "run.exist_ok": False, "run.ckpt": overrides.get("run.ckpt")})
 
 
 def check_config(cfg: Config) -> None:
@@ -137,6 +251,47 @@ def check_config(cfg: Config) -> None:
         if not is_checkpoint_archive(path) and not pickled:
             raise ConfigError(f"--ckpt {path} is not a checkpoint: torch.save writes a zip archive "
                               "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
+        if not cfg.run.resume and not cfg.run.ckpt_partial:
+            check_same_model(path, cfg)
+
+
+def check_same_model(path: Path, cfg: Config) -> None:
+    """Fine-tuning loads into the same family and size: a ConfigError naming both otherwise
+    (its weights would mostly not fit, and training would start nearly from scratch)."""
+    import torch
+
+    try:  # mmap: only the config is read, not the tensors
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return  # an unreadable file is named by the loader, with its reason
+    model = (ck.get("config") or {}).get("model") if isinstance(ck, dict) else None
+    if not isinstance(model, dict) or "arch" not in model:
+        return  # weights without a config (a converted or hand-made state dict)
+    theirs, ours = (model.get("arch"), model.get("size")), (cfg.model.arch, cfg.model.size)
+    if theirs != ours:
+        raise ConfigError(f"--ckpt {path} holds {theirs[0]}-{theirs[1]} weights and this run trains "
+                          f"{ours[0]}-{ours[1]}: pass --arch {theirs[0]} --size {theirs[1]}, or "
+                          "--ckpt-partial to load the tensors that fit and start the rest fresh")
+
+
+def with_dataset_classes(cfg: Config) -> tuple[Config, str]:
+    """``cfg`` with ``model.num_classes`` of its training set (as training sets it), and a
+    comment line when the set cannot be read."""
+    import json
+
+    from fastdet.data.coco import DataError, resolve_data
+
+    if cfg.data.data == "demo" and cfg.data.train_ann is None:  # known without generating the set
+        from fastdet.data.demo import CATEGORIES
+
+        return apply_overrides(cfg, {"model.num_classes": len(CATEGORIES)}), ""
+    try:
+        ann = resolve_data(cfg.data, splits=("train",)).train_ann
+        with open(ann, "rb") as f:
+            n = len(json.load(f)["categories"])
+    except (DataError, OSError, ValueError, KeyError, TypeError) as e:
+        return cfg, f"# model.num_classes: set from the training set when it is read ({e})\n"
+    return apply_overrides(cfg, {"model.num_classes": n}), ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,20 +305,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        cfg, note = with_dataset_classes(cfg)
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + note)
         return 0
+    from fastdet.data.augment import ImageDecodeError
     from fastdet.data.coco import DataError
+    from fastdet.data.schedule import LoaderError
     from fastdet.engine.trainer import TrainingError, train
 
     try:
         stats = train(cfg)
-    except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError) as e:
-        logging.getLogger("fastdet").error("error: %s", e)
+    except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError,
+            ImageDecodeError) as e:
+        _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
         print(f"fastdet.train: error: {e}", file=sys.stderr)
         return 1
-    if stats:
+    if stats and int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
         print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}")
     return 0
+
+
+def _log_to_file_only(msg: str) -> None:
+    """``msg`` into the run's train.log (not on stdout, where it would repeat stderr's line)."""
+    log = logging.getLogger("fastdet")
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, msg, (), None)
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
 
 
 if __name__ == "__main__":

@@ -171,3 +171,25 @@ def test_peak_memory_sees_an_allocation():
         x = torch.ones(64 * 2**20)  # 256 MiB, written so the pages are resident
         del x
     assert mem.mb >= 256 and (mem.kind != "cpu_peak_rss" or mem.mb >= before.mb)
+
+
+def test_cpu_run_checks_no_h200_target_and_records_the_load(quick_run):
+    doc, stdout = quick_run
+    assert all(t["met"] is None and t["verdict"].startswith(("not checked", "not measured")) for t in doc["targets"])
+    assert "MISSED" not in stdout and "targets not checked" in stdout
+    for when in ("start", "end"):
+        load = doc["machine_load"][when]
+        assert load["cpus"] == os.cpu_count() and len(load["loadavg_1_5_15"]) == 3
+    for r in doc["results"]:
+        if r["status"] == "ok":
+            assert r["reliable"] == (r["spread_pct"] <= throughput.UNRELIABLE_SPREAD_PCT)
+
+
+def test_noise_is_not_met_and_a_wide_spread_is_flagged():
+    v = throughput.verdict
+    assert v(1.6, 1.5, 2.0, True) == {"met": True, "verdict": "met"}
+    assert v(1.4, 1.5, 2.0, True)["verdict"] == "MISSED"
+    assert v(1.6, 1.5, 70.0, True)["met"] is None and "within noise" in v(1.6, 1.5, 70.0, True)["verdict"]
+    assert v(9.0, 1.5, 1.0, False)["met"] is None
+    assert throughput.reliability({"status": "ok", "spread_pct": 70.0}).startswith("UNRELIABLE: spread 70%")
+    assert throughput.reliability({"status": "ok", "spread_pct": 3.0}) == ""

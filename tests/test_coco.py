@@ -238,12 +238,12 @@ def test_no_usable_image_is_an_error(tmp_path):
 
 def test_box_skips_are_counted_and_boxes_clipped(tmp_path):
     anns = good_annotations() + [
-        {"id": 5, "image_id": 10, "category_id": 7, "bbox": [10, 10, 0.5, 20], "iscrowd": 0},  # degenerate
-        {"id": 6, "image_id": 10, "category_id": 7, "bbox": [63.5, 10, 10, 10], "iscrowd": 0},  # 0.5 px left
-        {"id": 7, "image_id": 20, "category_id": 2, "bbox": [100, 10, 5, 5], "iscrowd": 0},  # outside
-        {"id": 8, "image_id": 20, "category_id": 2, "bbox": [-20, -5, 10, 4], "iscrowd": 0},  # outside
-        {"id": 9, "image_id": 20, "category_id": 2, "bbox": [5, 5, 30, 30], "iscrowd": 1},  # crowd
-        {"id": 10, "image_id": 30, "category_id": 40, "bbox": [-10, 40, 30, 30], "iscrowd": 0},  # clipped
+        {"id": 5, "image_id": 10, "category_id": 7, "bbox": [10, 10, 0.5, 20], "iscrowd": 0, "area": 1},  # degenerate
+        {"id": 6, "image_id": 10, "category_id": 7, "bbox": [63.5, 10, 10, 10], "iscrowd": 0, "area": 1},  # 0.5 px left
+        {"id": 7, "image_id": 20, "category_id": 2, "bbox": [100, 10, 5, 5], "iscrowd": 0, "area": 1},  # outside
+        {"id": 8, "image_id": 20, "category_id": 2, "bbox": [-20, -5, 10, 4], "iscrowd": 0, "area": 1},  # outside
+        {"id": 9, "image_id": 20, "category_id": 2, "bbox": [5, 5, 30, 30], "iscrowd": 1, "area": 1},  # crowd
+        {"id": 10, "image_id": 30, "category_id": 40, "bbox": [-10, 40, 30, 30], "iscrowd": 0, "area": 1},  # clipped
     ]
     ann, img_dir = make_set(tmp_path, annotations=anns)
     ds = load_coco(ann, img_dir, train=True)
@@ -273,7 +273,7 @@ def test_missing_and_corrupt_images_are_skipped(tmp_path):
         {"id": 70, "file_name": "wrong_size.jpg", "width": 64, "height": 64},
     ]
     anns = good_annotations() + [
-        {"id": 11 + i, "image_id": iid, "category_id": 2, "bbox": [1, 1, 8, 8], "iscrowd": 0}
+        {"id": 11 + i, "image_id": iid, "category_id": 2, "bbox": [1, 1, 8, 8], "iscrowd": 0, "area": 1}
         for i, iid in enumerate((40, 50, 60, 70))
     ]
     ann, img_dir = make_set(tmp_path, images=images, annotations=anns, write_images=False)
@@ -313,7 +313,7 @@ def test_summary_names_a_few_paths_then_counts(tmp_path):
 
 def test_empty_images_for_training_are_configurable(tmp_path):
     anns = [a for a in good_annotations() if a["image_id"] != 20]
-    anns.append({"id": 50, "image_id": 30, "category_id": 2, "bbox": [0, 0, 50, 50], "iscrowd": 1})
+    anns.append({"id": 50, "image_id": 30, "category_id": 2, "bbox": [0, 0, 50, 50], "iscrowd": 1, "area": 2500})
     ann, img_dir = make_set(tmp_path, annotations=anns)
     ds = load_coco(ann, img_dir, train=True)
     assert sorted(ds.image_ids) == [10, 30]
@@ -411,3 +411,23 @@ def test_an_unwritable_cache_only_warns(tmp_path, caplog):
         ds = load_coco(ann, img_dir, train=True, check_images="decode", cache_dir=blocker)
     assert sorted(ds.image_ids) == [10, 20, 30]
     assert "could not write the image-check cache" in caplog.text
+
+
+def test_missing_iscrowd_area_and_id_are_filled_as_coco_defines_them(tmp_path):
+    from fastdet.data.coco import fill_coco_defaults
+    from fastdet.eval.coco import coco_ground_truth
+
+    anns = [{k: v for k, v in a.items() if k not in ("iscrowd", "area")} for a in good_annotations()]
+    del anns[1]["id"]
+    ann, img_dir = make_set(tmp_path, annotations=anns)
+    ds = load_coco(ann, img_dir, train=False)
+    n = len(anns)
+    assert ds.report.filled == {"iscrowd": n, "area": n, "id": 1}
+    assert ds.report.summary().startswith(f"filled in {n} missing 'area', 1 missing 'id', {n} missing 'iscrowd'")
+    gt = coco_ground_truth(str(ann))  # pycocotools indexes it (KeyError: 'iscrowd' before)
+    a = gt.loadAnns(gt.getAnnIds())
+    assert all(x["iscrowd"] == 0 for x in a)
+    assert sorted(x["area"] for x in a) == sorted(x["bbox"][2] * x["bbox"][3] for x in anns)
+    assert len({x["id"] for x in a}) == n
+    doc = {"annotations": [{"bbox": [0, 0, 2, 3], "iscrowd": 1, "area": 5, "id": 9}]}
+    assert fill_coco_defaults(doc) == {} and doc["annotations"][0]["area"] == 5  # given values stay

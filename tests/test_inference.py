@@ -338,3 +338,31 @@ def test_export_nms_refuses_a_family_with_its_own_nms(det, tmp_path):
     with pytest.raises(ValueError, match="--nms: OwnNMS has its own NMS"):
         export_onnx(own, tmp_path / "x.onnx", IMG, nms=True)
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_detect_takes_a_path_a_pil_image_and_one_array(det, demo_small):
+    from PIL import Image
+
+    f = sorted((demo_small / "val2017").glob("*.jpg"))[0]
+    ref = detect(det, [decode_image(str(f))], score_thresh=LOW_THRESH)[0]
+    for one in (f, str(f), Image.open(f), decode_image(str(f))):
+        got = detect(det, one, score_thresh=LOW_THRESH)
+        assert len(got) == 1, type(one)
+        torch.testing.assert_close(got[0]["boxes"], ref["boxes"])
+        torch.testing.assert_close(got[0]["scores"], ref["scores"])
+
+
+def test_onnx_file_describes_its_input_and_classes(det, onnx_files):
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load(str(onnx_files["dynamic"])).metadata_props}
+    p = det.info.preprocess
+    assert json.loads(meta["class_names"]) == list(det.info.class_names)
+    assert json.loads(meta["category_ids"]) == list(det.info.cat_ids)
+    assert json.loads(meta["input_size"]) == [det.info.img_size] * 2
+    assert meta["resize"] == p.resize and json.loads(meta["pad_value"]) == p.pad_value
+    assert json.loads(meta["mean"]) == (list(p.mean) if p.mean else None)
+    assert json.loads(meta["std"]) == (list(p.std) if p.std else None)
+    mode = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}[p.interp]
+    assert f"mode='{mode}'" in meta["interpolation"]
+    assert mode == "nearest-exact" or "antialias=False" in meta["interpolation"]

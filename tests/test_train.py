@@ -191,6 +191,7 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     two = two_ranks(demo_small, tmp_path / "two", port=29517)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "plain BatchNorm" in two.stdout
+    assert two.stdout.count("COCO AP") == 1, two.stdout  # the final line once, not once per rank
     assert_same_training(one, tmp_path / "two")
 
 
@@ -309,7 +310,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(demo_small, tm
     good = run(train_cmd(demo_small, tmp_path, "--max-steps", "1"))
     assert good.returncode == 0
     before = load_checkpoint(tmp_path / "latest.pth")
-    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "4", "--resume", "--lr", "nan"))
+    # A resumed run keeps its stored config (a differing --lr is refused): the NaN LR goes there.
+    poisoned = load_checkpoint(tmp_path / "latest.pth")
+    poisoned["config"]["optim"]["base_lr"] = float("nan")
+    torch.save(poisoned, tmp_path / "latest.pth")
+    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "4", "--resume"))
     assert r.returncode == 1
     assert "non-finite loss" in r.stderr
     after = load_checkpoint(tmp_path / "latest.pth")

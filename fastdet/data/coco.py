@@ -124,6 +124,8 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
             assert base is not None
             path, origin = getattr(base, key), f"--data {data_cfg.data}"
         is_ann = key.endswith("_ann")
+        if is_ann and path.is_dir():
+            raise DataError(f"{origin}: {path} is a directory; expected the COCO annotation JSON file")
         if is_ann and not path.is_file():
             raise DataError(f"{origin}: annotation file {path} not found")
         if not is_ann and not path.is_dir():
@@ -165,6 +167,7 @@ class DataReport:
     box_skips: Counter = field(default_factory=Counter)
     image_skips: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    filled: Counter = field(default_factory=Counter)  # annotation fields filled in (fill_coco_defaults)
 
     def count(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
         """Add ``n`` to ``counter[reason]`` (``box_skips`` or ``image_skips``), keeping a few examples."""
@@ -186,6 +189,9 @@ class DataReport:
     def summary(self) -> str:
         """One line, e.g. ``dropped 3 boxes: 2 degenerate, 1 outside image; skipped 1 image: 1 corrupt (/d/a.jpg)``."""
         parts = []
+        if self.filled:
+            parts.append("filled in " + ", ".join(f"{n} missing '{k}'" for k, n in sorted(self.filled.items()))
+                         + " as COCO defines them")
         if self.dropped_boxes:
             reasons = []
             for r in BOX_REASONS:
@@ -203,7 +209,9 @@ class DataReport:
                 more = f", +{n - len(shown)} more" if shown and n > len(shown) else ""
                 reasons.append(f"{n} {r}" + (f" ({', '.join(shown)}{more})" if shown else ""))
             parts.append(f"skipped {_plural(self.skipped_images, 'image')}: " + ", ".join(reasons))
-        return "; ".join(parts) if parts else "nothing dropped or skipped"
+        if not (self.dropped_boxes or self.skipped_images):
+            parts.append("nothing dropped or skipped")
+        return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- dataset
@@ -283,6 +291,29 @@ def _read_json(ann_file: Path) -> dict:
         if not isinstance(doc[key], list):
             raise DataError(f"{ann_file}: top-level key '{key}' must be a list, got {type(doc[key]).__name__}")
     return doc
+
+
+def fill_coco_defaults(doc: dict) -> Counter:
+    """Fill in place the annotation fields many tools leave out, as COCO defines them, and
+    count them by field: ``iscrowd`` 0 (an ordinary object), ``area`` the box's w*h (what
+    pycocotools gives a box-only annotation, ``loadRes``), ``id`` numbered after the largest.
+    pycocotools needs all three (``KeyError: 'iscrowd'`` at the first evaluation otherwise)."""
+    filled: Counter = Counter()
+    anns = [a for a in doc.get("annotations") or () if isinstance(a, dict)]
+    next_id = 1 + max((a["id"] for a in anns if type(a.get("id")) is int), default=0)
+    for a in anns:
+        if "iscrowd" not in a:
+            a["iscrowd"] = 0
+            filled["iscrowd"] += 1
+        b = a.get("bbox")
+        if "area" not in a and isinstance(b, list) and len(b) == 4 and all(_is_number(v) for v in b):
+            a["area"] = float(b[2]) * float(b[3])
+            filled["area"] += 1
+        if "id" not in a:
+            a["id"] = next_id
+            next_id += 1
+            filled["id"] += 1
+    return filled
 
 
 def _parse_categories(ann_file: Path, cats: list) -> tuple[list[int], list[str]]:
@@ -525,6 +556,7 @@ def load_coco(
     if keep_empty is None:
         keep_empty = not train
     doc = _read_json(ann_file)
+    filled = fill_coco_defaults(doc)
     if not image_dir.is_dir():
         raise DataError(f"{image_dir}: image directory not found (images of {ann_file})")
     cat_ids, class_names = _parse_categories(ann_file, doc["categories"])
@@ -534,7 +566,8 @@ def load_coco(
     img, xywh, label, crowd, ann_id = _parse_annotations(ann_file, doc["annotations"], image_index, label_of)
     del doc
 
-    report = DataReport(ann_file=str(ann_file), train=train, images_in_file=len(images), boxes_in_file=len(img))
+    report = DataReport(ann_file=str(ann_file), train=train, images_in_file=len(images), boxes_in_file=len(img),
+                        filled=filled)
     # Image sizes: [I] as decoded (checked) or as declared (check_images="none").
     widths = np.array([im[2] for im in images], np.float64)
     heights = np.array([im[3] for im in images], np.float64)

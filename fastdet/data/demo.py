@@ -25,10 +25,12 @@ same parameters are byte-identical (for the same Pillow/libjpeg build).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -102,9 +104,14 @@ def make_demo(root: str | Path, *, num_train: int = 400, num_val: int = 100, see
                 f"{root}: exists and is not a fastdet demo set (no {GENERATOR_NAME} manifest.json); "
                 "refusing to overwrite it"
             )
+        log = logging.getLogger("fastdet")
+        log.info("generating the demo set (%d train, %d val images of shapes) into %s; done once, "
+                 "reused from then on", num_train, num_val, root)
+        t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
         try:
             counts = {split: _write_split(tmp, split, n, seed) for split, n in zip(SPLITS, (num_train, num_val))}
+            log.info("demo set generated in %.1f s", time.perf_counter() - t0)
             # The manifest is written last: a folder without it is never taken as complete.
             (tmp / "manifest.json").write_text(json.dumps({**manifest, "counts": counts}, indent=1) + "\n")
             if root.exists():

@@ -138,7 +138,7 @@ class TrainSchedule:
         if per_rank < batch_size:
             raise LoaderError(
                 f"{num_records} training images cannot fill one batch of {batch_size} on each of "
-                f"{world_size} process(es); lower data.batch_size"
+                f"{world_size} process(es); lower --batch-size"
             )
         self.num_records = num_records
         self.batch_size = batch_size

@@ -47,12 +47,14 @@ class _BarAwareHandler(logging.StreamHandler):
 class TensorBoard:
     """TensorBoard scalars and images on rank 0; a no-op elsewhere or when disabled."""
 
-    def __init__(self, log_dir: Path | None):
+    def __init__(self, log_dir: Path | None, purge_step: int | None = None):
+        """``purge_step``: events at or after it in earlier files are discarded when read
+        (a resumed run re-logs the steps after its checkpoint)."""
         self.writer = None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def scalars(self, values: dict[str, float], step: int, prefix: str = "") -> None:
         if self.writer is None:

@@ -31,7 +31,9 @@ from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, r
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
+from fastdet.engine.preflight import PreflightError, check_end_of_run_path
 from fastdet.engine.previews import log_val_predictions
+from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
 
@@ -62,6 +64,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         cfg = recipes.resolve(cfg)
         self._setup_process(cfg)
+        cfg = replace(cfg, run=replace(cfg.run, output_dir=str(self.out)))  # the directory chosen
         self.cfg = self._load_data(cfg)
         self._build_model()
         self._build_loaders()
@@ -91,11 +94,17 @@ class Trainer:
             torch.backends.cudnn.benchmark = True
             torch.backends.cudnn.allow_tf32 = cfg.compile.tf32
             torch.backends.cuda.matmul.allow_tf32 = cfg.compile.tf32
-        self.out = output_dir(cfg)
+        asked = output_dir(cfg)
+        # Rank 0 chooses (another rank could see the directory rank 0 just made as taken).
+        self.out = dist.broadcast_object(
+            asked if cfg.run.resume or cfg.run.exist_ok else free_run_dir(asked))
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         setup_logging(self.out, self.dist.is_main)
+        if self.out != asked:
+            log.info("%s holds another run: this run writes to %s (--resume continues that run, "
+                     "--exist-ok writes into it)", asked, self.out)
         dist.seed_everything(cfg.run.seed, self.dist.rank)
 
     def _load_data(self, cfg: Config) -> Config:
@@ -158,7 +167,9 @@ class Trainer:
             ddp=ddp, backend=cfg.compile.backend,
             background=cfg.compile.compile and cfg.compile.warmup == "background",
             shapes=cfg.compile.shapes)
-        self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
+        # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint.
+        self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None,
+                              purge_step=self.step + 1 if cfg.run.resume else None)
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
 
     def _start_run_files(self) -> None:
@@ -208,6 +219,9 @@ class Trainer:
         if not path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {path} (train once without --resume)")
         ck = load_checkpoint(path)
+        if "optimizer" not in ck:
+            raise ValueError(f"--resume: {path} holds weights only (best.pth keeps no optimizer state): "
+                             "resume from latest.pth, or fine-tune from it with --ckpt and no --resume")
         self.model.load_state_dict(ck["model"])
         if self.ema is not None and ck.get("ema") is not None:
             self.ema.load_state_dict(ck["ema"])
@@ -216,7 +230,16 @@ class Trainer:
         self.epoch, self.step, self.best_ap = ck["epoch"], ck["step"], ck.get("best_ap", -1.0)
         if ck.get("world_size", 1) == self.dist.world_size:
             set_rng_state(ck["rng"])
+        else:
+            was = ck.get("world_size", 1)
+            log.warning("resuming a run trained on %d process(es) on %d: the total batch is now %d "
+                        "(was %d), the LR scales with it to %.4g, an epoch is %d steps, and the data "
+                        "order and augmentation draws differ from an uninterrupted run",
+                        was, self.dist.world_size, self.world_batch, self.cfg.data.batch_size * was,
+                        self.base_lr, self.steps_per_epoch)
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch, self.step)
+        if self.dist.is_main:
+            truncate_run_logs(self.out, self.step)
 
     def _finetune(self, path: str) -> None:
         from fastdet.convert import load_any  # also the authors' released files, converted
@@ -229,15 +252,21 @@ class Trainer:
         if self.ema is not None:
             self.ema.reset(self.model)
         msg = f"fine-tuning from {path}"
-        if skipped:
-            msg += f"; {len(skipped)} tensors left freshly initialised (shape differs, e.g. a " \
-                   f"different number of classes): {', '.join(skipped[:4])}"
+        theirs = ck.get("class_names") if isinstance(ck, dict) else None
+        if skipped and isinstance(theirs, list) and len(theirs) != self.train_set.num_classes:
+            msg += (f"; the checkpoint has {len(theirs)} classes and this dataset {self.train_set.num_classes}: "
+                    f"{len(skipped)} classification tensors start fresh ({', '.join(skipped[:4])})")
+        elif skipped:
+            msg += f"; {len(skipped)} tensors of another shape start fresh: {', '.join(skipped[:4])}"
         log.info(msg)
 
     # ------------------------------------------------------------------ checkpoints / eval
     def save(self, name: str) -> None:
         if self.dist.is_main:
-            save_checkpoint(self.out / f"{name}.pth", self._state())
+            state = self._state()
+            if name == "best":  # weights to use, not to resume: no optimizer state (as large as the model)
+                state = {k: v for k, v in state.items() if k not in ("optimizer", "scaler", "rng")}
+            save_checkpoint(self.out / f"{name}.pth", state)
 
     def evaluate(self) -> dict[str, float]:
         model = self.ema.averaged() if self.ema is not None else self.model
@@ -266,16 +295,26 @@ class Trainer:
             total_steps = min(total_steps, run.max_steps)
         if getattr(self, "_scaler_state", None):
             self.train_step.scaler.load_state_dict(self._scaler_state)
+        if self.step >= total_steps:
+            log.info("the run in %s finished at step %d of %d (epoch %d): nothing to train; raise "
+                     "--max-steps, or start a new run for more --epochs", self.out, self.step,
+                     total_steps, self.epoch)
+            self.tb.close()
+            return {}
+        self._preflight()
         # Modes first: warm-up compiles and captures the model in the mode it trains in
         # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
         self._train_mode()
         self._warmup()
         log.info("training %s-%s on %s: %d images, %d steps/epoch x %d epochs (%d steps), "
-                 "batch %d x %d rank(s), lr %.4g, amp %s, compile %s, cuda graphs %s, loader %s",
+                 "batch %d per rank x %d rank(s) = %d, lr %.4g, train sizes %s, eval size %d, "
+                 "amp %s, compile %s, cuda graphs %s, loader %s",
                  cfg.model.arch, cfg.model.size, self.device, len(self.train_set),
                  self.steps_per_epoch, cfg.optim.epochs, total_steps, cfg.data.batch_size,
-                 self.dist.world_size, self.base_lr, self.amp_dtype or "off", cfg.compile.compile,
-                 cfg.compile.cuda_graphs, self.train_loader.backend)
+                 self.dist.world_size, self.world_batch, self.base_lr,
+                 ",".join(map(str, cfg.data.train_sizes)), cfg.data.img_size,
+                 self.amp_dtype or "off", cfg.compile.compile, cfg.compile.cuda_graphs,
+                 self.train_loader.backend)
         progress = Progress(total_steps - self.step, run.progress and self.dist.is_main)
         stats: dict[str, float] = {}
         t_start, steps_at_start = time.perf_counter(), self.step
@@ -326,6 +365,22 @@ class Trainer:
         self.model.train()
         if self.cfg.model.freeze_bn:
             freeze_bn_stats(self.model)
+
+    def _preflight(self) -> None:
+        """The evaluation and checkpoint paths on one eval batch per rank, before step 1
+        (fastdet/engine/preflight.py), so that they fail in the first minute."""
+        cfg, d = self.cfg, self.dist
+        model = self.ema.averaged() if self.ema is not None else self.model
+        build = partial(build_eval_loader, cfg.data, preprocess=recipes.family(cfg.model.arch).preprocess,
+                        rank=d.rank, world_size=d.world_size, device=self.device)
+        try:
+            secs = check_end_of_run_path(model, self.val_set, build, self.amp_dtype,
+                                         recipes.predict_kwargs(cfg), cfg.data.eval_batch_size * d.world_size,
+                                         self._state, self.out, d.is_main)
+        except PreflightError as e:
+            raise TrainingError(str(e)) from e
+        log.info("checked before training: evaluation (eval loader, predict, pycocotools on %s) "
+                 "and a checkpoint write (%.1f s)", self.val_set.ann_file.name, secs)
 
     def _warmup(self) -> None:
         cfg = self.cfg
@@ -530,6 +585,21 @@ def bgc_describe(cache: dict[str, int]) -> str:
     from fastdet.engine.background import describe_cache
 
     return describe_cache(cache) if cache else "no cache counters"
+
+
+def truncate_run_logs(out: Path, step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` / ``eval.jsonl`` logged after ``step`` (a run
+    stopped after its last checkpoint), so a resumed run does not repeat steps."""
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        f = out / name
+        if not f.is_file():
+            continue
+        lines = f.read_text().splitlines()
+        keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(keep) != len(lines):
+            f.write_text("".join(line + "\n" for line in keep))
+            log.info("%s: dropped %d line(s) logged after step %d (the checkpoint resumed from)",
+                     f.name, len(lines) - len(keep), step)
 
 
 def train(cfg: Config) -> dict[str, float]:

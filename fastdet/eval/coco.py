@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 from typing import Any, Iterable
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fastdet.data.coco import fill_coco_defaults
 from fastdet.data.preprocess import boxes_to_original
 from fastdet.engine import dist
 
@@ -60,13 +62,26 @@ def predict_coco(model: nn.Module, loader: Iterable[dict[str, Tensor]], cat_ids:
     return results, seen
 
 
+def coco_ground_truth(ann_file: str):
+    """pycocotools' ``COCO`` of ``ann_file`` with the fields it needs and many tools leave
+    out (``iscrowd``, ``area``, ``id``) filled in as COCO defines them (as ``load_coco`` does)."""
+    from pycocotools.coco import COCO
+
+    with open(ann_file, "rb") as f:
+        doc = json.load(f)
+    fill_coco_defaults(doc)
+    gt = COCO()
+    gt.dataset = doc
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt.createIndex()
+    return gt
+
+
 def coco_eval(ann_file: str, results: list[dict], image_ids: list[int]) -> dict[str, float]:
     """Run COCOeval (bbox) and return the 12 standard stats by name."""
-    from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO(ann_file)
+    gt = coco_ground_truth(ann_file)
     if not results:
         return {k: 0.0 for k in STAT_NAMES}
     buf = io.StringIO()

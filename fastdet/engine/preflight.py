@@ -1,0 +1,92 @@
+"""What runs at the end of training runs at the start, on a tiny input.
+
+Before the first training step the trainer evaluates its (untrained) weights on one eval
+batch per rank through the real path (the eval loader with the family's preprocessing,
+``model.predict``, the gather across ranks, pycocotools on the val annotation file),
+scores a made-up detection per image so that pycocotools' ``loadRes`` / ``evaluate`` /
+``accumulate`` run even when the untrained model detects nothing, and writes (then
+removes) a checkpoint of the full state next to the run. A dataset, environment or disk
+problem then fails in the first minute with one line, not at the first evaluation hours in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from fastdet.data.coco import CocoDataset
+from fastdet.engine.checkpoint import rng_state, save_checkpoint, set_rng_state
+from fastdet.eval import coco as coco_eval_mod
+
+log = logging.getLogger("fastdet")
+
+
+class PreflightError(RuntimeError):
+    """The evaluation or checkpoint path fails before training; one line."""
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The COCO table of a made-up result is noise in the log."""
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
+def tiny_subset(dataset: CocoDataset, n: int) -> CocoDataset:
+    """The first ``n`` records of ``dataset`` (same annotation file and categories)."""
+    return replace(dataset, records=dataset.records[:n])
+
+
+def fake_results(dataset: CocoDataset) -> list[dict[str, Any]]:
+    """One made-up detection per image (a 16 px box of the first category), COCO results format."""
+    return [{"image_id": r.image_id, "category_id": dataset.cat_ids[0],
+             "bbox": [0.0, 0.0, float(min(16, r.width)), float(min(16, r.height))], "score": 0.5}
+            for r in dataset.records]
+
+
+def check_end_of_run_path(model: nn.Module, val_set: CocoDataset, build_loader: Callable[[CocoDataset], Any],
+                          amp_dtype: torch.dtype | None, predict_kwargs: dict[str, Any], n_images: int,
+                          state: Callable[[], dict[str, Any]], out: Path, is_main: bool) -> float:
+    """Run the evaluation and checkpoint paths once on ``n_images`` val images; returns the
+    seconds it took. Raises :class:`PreflightError` (one line naming the stage) on failure.
+    The random streams are left as they were (a resumed run repeats exactly)."""
+    t = time.perf_counter()
+    rng = rng_state()
+    tiny = tiny_subset(val_set, n_images)
+    stage = "building the eval loader"
+    try:
+        loader = build_loader(tiny)
+        stage = "evaluating a val batch"
+        with _quiet():
+            coco_eval_mod.evaluate(model, loader, tiny, amp_dtype, predict_kwargs)
+            if is_main:
+                stage = f"scoring with pycocotools against {val_set.ann_file}"
+                coco_eval_mod.coco_eval(str(val_set.ann_file), fake_results(tiny), tiny.image_ids)
+        if is_main:
+            stage = f"writing a checkpoint into {out}"
+            probe = out / ".preflight.pth"
+            try:
+                save_checkpoint(probe, state())
+            finally:
+                probe.unlink(missing_ok=True)
+    except Exception as e:
+        raise PreflightError(f"the end-of-run path fails before training, {stage}: {_first_line(e)}") from e
+    finally:
+        set_rng_state(rng)
+    return time.perf_counter() - t

@@ -1,0 +1,38 @@
+"""Where a run writes: never into another run's directory unless the user says so.
+
+A new run whose output directory already holds a run (checkpoints, logs, TensorBoard
+events) goes to the next free numbered sibling, as ultralytics does: ``runs/ppyoloe_s``
+-> ``runs/ppyoloe_s2`` -> ``runs/ppyoloe_s3``; the log says where. ``--exist-ok`` writes
+into the directory as it is (its logs are started anew, its checkpoints replaced);
+``--resume`` continues the run in it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# What a run leaves in its directory (fastdet.engine.trainer); any of them marks it taken.
+RUN_FILES = ("latest.pth", "best.pth", "metrics.jsonl", "eval.jsonl", "train.log", "config.yaml", "tb")
+
+
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` holds any file a run writes."""
+    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+
+
+def free_run_dir(path: Path) -> Path:
+    """``path`` if it holds no run, else the first ``<path><n>`` (n = 2, 3, ...) that holds none.
+
+    A trailing number of ``path`` is kept as part of the name (``exp2`` -> ``exp22`` would
+    surprise): the numbering continues from the name without it (``exp2`` -> ``exp3``).
+    """
+    if not holds_run(path):
+        return path
+    m = re.fullmatch(r"(.*?[^\d])(\d+)", path.name)
+    stem, n = (m.group(1), int(m.group(2)) + 1) if m else (path.name, 2)
+    while True:
+        cand = path.with_name(f"{stem}{n}")
+        if not holds_run(cand):
+            return cand
+        n += 1
