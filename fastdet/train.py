@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,11 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--log-interval": ("run.log_interval", dict(type=int)),
     "--eval-interval": ("run.eval_interval", dict(type=int)),
     "--ckpt-interval-steps": ("run.ckpt_interval_steps", dict(type=int)),
+    "--ckpt-interval-minutes": ("run.ckpt_interval_minutes", dict(
+        type=float, metavar="MIN", help="also write latest.pth after this much training time (default 5; 0: off)")),
+    "--dist-timeout": ("run.dist_timeout_minutes", dict(
+        type=float, metavar="MIN", help="torchrun: how long ranks wait for each other in a collective, e.g. "
+                                        "while rank 0 scores COCO (default 30)")),
     "--profile-steps": ("run.profile_steps", dict(metavar="A:B", help="bracket steps A..B-1 with cudaProfilerStart/Stop")),
 }
 SWITCHES: dict[str, tuple[str, Any, str]] = {
@@ -53,13 +59,15 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "--sync-debug": ("run.sync_debug", True,
                      "CUDA: fail on any host sync inside a training step after warm-up (a check)"),
     "--tf32": ("compile.tf32", True, "allow TF32 in convolutions and matmuls on CUDA (off by default)"),
-    "--resume": ("run.resume", True, "continue the run in --output-dir from latest.pth"),
     "--nvtx": ("run.nvtx", True, "NVTX ranges around data, forward, backward, optimizer, EMA"),
     "--channels-last": ("data.channels_last", True,
                         "model and images in channels-last (NHWC); bench/throughput.py --modes layout measures it"),
     "--no-multiscale": ("data.multiscale", False, "train at --img-size only"),
     "--no-augment": ("data.augment", False, "no data augmentation"),
     "--no-ema": ("optim.ema", False, "train without an EMA of the weights"),
+    "--sync-bn": ("model.sync_bn", True,
+                  "under torchrun: BatchNorm statistics over every rank's batch (on in the presets "
+                  "of PP-YOLOE and PP-YOLO; works with --compile)"),
 }
 
 
@@ -72,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, default=None, **kw)
     for flag, (_, _, help_) in SWITCHES.items():
         p.add_argument(flag, action="store_true", help=help_)
+    p.add_argument("--resume", nargs="?", const="yes", choices=["auto", "yes"], default=None,
+                   metavar="auto",
+                   help="continue the run in --output-dir from latest.pth; --resume auto: continue it "
+                        "if latest.pth is there (and of this config), else start it (what torchrun "
+                        "restarts do)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field, e.g. --set optim.base_lr=0.01 (repeatable)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -91,6 +104,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
     for flag, (key, value, _) in SWITCHES.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             overrides[key] = value
+    if args.resume:
+        overrides["run.auto_resume" if args.resume == "auto" else "run.resume"] = True
     overrides.update(parse_set_args(args.set))
     if overrides.get("data.data", cfg.data.data) == "demo":
         cfg = apply_overrides(cfg, recipes.demo_overrides(args.arch))
@@ -119,6 +134,11 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--epochs must be at least 1, got {o.epochs}")
     if o.base_lr <= 0:
         raise ConfigError(f"--lr must be positive, got {o.base_lr:g}")
+    if cfg.run.dist_timeout_minutes <= 0:
+        raise ConfigError(f"--dist-timeout must be positive (minutes), got {cfg.run.dist_timeout_minutes:g}")
+    if cfg.run.ckpt_interval_minutes < 0:
+        raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
+                          f"{cfg.run.ckpt_interval_minutes:g}")
     if cfg.run.ckpt:
         from fastdet.engine.checkpoint import is_checkpoint_archive
 
@@ -144,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     from fastdet.data.coco import DataError
+    from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
     from fastdet.engine.trainer import TrainingError, train
 
     try:
@@ -152,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("fastdet").error("error: %s", e)
         print(f"fastdet.train: error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"fastdet.train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, nothing saved
+        print("fastdet.train: interrupted (nothing saved since the last checkpoint)", file=sys.stderr)
+        return 130
     if stats:
         print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}")
     return 0

@@ -183,3 +183,44 @@ def test_one_process_is_plain_batchnorm_and_keeps_tensors():
             torch.testing.assert_close(net(x), ref(x), rtol=1e-5, atol=1e-4)
         for a, b in zip(net.buffers(), ref.buffers()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A 1-rank gloo process group in this process: the functional all-gather is the same
+    op (``_c10d_functional.all_gather_into_tensor``) Dynamo traces with any world size."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def _family_cases() -> list[str]:
+    from test_contract import WITH_RECIPE  # tests/ is on sys.path (rootdir conftest)
+
+    return WITH_RECIPE
+
+
+@pytest.mark.parametrize("arch", _family_cases())
+def test_every_family_traces_with_sync_bn_without_graph_breaks(arch, one_rank_group):
+    """Each family's training forward (its first phase), every BatchNorm converted and
+    gathering over a process group: one graph, 0 breaks (torch.nn.SyncBatchNorm breaks)."""
+    from test_contract import _batch, _model_and_kwargs
+
+    torch._dynamo.reset()
+    model, kw = _model_and_kwargs(arch, 0)
+    n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    model = convert_sync_batchnorm(model, group=one_rank_group)
+    synced = [m for m in model.modules() if isinstance(m, FunctionalSyncBatchNorm)]
+    assert len(synced) == n_bn and all(m.group == one_rank_group for m in synced)
+    x, t = _batch()
+    explanation = torch._dynamo.explain(model)(x, t, **kw)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    if n_bn:  # the collective is in the graph
+        ops = [str(n.target) for g in explanation.graphs for n in g.graph.nodes]
+        assert any("all_gather_into_tensor" in o for o in ops), arch
