@@ -87,3 +87,55 @@ def test_resume_command_repeats_the_arguments_with_resume(monkeypatch):
     cmd = resume_command(["--data", "x", "--resume", "auto"])
     assert cmd.startswith("torchrun --nproc_per_node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node1:")
     assert cmd.endswith("-m fastdet.train --data x --resume auto")
+
+
+def _timeout_worker(rank: int, port: int, minutes: float, wait_s: float, results) -> None:
+    from fastdet.engine import dist as fdist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    info = fdist.init_distributed("cpu", timeout_minutes=minutes)
+    try:
+        if rank == 0:
+            import time
+
+            time.sleep(wait_s)  # rank 0 "scoring COCO" while rank 1 waits for its result
+        try:
+            results[rank] = fdist.broadcast_object({"AP": 0.5})
+        except RuntimeError as e:
+            results[rank] = "timeout" if "imed out" in str(e) or "imeout" in str(e) else str(e)[:200]
+    finally:
+        if rank == 1 or results.get(1) != "timeout":
+            fdist.shutdown()
+        assert info.world_size == 2
+
+
+def test_dist_timeout_bounds_how_long_ranks_wait_for_each_other():
+    """--dist-timeout reaches the collectives: rank 1 waits for rank 0's broadcast, which
+    comes 5 s late; with a 2 s timeout it fails (gloo's default is 30 min, and the
+    trainer's default 30 min too: what lets rank 0 score a long COCO evaluation)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_timeout_worker, args=(port, 2 / 60, 5.0, results), nprocs=2,
+                           start_method="spawn", join=True)
+        assert results[1] == "timeout", dict(results)
+
+
+def test_bad_dist_timeout_and_checkpoint_interval_are_one_line():
+    from fastdet.config import ConfigError
+    from fastdet.train import build_parser, check_config, resolve_config
+
+    for args, msg in ((["--dist-timeout", "0"], "--dist-timeout must be positive"),
+                      (["--ckpt-interval-minutes", "-1"], "--ckpt-interval-minutes must be 0 (off) or positive")):
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            check_config(resolve_config(build_parser().parse_args(args)))
