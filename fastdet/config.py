@@ -37,6 +37,13 @@ class ModelConfig:
     # Keep BatchNorm running statistics fixed while training (fine-tuning, and the
     # DDP-vs-single-process equivalence test on the CPU, where SyncBatchNorm is unavailable).
     freeze_bn: bool = False
+    # Under torchrun, normalise with the statistics of the whole batch over every rank
+    # (fastdet.engine.sync_bn: traceable with --compile). On in the presets of the
+    # families trained so (PaddleDetection norm_type: sync_bn: PP-YOLOE, PP-YOLO).
+    sync_bn: bool = False
+    # Under torchrun without sync_bn: average the BatchNorm running statistics over the
+    # ranks before each evaluation and checkpoint (Megvii's all_reduce_norm; YOLOX).
+    all_reduce_bn_stats: bool = False
     # A local state dict to start the backbone from (--backbone-weights; FCOS: a torchvision
     # ResNet-50's, its ImageNet start; nothing is downloaded). Loaded when a run starts fresh.
     backbone_weights: Optional[str] = None
@@ -151,10 +158,20 @@ class RunConfig:
     log_interval: int = 20
     eval_interval: int = 10  # epochs; the last epoch is always evaluated
     ckpt_interval_steps: int = 0  # also write `latest` every N steps (0: per epoch only)
+    # Also write `latest` when this many minutes of training have passed since the last
+    # checkpoint (0: off): a preemption or crash loses at most this much work. The file it
+    # replaces is kept as latest.prev.pth.
+    ckpt_interval_minutes: float = 5.0
     resume: bool = False
     # Write into an output directory that holds another run (its logs started anew);
     # otherwise a new run there goes to the next numbered directory (fastdet/engine/rundir.py).
     exist_ok: bool = False
+    # --resume auto (and every torchrun restart): resume from latest.pth when the output
+    # directory holds one of the same config, else start the run.
+    auto_resume: bool = False
+    # Timeout of the collectives (torchrun): ranks wait this long for each other, e.g.
+    # while rank 0 scores a COCO evaluation (NCCL's default, 10 min, is too short there).
+    dist_timeout_minutes: float = 30.0
     ckpt: Optional[str] = None  # fine-tune from these weights
     # --ckpt from another family or size: load the tensors that fit (refused otherwise).
     ckpt_partial: bool = False

@@ -52,6 +52,11 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--eval-interval": ("run.eval_interval", dict(type=int, help="epochs between evaluations (the last is always)")),
     "--ckpt-interval-steps": ("run.ckpt_interval_steps", dict(type=int,
                                                               help="also write latest.pth every N steps")),
+    "--ckpt-interval-minutes": ("run.ckpt_interval_minutes", dict(
+        type=float, metavar="MIN", help="also write latest.pth after this much training time (default 5; 0: off)")),
+    "--dist-timeout": ("run.dist_timeout_minutes", dict(
+        type=float, metavar="MIN", help="torchrun: how long ranks wait for each other in a collective, e.g. "
+                                        "while rank 0 scores COCO (default 30)")),
     "--profile-steps": ("run.profile_steps", dict(metavar="A:B", help="bracket steps A..B-1 with cudaProfilerStart/Stop")),
 }
 SWITCHES: dict[str, tuple[str, Any, str]] = {
@@ -60,7 +65,6 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "--sync-debug": ("run.sync_debug", True,
                      "CUDA: fail on any host sync inside a training step after warm-up (a check)"),
     "--tf32": ("compile.tf32", True, "allow TF32 in convolutions and matmuls on CUDA (off by default)"),
-    "--resume": ("run.resume", True, "continue the run in --output-dir from latest.pth"),
     "--exist-ok": ("run.exist_ok", True, "write into --output-dir even if it holds another run "
                    "(otherwise a new run goes to the next numbered directory, e.g. runs/ppyoloe_s2)"),
     "--nvtx": ("run.nvtx", True, "NVTX ranges around data, forward, backward, optimizer, EMA"),
@@ -71,6 +75,9 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "--no-ema": ("optim.ema", False, "train without an EMA of the weights"),
     "--ckpt-partial": ("run.ckpt_partial", True,
                        "with --ckpt from another family or size: load the tensors that fit, start the rest fresh"),
+    "--sync-bn": ("model.sync_bn", True,
+                  "under torchrun: BatchNorm statistics over every rank's batch (on in the presets "
+                  "of PP-YOLOE and PP-YOLO; works with --compile)"),
 }
 
 
@@ -85,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, default=None, **kw)
     for flag, (_, _, help_) in SWITCHES.items():
         p.add_argument(flag, action="store_true", help=help_)
+    p.add_argument("--resume", nargs="?", const="yes", choices=["auto", "yes"], default=None,
+                   metavar="auto",
+                   help="continue the run in --output-dir from latest.pth; --resume auto: continue it "
+                        "if latest.pth is there (and of this config), else start it (what torchrun "
+                        "restarts do)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field, e.g. --set optim.base_lr=0.01 (repeatable)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -103,6 +115,8 @@ RESUMABLE = frozenset({
     "run.profile_steps", "run.sync_debug", "run.progress", "run.tensorboard",
     "data.num_workers", "data.loader", "data.cache_dir", "data.eval_batch_size",
     "compile.compile", "compile.cuda_graphs", "compile.backend", "compile.dynamic",
+    "compile.warmup", "compile.shapes", "run.ckpt_interval_minutes", "run.dist_timeout_minutes",
+    "run.auto_resume",
 })
 
 
@@ -133,6 +147,8 @@ def explicit_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for flag, (key, value, _) in SWITCHES.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):
             overrides[key] = value
+    if args.resume:
+        overrides["run.auto_resume" if args.resume == "auto" else "run.resume"] = True
     overrides.update(parse_set_args(args.set))
     return overrides
 
@@ -175,7 +191,7 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
     ConfigError naming it unless it is RESUMABLE."""
     from fastdet import recipes
     from fastdet.config import RunConfig
-    from fastdet.engine.checkpoint import load_checkpoint
+    from fastdet.engine.checkpoint import load_checkpoint, load_with_fallback, previous_path
 
     if overrides.get("run.ckpt"):
         path = Path(overrides["run.ckpt"]).expanduser()
@@ -183,11 +199,13 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
         out = overrides.get("run.output_dir") or RunConfig.output_dir.format(
             arch=args.arch or DEFAULT_ARCH, size=args.size or DEFAULT_SIZE)
         path = Path(out).expanduser() / "latest.pth"
-    if not path.is_file():
+    fallback = not overrides.get("run.ckpt") and previous_path(path).is_file()
+    if not path.is_file() and not fallback:
         raise ConfigError(f"--resume: no checkpoint at {path} (train once without --resume, "
                           "or name the run's directory with --output-dir)")
     try:
-        ck = load_checkpoint(path)
+        # latest.pth damaged by a kill mid-write: the trainer resumes from latest.prev.pth.
+        ck = load_with_fallback(path)[0] if fallback else load_checkpoint(path)
         stored = recipes.config_from_dict(ck["config"])
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--resume: {path}: {e}") from None
@@ -240,6 +258,11 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--epochs must be at least 1, got {o.epochs}")
     if o.base_lr <= 0:
         raise ConfigError(f"--lr must be positive, got {o.base_lr:g}")
+    if cfg.run.dist_timeout_minutes <= 0:
+        raise ConfigError(f"--dist-timeout must be positive (minutes), got {cfg.run.dist_timeout_minutes:g}")
+    if cfg.run.ckpt_interval_minutes < 0:
+        raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
+                          f"{cfg.run.ckpt_interval_minutes:g}")
     if cfg.run.ckpt:
         from fastdet.engine.checkpoint import is_checkpoint_archive
 
@@ -311,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastdet.data.augment import ImageDecodeError
     from fastdet.data.coco import DataError
     from fastdet.data.schedule import LoaderError
+    from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
     from fastdet.engine.trainer import TrainingError, train
 
     try:
@@ -320,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
         print(f"fastdet.train: error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"fastdet.train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, nothing saved
+        print("fastdet.train: interrupted (nothing saved since the last checkpoint)", file=sys.stderr)
+        return 130
     if stats and int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
         print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}")
     return 0

@@ -175,3 +175,31 @@ def test_yolox_two_ranks_match_one_process(demo_small, tmp_path):
     r2 = run(cmd)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert_same_training(one, two, "yolox", "nano")
+
+
+def test_yolox_bn_statistics_are_averaged_over_ranks_before_checkpoints(demo_small, tmp_path):
+    """YOLOX trains plain per-rank BatchNorm and, as Megvii's all_reduce_norm, averages the
+    running statistics over the ranks before each checkpoint and evaluation. After one step
+    of 2 ranks x 2 images (different images per rank), the first BatchNorm's running mean
+    (its input does not depend on the other ranks) is then the mean over all 4 images: the
+    one-process run's, for the model and its EMA. Without the averaging, rank 0's checkpoint
+    holds the statistics of its own 2 images only."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, two = tmp_path / "one", tmp_path / "two"
+    same = ["--no-augment", "--max-steps", "1", "--set", "optim.warmup_epochs=0"]
+    r1 = run(train_cmd(demo_small, one, "yolox", "nano", *same))
+    assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", "29532", "-m", "fastdet.train"]
+    cmd = torchrun + train_cmd(demo_small, two, "yolox", "nano", *same)[3:]
+    cmd[cmd.index("--batch-size") + 1] = "2"
+    r2 = run(cmd)
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    assert "running statistics averaged over the ranks" in r2.stdout
+    a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")
+    key = next(k for k in a["model"] if k.endswith("running_mean"))
+    init = torch.zeros_like(a["model"][key])
+    assert (a["model"][key] - init).abs().max() > 1e-2, "the statistics did not move"
+    torch.testing.assert_close(b["model"][key], a["model"][key], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b["ema"]["module"][key], a["ema"]["module"][key], rtol=1e-4, atol=1e-5)

@@ -30,8 +30,8 @@ def train_cmd(data: Path, out: Path, *extra: str) -> list[str]:
             "--set", "optim.warmup_steps=2", *extra]
 
 
-def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+def run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -117,22 +117,28 @@ def _flat(d, prefix=""):
 
 
 def test_compiled_training_cli(demo_small, tmp_path):
+    """--compile (inductor), with frozen BatchNorm statistics: freeze_bn and train() come
+    before warm-up, so the graph compiled there is the one the steps run (else Dynamo
+    recompiles at step 1 on the BatchNorm ``training`` guard and the first log raises)."""
     r = run(train_cmd(demo_small, tmp_path, "--max-steps", "2", "--compile",
-                      "--set", "family.static_assigner_epoch=100", "--set", "compile.warmup=blocking"))
+                      "--set", "family.static_assigner_epoch=100", "--set", "compile.warmup=blocking",
+                      "--set", "model.freeze_bn=true"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in r.stdout
     assert "COCO AP" in r.stdout
+    assert "recompiled" not in r.stdout + r.stderr
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     assert all(torch.isfinite(torch.tensor(m["total_loss"])) for m in metrics(tmp_path))
 
 
 # The runs compared across process counts and across eager / compiled. 128 px and a real
 # LR: the assigned-score normaliser is clamped at 1 (PaddleDetection), so it must exceed 1
 # on each rank for one process and two to be equivalent, and the weights must move far
-# more than the tolerance for a comparison to mean anything. BatchNorm statistics are
-# frozen because per-rank BatchNorm (gloo has no SyncBatchNorm) sees half the batch.
+# more than the tolerance for a comparison to mean anything. BatchNorm trains: PP-YOLOE's
+# preset turns model.sync_bn on, so two ranks of half the batch normalise as one process
+# does (fastdet/engine/sync_bn.py, eager and compiled).
 SAME_RUN = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05",
-            "--set", "optim.ref_batch=4", "--set", "model.freeze_bn=true",
-            "--set", "run.eval_interval=100"]
+            "--set", "optim.ref_batch=4", "--set", "run.eval_interval=100"]
 
 
 @pytest.fixture(scope="module")
@@ -153,18 +159,24 @@ COMPILE = ["--compile", "--set", "compile.backend=aot_eager", "--set", "compile.
 
 @pytest.fixture(scope="module")
 def one_process_compiled(demo_small, tmp_path_factory):
-    """``SAME_RUN`` in one process with ``--compile`` (and so freeze_bn under compile)."""
+    """``SAME_RUN`` in one process with ``--compile``."""
     out = tmp_path_factory.mktemp("one_compiled")
     return out, run(train_cmd(demo_small, out, *SAME_RUN, *COMPILE), timeout=1200)
 
 
-def two_ranks(data: Path, out: Path, *extra: str, port: int) -> subprocess.CompletedProcess:
+def two_ranks(data: Path, out: Path, *extra: str, port: int, launcher: tuple[str, ...] = (),
+              env: dict | None = None) -> subprocess.CompletedProcess:
     """``SAME_RUN`` under torchrun with 2 processes (gloo) of half the batch each."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", str(port), "-m", "fastdet.train"]
+    return run(two_ranks_cmd(data, out, *extra, port=port, launcher=launcher), timeout=1200, env=env)
+
+
+def two_ranks_cmd(data: Path, out: Path, *extra: str, port: int | None,
+                  launcher: tuple[str, ...] = ("--nproc_per_node", "2")) -> list[str]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *(launcher or ("--nproc_per_node", "2")),
+                *(("--master_port", str(port)) if port else ()), "-m", "fastdet.train"]
     cmd = torchrun + train_cmd(data, out, *SAME_RUN, *extra)[3:]
     cmd[cmd.index("--batch-size") + 1] = "2"
-    return run(cmd, timeout=1200)
+    return cmd
 
 
 def assert_same_training(one: Path, two: Path, arch: str = "ppyoloe", size: str = "s") -> None:
@@ -190,14 +202,15 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     assert r.returncode == 0, r.stderr
     two = two_ranks(demo_small, tmp_path / "two", port=29517)
     assert two.returncode == 0, two.stdout + two.stderr
-    assert "plain BatchNorm" in two.stdout
+    assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
     assert two.stdout.count("COCO AP") == 1, two.stdout  # the final line once, not once per rank
     assert_same_training(one, tmp_path / "two")
 
 
 def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path, one_process_compiled):
     """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
-    own forward cannot be traced with fullgraph=True), and trains as one process does."""
+    own forward cannot be traced with fullgraph=True), SyncBatchNorm is traced into the
+    graph (fullgraph: no break), and 2 ranks x batch 2 train as 1 process x batch 4."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     one, r = one_process_compiled
@@ -205,17 +218,9 @@ def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path,
     two = two_ranks(demo_small, tmp_path / "two", *COMPILE, port=29518)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in two.stdout
+    assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
+    assert "recompiled" not in two.stdout + two.stderr
     assert_same_training(one, tmp_path / "two")
-
-
-def test_compiled_run_with_frozen_bn_warms_up_in_the_training_mode(one_process_compiled):
-    """freeze_bn and train() come before warm-up: the graph compiled there is the one the
-    steps run (else Dynamo recompiles at step 1 on the BatchNorm ``training`` guard and
-    the first log raises)."""
-    out, r = one_process_compiled
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "recompiled" not in r.stdout + r.stderr
-    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
 
 
 def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_process_compiled):
@@ -330,3 +335,90 @@ def test_tf32_and_sync_debug_flags():
     parse = lambda *a: resolve_config(build_parser().parse_args(list(a)))  # noqa: E731
     assert parse().compile.tf32 is False and parse("--tf32").compile.tf32 is True
     assert parse().run.sync_debug is False and parse("--sync-debug").run.sync_debug is True
+
+
+# --------------------------------------------------------------------------- faults
+# Each compares with the one-process run of SAME_RUN (3 steps), as the DDP tests do.
+
+
+def test_sigterm_on_one_rank_stops_every_rank_and_the_resumed_run_is_exact(demo_small, tmp_path, one_process):
+    """SIGTERM on rank 1 after step 1 (what a scheduler sends on preemption): both ranks
+    stop at one step boundary (step 2: the ranks agree through a reduction one step
+    later), latest.pth holds that step, the resume command is printed, the exit code says
+    preempted (75); resuming ends with the uninterrupted run's weights and losses."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, r = one_process
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "two"
+    a = two_ranks(demo_small, out, port=29541, env={"FASTDET_FAULT": "1:1:TERM"})
+    assert a.returncode != 0
+    assert "exitcode  : 75" in a.stderr or "exitcode: 75" in a.stderr, a.stderr[-3000:]
+    assert "SIGTERM received: stopping at the next step boundary" in a.stderr
+    assert "Resume with: torchrun --nproc_per_node 2 -m fastdet.train" in a.stderr and "--resume" in a.stderr
+    assert "Traceback" not in a.stdout
+    ck = load_checkpoint(out / "latest.pth")
+    assert (ck["step"], ck["epoch"]) == (2, 0)
+    b = two_ranks(demo_small, out, "--resume", port=29542)
+    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
+    assert "resumed from" in b.stdout
+    assert_same_training(one, out)
+
+
+def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_path, one_process):
+    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 2 (before that step's
+    checkpoint): torchrun restarts both workers with the same command line, they resume
+    from step 1's latest.pth by themselves, and the run ends with the weights and losses
+    of an uninterrupted one."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, r = one_process
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "two"
+    a = two_ranks(demo_small, out, "--ckpt-interval-steps", "1", port=29543,
+                  launcher=("--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5"),
+                  env={"FASTDET_FAULT": "1:2:KILL"})
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    assert "torchrun restart 1: continuing from" in a.stdout
+    assert "resumed from" in a.stdout and "at epoch 0, step 1" in a.stdout
+    assert_same_training(one, out)
+
+
+def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
+    """Two torchrun agents as two nodes (--nnodes 2, c10d rendezvous on 127.0.0.1), one
+    process each: the run equals one process with the whole batch (and so two processes
+    on one node)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    one, r = one_process
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "nodes"
+    launcher = ("--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "127.0.0.1:29545", "--rdzv-id", "fastdet-test")
+    cmd = two_ranks_cmd(demo_small, out, port=None, launcher=launcher)
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+              for _ in range(2)]
+    outs = [p.communicate(timeout=1200) for p in agents]
+    for p, (so, se) in zip(agents, outs):
+        assert p.returncode == 0, so[-3000:] + se[-3000:]
+    assert any("SyncBatchNorm: BatchNorm statistics over the 2 ranks" in so for so, _ in outs)
+    assert_same_training(one, out)
+
+
+def test_resume_auto_starts_continues_and_refuses_another_runs_checkpoint(demo_small, tmp_path):
+    """--resume auto: an empty directory starts the run, a second call continues it (the
+    metrics go on), a call with another config is refused in one line, before any data
+    is read, and leaves the checkpoint alone."""
+    out = tmp_path / "run"
+    a = run(train_cmd(demo_small, out, "--max-steps", "1", "--resume", "auto"))
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    assert "--resume auto: no checkpoint in" in a.stdout
+    b = run(train_cmd(demo_small, out, "--max-steps", "2", "--resume", "auto"))
+    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
+    assert "--resume auto: continuing from" in b.stdout
+    assert [m["step"] for m in metrics(out)] == [1, 2]
+    before = (out / "latest.pth").read_bytes()
+    c = run(train_cmd(demo_small, out, "--max-steps", "3", "--resume", "auto", "--lr", "0.5"))
+    assert c.returncode == 1
+    assert "is another run's (optim.base_lr: 0.04 in the checkpoint, 0.5 now)" in c.stderr, c.stderr
+    assert (out / "latest.pth").read_bytes() == before

@@ -54,18 +54,49 @@ def _to_tuples(x: Any) -> Any:
     return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temp file in the same folder + rename)."""
+def save_checkpoint(path: str | Path, state: dict[str, Any], keep_previous: bool = False) -> None:
+    """Write ``state`` to ``path`` atomically (temp file in the same folder, flushed to disk,
+    + rename). ``keep_previous``: the file it replaces becomes :func:`previous_path` (the
+    last two are kept, so a damaged newest one still leaves one to resume from)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        if keep_previous and path.exists():
+            os.replace(path, previous_path(path))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def previous_path(path: str | Path) -> Path:
+    """``latest.pth`` -> ``latest.prev.pth``: the checkpoint written before it."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def load_with_fallback(path: str | Path, warn: Any = None) -> tuple[dict[str, Any], Path]:
+    """Load ``path``; if it is missing or unreadable (a kill or a full disk mid-write) and
+    :func:`previous_path` exists, load that instead, calling ``warn(message)``. Returns the
+    state and the path it came from; raises as :func:`load_checkpoint` when neither loads."""
+    path = Path(path)
+    prev = previous_path(path)
+    try:
+        return load_checkpoint(path), path
+    except (ValueError, FileNotFoundError) as e:
+        if not prev.is_file():
+            raise
+        reason = e
+    state = load_checkpoint(prev)
+    if warn is not None:
+        warn(f"{path} cannot be read ({reason}); resuming from the checkpoint before it, {prev} "
+             f"(step {state.get('step')})")
+    return state, prev
 
 
 def is_checkpoint_archive(path: str | Path) -> bool:

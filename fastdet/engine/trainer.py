@@ -26,8 +26,10 @@ from fastdet.config import Config
 from fastdet.data.coco import load_coco, resolve_data
 from fastdet.data.loader import build_eval_loader, build_train_loader
 from fastdet.engine import dist
-from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
-                                       save_checkpoint, set_rng_state)
+from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
+                                       previous_path, rng_state, save_checkpoint, set_rng_state)
+from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
+                                   restart_count, resume_command)
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
@@ -35,6 +37,7 @@ from fastdet.engine.preflight import PreflightError, check_end_of_run_path
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
+from fastdet.engine.sync_bn import convert_sync_batchnorm
 from fastdet.eval.coco import evaluate
 
 log = logging.getLogger("fastdet")
@@ -65,6 +68,7 @@ class Trainer:
         cfg = recipes.resolve(cfg)
         self._setup_process(cfg)
         cfg = replace(cfg, run=replace(cfg.run, output_dir=str(self.out)))  # the directory chosen
+        cfg = self._auto_resume(cfg)
         self.cfg = self._load_data(cfg)
         self._build_model()
         self._build_loaders()
@@ -85,7 +89,8 @@ class Trainer:
             raise ValueError("--cuda-graphs needs a CUDA device (this run is on the CPU): drop the flag")
         if cfg.run.sync_debug and self.device.type != "cuda":
             raise ValueError("--sync-debug needs a CUDA device (this run is on the CPU): drop the flag")
-        self.dist = dist.init_distributed(self.device.type, cuda_graphs=cfg.compile.cuda_graphs)
+        self.dist = dist.init_distributed(self.device.type, cuda_graphs=cfg.compile.cuda_graphs,
+                                          timeout_minutes=cfg.run.dist_timeout_minutes)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
             # The input sizes are a fixed set of buckets, so cuDNN's per-shape autotuning
@@ -97,7 +102,8 @@ class Trainer:
         asked = output_dir(cfg)
         # Rank 0 chooses (another rank could see the directory rank 0 just made as taken).
         self.out = dist.broadcast_object(
-            asked if cfg.run.resume or cfg.run.exist_ok else free_run_dir(asked))
+            asked if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or restart_count() > 0
+            else free_run_dir(asked))
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -182,20 +188,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _ddp_wrapper(self) -> Callable[[nn.Module], nn.Module]:
-        """Convert BatchNorm to SyncBatchNorm where it can be, and return what wraps the
-        step's (compiled) module in DDP: TrainStep calls it, so that DDP wraps the compiled
-        module and not the other way round (fastdet/engine/step.py says why)."""
+        """Convert BatchNorm to the traceable SyncBatchNorm when ``model.sync_bn``, and return
+        what wraps the step's (compiled) module in DDP: TrainStep calls it, so that DDP wraps
+        the compiled module and not the other way round (fastdet/engine/step.py says why)."""
+        if self.cfg.model.sync_bn and self.dist.world_size > 1:
+            # In place: the new modules hold the same parameter and buffer tensors, so the
+            # optimizer and EMA built above still hold them.
+            self.model = convert_sync_batchnorm(self.model)
+            log.info("SyncBatchNorm: BatchNorm statistics over the %d ranks' batches (functional "
+                     "collectives, inside the compiled graph with --compile)", self.dist.world_size)
+        elif self.dist.world_size > 1:
+            log.info("model.sync_bn is off: each rank uses plain BatchNorm on its own batch%s",
+                     " (running statistics averaged over the ranks before each evaluation and "
+                     "checkpoint)" if self.cfg.model.all_reduce_bn_stats else "")
         if self.device.type == "cuda":
-            if self.cfg.compile.compile:
-                log.info("SyncBatchNorm is not traceable by torch.compile (Dynamo graph-breaks on "
-                         "it): --compile keeps per-rank BatchNorm")
-            else:
-                # In place: the new SyncBatchNorm modules keep the same parameter tensors,
-                # so the optimizer built above still holds them.
-                self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
             return partial(nn.parallel.DistributedDataParallel, device_ids=[self.device.index])
-        log.info("distributed on the CPU (gloo): torch's SyncBatchNorm needs CUDA, so each rank "
-                 "uses plain BatchNorm on its own batch")
         return nn.parallel.DistributedDataParallel
 
     def _state(self) -> dict[str, Any]:
@@ -211,14 +218,60 @@ class Trainer:
             "cat_ids": list(self.train_set.cat_ids),
             "class_names": list(self.train_set.class_names),
             "rng": rng_state(),
+            # Every rank's random streams (rank r resumes with its own: PP-YOLO's DropBlock
+            # draws on each rank), gathered by save().
+            "rng_ranks": getattr(self, "_rng_ranks", None) or [],
             "world_size": self.dist.world_size,
         }
 
+    def _auto_resume(self, cfg: Config) -> Config:
+        """``--resume auto`` or a torchrun restart: continue from this output directory's
+        ``latest.pth`` (``latest.prev.pth`` if it is damaged) when its config is this run's,
+        start the run when there is none, refuse a checkpoint of another config. Rank 0
+        decides and tells the others."""
+        restarts = restart_count()
+        if cfg.run.resume or not (cfg.run.auto_resume or restarts > 0):
+            return cfg
+        why = f"torchrun restart {restarts}" if restarts > 0 else "--resume auto"
+        latest = self.out / "latest.pth"
+        decision: tuple[str | None, str | None] = (None, None)
+        if self.dist.is_main and (latest.exists() or previous_path(latest).exists()):
+            try:
+                ck, path = load_with_fallback(latest, warn=log.warning)
+                bad = config_mismatch(ck.get("config") or {}, cfg.to_dict())
+                decision = (None, f"{why}: {path} is another run's ({'; '.join(bad)}): use another "
+                                  "--output-dir") if bad else (str(path), None)
+                self._resume_state = None if bad else (ck, path)
+            except (ValueError, FileNotFoundError) as e:
+                decision = (None, f"{why}: {e}")
+        path, error = dist.broadcast_object(decision)
+        if error:
+            raise ValueError(error)
+        if path is None:
+            log.info("%s: no checkpoint in %s: starting the run", why, self.out)
+            return cfg
+        self._resume_path = Path(path)
+        log.info("%s: continuing from %s", why, path)
+        return replace(cfg, run=replace(cfg.run, resume=True, ckpt=None))
+
+    def _load_resume_checkpoint(self) -> tuple[dict[str, Any], Path]:
+        """The checkpoint to resume from: ``--ckpt``, the one auto-resume chose, or
+        ``latest.pth`` (falling back to ``latest.prev.pth``, with a warning)."""
+        cached = getattr(self, "_resume_state", None)
+        if cached is not None:
+            self._resume_state = None
+            return cached
+        if getattr(self, "_resume_path", None) is not None:
+            return load_checkpoint(self._resume_path), self._resume_path
+        if self.cfg.run.ckpt:
+            return load_checkpoint(self.cfg.run.ckpt), Path(self.cfg.run.ckpt)
+        latest = self.out / "latest.pth"
+        if not latest.is_file() and not previous_path(latest).is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {latest} (train once without --resume)")
+        return load_with_fallback(latest, warn=log.warning)
+
     def _resume(self) -> None:
-        path = Path(self.cfg.run.ckpt) if self.cfg.run.ckpt else self.out / "latest.pth"
-        if not path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {path} (train once without --resume)")
-        ck = load_checkpoint(path)
+        ck, path = self._load_resume_checkpoint()
         if "optimizer" not in ck:
             raise ValueError(f"--resume: {path} holds weights only (best.pth keeps no optimizer state): "
                              "resume from latest.pth, or fine-tune from it with --ckpt and no --resume")
@@ -229,7 +282,8 @@ class Trainer:
         self._scaler_state = ck.get("scaler") or {}
         self.epoch, self.step, self.best_ap = ck["epoch"], ck["step"], ck.get("best_ap", -1.0)
         if ck.get("world_size", 1) == self.dist.world_size:
-            set_rng_state(ck["rng"])
+            ranks = ck.get("rng_ranks") or []
+            set_rng_state(ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ck["rng"])
         else:
             was = ck.get("world_size", 1)
             log.warning("resuming a run trained on %d process(es) on %d: the total batch is now %d "
@@ -261,14 +315,26 @@ class Trainer:
         log.info(msg)
 
     # ------------------------------------------------------------------ checkpoints / eval
+    def _average_bn_stats(self) -> None:
+        """``model.all_reduce_bn_stats`` (YOLOX): per-rank BatchNorm statistics averaged over
+        the ranks, the model's and the EMA's, so evaluation and checkpoints see one model."""
+        if self.cfg.model.all_reduce_bn_stats and self.dist.world_size > 1 and not self.cfg.model.sync_bn:
+            dist.average_bn_stats(self.model, *([self.ema.module] if self.ema is not None else []))
+
     def save(self, name: str) -> None:
+        self._average_bn_stats()  # every rank calls save (only rank 0 writes)
+        self._rng_ranks = dist.all_gather_objects(rng_state()) if self.dist.world_size > 1 else None
         if self.dist.is_main:
             state = self._state()
             if name == "best":  # weights to use, not to resume: no optimizer state (as large as the model)
-                state = {k: v for k, v in state.items() if k not in ("optimizer", "scaler", "rng")}
-            save_checkpoint(self.out / f"{name}.pth", state)
+                state = {k: v for k, v in state.items() if k not in ("optimizer", "scaler", "rng", "rng_ranks")}
+            # `latest` keeps the one before it (latest.prev.pth) to fall back on.
+            save_checkpoint(self.out / f"{name}.pth", state, keep_previous=name == "latest")
+        if name == "latest" and getattr(self, "control", None) is not None:
+            self.control.checkpoint_saved()
 
     def evaluate(self) -> dict[str, float]:
+        self._average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
         t = time.perf_counter()
         rng = rng_state()  # evaluation must not perturb the training's random streams
@@ -302,6 +368,7 @@ class Trainer:
             self.tb.close()
             return {}
         self._preflight()
+        self._start_stop_control()
         # Modes first: warm-up compiles and captures the model in the mode it trains in
         # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
         self._train_mode()
@@ -339,6 +406,9 @@ class Trainer:
                     self.best_ap = stats["AP"]
                     self.save("best")
                     self.save("latest")
+            if self._stop_requested and not last:  # stopped at an epoch's end: saved above
+                self._stop_preempted()
+        self.control.finish()
         progress.close()
         self.tb.close()
         self.close_background()
@@ -520,11 +590,14 @@ class Trainer:
                 self.optimizer.set_lr(self.schedule(self.step))
                 self.train_step(batch, kw)
             self.step += 1
+            maybe_inject_fault(self.dist.rank, self.step)
             n_images += batch["images"].shape[0] * self.dist.world_size
             timer.lap()
-            ckpt_due = run.ckpt_interval_steps > 0 and self.step % run.ckpt_interval_steps == 0
+            # Every rank gets the same answer: a signal on any rank, a time-sized checkpoint.
+            stop, time_due = self.control.poll()
+            ckpt_due = (run.ckpt_interval_steps > 0 and self.step % run.ckpt_interval_steps == 0) or time_due
             end = self.step >= total_steps or self.step % self.steps_per_epoch == 0
-            log_due = self.step % run.log_interval == 0 or ckpt_due or end
+            log_due = self.step % run.log_interval == 0 or ckpt_due or end or stop
             if self.step == steps_at_start + 1:
                 h, w = batch["images"].shape[-2:]
                 log.info("first step done %.1f s after start (%s)", time.perf_counter() - _T_START,
@@ -540,10 +613,34 @@ class Trainer:
                 if not self._log(progress, t_start, steps_at_start, total_steps, data_time, n_images):
                     return True
                 data_time, n_images = 0.0, 0
+            if stop and not end:
+                self.save("latest")
+                self._stop_preempted()
+            if stop:  # the epoch's last step: the loop saves (and evaluates) as after any epoch
+                self._stop_requested = True
             if ckpt_due:
                 self.save("latest")
             if end:
                 return False
+
+    def _start_stop_control(self) -> None:
+        """SIGTERM / SIGINT handlers and the per-step agreement of the ranks (engine/faults.py)."""
+        self._stop_requested = False
+        self.control = StopControl(self.dist.world_size, self.cfg.run.ckpt_interval_minutes * 60.0,
+                                   self.dist.is_main)
+        self.control.install()
+
+    def _stop_preempted(self) -> None:
+        """After ``latest.pth`` holds this step: every rank stops (faults.Preempted)."""
+        self.control.finish()
+        latest = self.out / "latest.pth"
+        into = self.step - self.epoch * self.steps_per_epoch
+        if self.dist.is_main:
+            log.warning("stopped by %s after step %d (step %d of %d in epoch %d); saved %s",
+                        self.control.signame or "a signal on another rank", self.step, into,
+                        self.steps_per_epoch, self.epoch, latest)
+        raise Preempted(self.control.signame or "a signal on another rank", self.step, str(latest),
+                        resume_command())
 
     def _log(self, progress: Progress, t_start: float, steps_at_start: int, total_steps: int,
              data_time: float, n_images: int) -> bool:
@@ -608,5 +705,7 @@ def train(cfg: Config) -> dict[str, float]:
         return trainer.train()
     finally:
         trainer.close_background()
+        if getattr(trainer, "control", None) is not None:
+            trainer.control.uninstall()
         dist.shutdown()
 

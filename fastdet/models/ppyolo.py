@@ -613,6 +613,7 @@ RECIPE = Recipe(
         "optim.warmup_steps": 4000, "optim.warmup_start_factor": 0.0,
         "optim.ema_type": "paddle", "optim.ema_decay": 0.9998,
         "data.train_sizes": tuple(range(320, 609, 32)), "data.img_size": 608, "data.max_boxes": 50,
+        "model.sync_bn": True,  # _base_/ppyolo_r50vd_dcn.yml, ppyolo_r18vd.yml: norm_type sync_bn
     },
     sizes={
         # 8 GPUs x 24 images, lr 0.01 for those 192.

@@ -397,6 +397,7 @@ RECIPE = Recipe(
         "optim.epochs": 300, "optim.schedule": "cosine", "optim.cosine_epochs": 360,
         "optim.warmup_start_factor": 0.001, "optim.ema_type": "threshold", "optim.ema_decay": 0.9998,
         "data.train_sizes": tuple(range(320, 769, 32)), "data.img_size": 640,
+        "model.sync_bn": True,  # _base_/ppyoloe_crn.yml: norm_type sync_bn
     },
     # Images per GPU (8 GPUs), the base LR and the global batch it is given for, warm-up
     # steps. s: lr 0.04 at 8x32, warm-up 2300; m/l/x: 0.03 at 8x20, 3000.

@@ -410,6 +410,9 @@ RECIPE = Recipe(
         "optim.no_aug_epochs": 15, "optim.ema_type": "ramp", "optim.ema_decay": 0.9998,
         "data.batch_size": 8, "data.img_size": 640, "data.train_sizes": _sizes(480, 800),
         "data.size_period": 10, "data.max_boxes": 120,
+        # Plain BatchNorm per GPU, statistics averaged over the GPUs before each evaluation
+        # and checkpoint (yolox/core/trainer.py: all_reduce_norm).
+        "model.all_reduce_bn_stats": True,
     },
     sizes={
         # exps/default/yolox_nano.py: input 416, random_size (10, 20) -> 320..640, mosaic

@@ -1,0 +1,181 @@
+"""Runs that survive faults: stopping on signals, time-sized checkpoints, automatic resume.
+
+- :class:`StopControl`: SIGTERM (what a cluster scheduler sends on preemption) and SIGINT
+  (Ctrl-C) on *any* rank set a flag; every rank learns of it at a step boundary through
+  one small asynchronous all-reduce (MAX) on a gloo group of its own (CPU tensors: no
+  GPU sync, no interference with NCCL), waited one step after it is launched, so all
+  ranks stop after the same step. The same reduction carries rank 0's "a time-sized
+  checkpoint is due" (``run.ckpt_interval_minutes``), so every rank agrees on when to
+  checkpoint too. A second SIGINT raises ``KeyboardInterrupt`` at once.
+- :class:`Preempted`: raised by the trainer once ``latest.pth`` is written; ``fastdet.train``
+  prints the command that resumes and exits with :data:`EXIT_PREEMPTED`.
+- :func:`restart_count` / :func:`config_mismatch`: the trainer resumes by itself under
+  torchrun restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) or ``--resume auto`` when the
+  run directory holds a checkpoint of the same config.
+- :func:`maybe_inject_fault`: ``FASTDET_FAULT="RANK:STEP[:SIGNAL]"`` sends that rank SIGNAL
+  (default KILL) after that step, in the first attempt of a run only (tests of
+  preemption and elastic restarts at an exact step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("fastdet")
+
+# sysexits.h EX_TEMPFAIL: "a temporary failure ... the user is invited to retry".
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+    """Training stopped on a signal at a step boundary, with ``latest.pth`` written."""
+
+    def __init__(self, signame: str, step: int, checkpoint: str, command: str):
+        self.signame, self.step, self.checkpoint, self.command = signame, step, checkpoint, command
+        super().__init__(f"stopped by {signame} after step {step}; saved {checkpoint}. "
+                         f"Resume with: {command}")
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this run's workers (0 when not under torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """The command line that continues this run: the same arguments with ``--resume``
+    (under torchrun: the same launcher settings as this node's)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--resume" not in args:
+        args.append("--resume")
+    if "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        launch = ["torchrun", "--nproc_per_node", os.environ["LOCAL_WORLD_SIZE"]]
+        nnodes = int(os.environ["WORLD_SIZE"]) // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+        if nnodes > 1:
+            launch += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                       f"{os.environ.get('MASTER_ADDR', 'HOST')}:PORT"]
+        return shlex.join(launch + ["-m", "fastdet.train", *args])
+    return shlex.join(["python", "-m", "fastdet.train", *args])
+
+
+# Config fields that may differ between a run and its resumption (how it runs, not what
+# it trains): anything else differing means the checkpoint is another run's.
+_RESUME_FREE = {
+    "run": None,  # the whole section: output, logging, max_steps, resume flags, device
+    "compile": None,
+    "data": {"loader", "num_workers", "cache_dir", "check_images", "eval_batch_size", "data",
+             "train_ann", "val_ann", "train_images", "val_images"},
+    "model": {"num_classes", "backbone_weights"},
+}
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any], limit: int = 3) -> list[str]:
+    """The fields (``section.field: checkpoint -> this run``) that make a checkpoint another
+    run's; empty when it continues this one."""
+    out = []
+    for sec, fields_ in current.items():
+        free = _RESUME_FREE.get(sec, set())
+        if free is None or not isinstance(fields_, dict):
+            continue
+        old = saved.get(sec) or {}
+        for k, v in fields_.items():
+            if k in free:
+                continue
+            ov = old.get(k, v)
+            if _norm(ov) != _norm(v):
+                out.append(f"{sec}.{k}: {ov!r} in the checkpoint, {v!r} now")
+    return out[:limit]
+
+
+def _norm(v: Any) -> Any:
+    return [_norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+class StopControl:
+    """Signal handling and the per-step agreement of all ranks (see the module docstring).
+
+    ``poll(step)`` is called by every rank after every step; it returns ``(stop, checkpoint)``
+    as decided one step earlier (the reduction launched then is waited now), identical on
+    every rank.
+    """
+
+    def __init__(self, world_size: int, ckpt_interval_s: float, is_main: bool):
+        self.world_size = world_size
+        self.ckpt_interval_s = ckpt_interval_s
+        self.is_main = is_main
+        self.signum = 0
+        self._last_ckpt = time.monotonic()
+        self._pending = None
+        self._buf = torch.zeros(2, dtype=torch.int64)
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._old: dict[int, Any] = {}
+
+    # -- signals
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handler)
+
+    def uninstall(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum and signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        if not self.signum:
+            self.signum = signum
+            # Written directly: a logging call from a signal handler can deadlock on its lock.
+            os.write(2, f"fastdet: {signal.Signals(signum).name} received: stopping at the next step "
+                        "boundary and saving latest.pth (Ctrl-C again to stop at once)\n".encode())
+
+    @property
+    def signame(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    # -- the per-step agreement
+    def checkpoint_saved(self) -> None:
+        self._last_ckpt = time.monotonic()
+
+    def poll(self) -> tuple[bool, bool]:
+        due = self.ckpt_interval_s > 0 and time.monotonic() - self._last_ckpt >= self.ckpt_interval_s
+        if self._group is None:
+            return bool(self.signum), due
+        stop = ckpt = False
+        if self._pending is not None:
+            self._pending.wait()
+            stop, ckpt = bool(self._buf[0]), bool(self._buf[1])
+        self._buf = torch.tensor([1 if self.signum else 0, 1 if (due and self.is_main) else 0])
+        self._pending = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return stop, ckpt
+
+    def finish(self) -> None:
+        """Wait for the reduction in flight (every rank calls it the same number of times)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """``FASTDET_FAULT="RANK:STEP[:SIGNAL]"``: rank RANK sends itself SIGNAL (``KILL``, what a
+    crashed node looks like; ``TERM``, a preemption; ``INT``) once it has run step STEP, in
+    the first attempt only (a restarted or resumed run goes on)."""
+    spec = os.environ.get("FASTDET_FAULT")
+    if not spec or restart_count() > 0:
+        return
+    parts = spec.split(":")
+    if int(parts[0]) == rank and int(parts[1]) == step:
+        os.environ.pop("FASTDET_FAULT")  # once per process
+        os.kill(os.getpid(), getattr(signal, "SIG" + (parts[2] if len(parts) > 2 else "KILL")))
