@@ -22,7 +22,7 @@ from torch import nn
 
 from fastdet import recipes
 from fastdet.config import Config
-from fastdet.data.coco import load_coco, resolve_data
+from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader
 from fastdet.engine import dist
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
@@ -97,16 +97,14 @@ class Trainer:
 
     def _load_data(self, cfg: Config) -> Config:
         """The train and val sets; returns ``cfg`` with ``model.num_classes`` set from them."""
-        d = cfg.data
-        paths = resolve_data(d)
-        self.train_set = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=d.keep_empty_train,
-                                   check_images=d.check_images, cache_dir=d.cache_dir)
-        self.val_set = load_coco(paths.val_ann, paths.val_images, train=False,
-                                 check_images=d.check_images, cache_dir=d.cache_dir)
+        # COCO, YOLO (data.yaml) or VOC, told apart by what --data points at (data/formats.py).
+        self.train_set = load_split(cfg.data, "train")
+        self.val_set = load_split(cfg.data, "val")
         if len(self.train_set) == 0:
-            raise ValueError(f"{paths.train_ann}: no usable training images ({self.train_set.report.summary()})")
+            raise ValueError(f"{self.train_set.ann_file}: no usable training images "
+                             f"({self.train_set.report.summary()})")
         if self.train_set.cat_ids != self.val_set.cat_ids:
-            raise ValueError(f"{paths.val_ann}: categories differ from {paths.train_ann}")
+            raise ValueError(f"{self.val_set.ann_file}: categories differ from {self.train_set.ann_file}")
         return replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
 
     def _build_model(self) -> None:

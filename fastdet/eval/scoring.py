@@ -1,0 +1,155 @@
+"""COCO bbox scoring behind one interface: faster-coco-eval when installed, pycocotools otherwise.
+
+``score(gt, results, image_ids)`` returns a :class:`Scores`: the 12 standard numbers by
+name (``STAT_NAMES``), AP and AP50 per class, the printed summary, and the accumulated
+precision / score tables the PR and F1 curves are drawn from (``fastdet.eval.plots``).
+
+``gt`` is an annotation file or a COCO document already in memory (YOLO and VOC sets,
+``CocoDataset.coco_gt``). ``load_gt`` builds the ground truth once; a scorer that runs
+at every evaluation (``fastdet.eval.async_scoring``) keeps it.
+
+Back ends (``FASTDET_COCO_EVAL=auto|faster|pycocotools``, or ``backend=``):
+``faster`` is faster-coco-eval's C++ ``COCOeval_faster`` (same algorithm, same 12
+numbers: ``tests/test_scoring.py`` holds them equal on the demo and on a hostile set),
+``pycocotools`` the reference. ``auto`` takes faster-coco-eval when it imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+log = logging.getLogger("fastdet")
+
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+BACKENDS = ("auto", "faster", "pycocotools")
+
+
+def resolve_backend(choice: Optional[str] = None) -> str:
+    """``"faster"`` or ``"pycocotools"`` for ``choice`` (default: ``$FASTDET_COCO_EVAL`` or ``auto``)."""
+    choice = choice or os.environ.get("FASTDET_COCO_EVAL", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"FASTDET_COCO_EVAL must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if choice == "auto":
+        try:
+            import faster_coco_eval  # noqa: F401
+        except ImportError:
+            return "pycocotools"
+        return "faster"
+    if choice == "faster":
+        import faster_coco_eval  # noqa: F401  (raises the ImportError the user asked for)
+    return choice
+
+
+@dataclass
+class GroundTruth:
+    """A loaded ground truth for one back end (``coco`` is that back end's COCO object)."""
+
+    backend: str
+    coco: Any
+    cat_ids: list[int]
+    class_names: list[str]
+
+
+def load_gt(gt: str | Path | dict, backend: Optional[str] = None) -> GroundTruth:
+    """The ground truth of an annotation file or an in-memory COCO document."""
+    backend = resolve_backend(backend)
+    with contextlib.redirect_stdout(io.StringIO()):
+        if backend == "faster":
+            from faster_coco_eval import COCO
+
+            coco = COCO(copy.deepcopy(gt) if isinstance(gt, dict) else str(gt))
+        else:
+            from pycocotools.coco import COCO
+
+            if isinstance(gt, dict):
+                coco = COCO()
+                coco.dataset = copy.deepcopy(gt)
+                coco.createIndex()
+            else:
+                coco = COCO(str(gt))
+    cats = coco.dataset["categories"]
+    return GroundTruth(backend, coco, [c["id"] for c in cats], [c["name"] for c in cats])
+
+
+@dataclass
+class Scores:
+    """What one scoring produced.
+
+    ``precision`` [T=10, R=101, K, A=4, M=3] and ``pr_scores`` (the score at each recall
+    threshold, same shape) are COCOeval's accumulated tables (-1: no ground truth), K in
+    the order of ``cat_ids``; None when there was nothing to score.
+    """
+
+    stats: dict[str, float]
+    per_class: dict[str, dict[str, float]] = field(default_factory=dict)
+    summary: str = ""
+    precision: Optional[np.ndarray] = None
+    pr_scores: Optional[np.ndarray] = None
+    cat_ids: list[int] = field(default_factory=list)
+    class_names: list[str] = field(default_factory=list)
+    backend: str = ""
+
+    def per_class_table(self) -> str:
+        """A text table: class, AP, AP50 (``-`` where the class has no ground truth)."""
+        if not self.per_class:
+            return ""
+        width = max(8, *(len(n) for n in self.per_class))
+        lines = [f"{'class':<{width}}  {'AP':>6}  {'AP50':>6}"]
+        for name, v in self.per_class.items():
+            ap, ap50 = (f"{v[k]:.4f}" if v[k] >= 0 else "     -" for k in ("AP", "AP50"))
+            lines.append(f"{name:<{width}}  {ap:>6}  {ap50:>6}")
+        return "\n".join(lines)
+
+
+def _mean_valid(a: np.ndarray) -> float:
+    a = a[a > -1]
+    return float(a.mean()) if a.size else -1.0
+
+
+def score(gt: GroundTruth | str | Path | dict, results: list[dict], image_ids: list[int],
+          backend: Optional[str] = None) -> Scores:
+    """COCOeval (bbox) of ``results`` on ``image_ids``: the 12 numbers, per class, and the tables."""
+    if not isinstance(gt, GroundTruth):
+        gt = load_gt(gt, backend)
+    if not results:
+        return Scores({k: 0.0 for k in STAT_NAMES}, cat_ids=gt.cat_ids, class_names=gt.class_names,
+                      backend=gt.backend,
+                      per_class={n: {"AP": 0.0, "AP50": 0.0} for n in gt.class_names})
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        if gt.backend == "faster":
+            from faster_coco_eval import COCOeval_faster as COCOeval
+
+            dt = gt.coco.loadRes(copy.deepcopy(results))
+            ev = COCOeval(gt.coco, dt, "bbox", print_function=print)
+        else:
+            from pycocotools.cocoeval import COCOeval
+
+            dt = gt.coco.loadRes(copy.deepcopy(results))
+            ev = COCOeval(gt.coco, dt, "bbox")
+        ev.params.imgIds = sorted(image_ids)
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    stats = {k: float(v) for k, v in zip(STAT_NAMES, ev.stats[:12])}
+    precision = np.asarray(ev.eval["precision"])  # [T, R, K, A, M]
+    pr_scores = np.asarray(ev.eval["scores"])
+    order = {c: k for k, c in enumerate(ev.params.catIds)}
+    per_class = {}
+    for name, cat in zip(gt.class_names, gt.cat_ids):
+        k = order[cat]
+        per_class[name] = {"AP": _mean_valid(precision[:, :, k, 0, -1]),
+                           "AP50": _mean_valid(precision[0, :, k, 0, -1])}
+    # Tables in the order of the categories array (COCOeval sorts by id).
+    idx = [order[c] for c in gt.cat_ids]
+    return Scores(stats, per_class, buf.getvalue().rstrip(), precision[:, :, idx], pr_scores[:, :, idx],
+                  gt.cat_ids, gt.class_names, gt.backend)
