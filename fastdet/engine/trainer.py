@@ -25,6 +25,7 @@ from fastdet.config import Config
 from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader
 from fastdet.engine import dist
+from fastdet.engine.evaluation import EvalRunner
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
                                        save_checkpoint, set_rng_state)
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
@@ -32,7 +33,6 @@ from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard,
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.step import TrainStep, resolve_amp
-from fastdet.eval.coco import evaluate
 
 log = logging.getLogger("fastdet")
 
@@ -152,6 +152,10 @@ class Trainer:
             graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
             ddp=ddp, backend=cfg.compile.backend)
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None)
+        # Evaluations are scored in a background process (engine/evaluation.py).
+        self.evals = EvalRunner(self.val_set, self.out, self.tb, is_main=self.dist.is_main,
+                                async_eval=cfg.run.async_eval)
+        self.evals.best_ap = self.best_ap
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
 
     def _start_run_files(self) -> None:
@@ -230,24 +234,25 @@ class Trainer:
         if self.dist.is_main:
             save_checkpoint(self.out / f"{name}.pth", self._state())
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> None:
+        """Predict on the val set (every rank) and hand the detections to the background
+        scorer; the score is acted on when it arrives (:meth:`_collect_evals`)."""
         model = self.ema.averaged() if self.ema is not None else self.model
-        t = time.perf_counter()
         rng = rng_state()  # evaluation must not perturb the training's random streams
-        stats = evaluate(model, self.val_loader, self.val_set, self.amp_dtype, recipes.predict_kwargs(self.cfg))
-        set_rng_state(rng)
-        log.info("eval (%s weights) epoch %d: AP %.4f  AP50 %.4f  AP75 %.4f  (%.1f s)",
-                 "EMA" if self.ema is not None else "model", self.epoch, stats["AP"],
-                 stats["AP50"], stats["AP75"], time.perf_counter() - t)
-        self.tb.scalars(stats, self.step, prefix="val/")
+        self.evals.run(model, self.val_loader, self.amp_dtype, recipes.predict_kwargs(self.cfg),
+                       step=self.step, epoch=self.epoch, state=self._state, current_step=lambda: self.step)
         if self.dist.is_main:
-            with open(self.out / "eval.jsonl", "a") as f:
-                f.write(json.dumps({"epoch": self.epoch, "step": self.step, **stats}) + "\n")
             self.val_predictions = log_val_predictions(
                 model, self.val_set.records, recipes.family(self.cfg.model.arch).preprocess,
                 self.cfg.data.img_size, recipes.predict_kwargs(self.cfg), self.val_set.class_names,
                 self.tb, self.out, self.step)
-        return stats
+        set_rng_state(rng)
+        self._collect_evals()
+
+    def _collect_evals(self, wait: bool = False) -> None:
+        """Log, record and keep the best of the scores that have arrived (rank 0)."""
+        self.evals.collect(self.step, wait=wait)
+        self.best_ap = self.evals.best_ap
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, float]:
@@ -268,12 +273,12 @@ class Trainer:
                  self.dist.world_size, self.base_lr, self.amp_dtype or "off", cfg.compile.compile,
                  cfg.compile.cuda_graphs, self.train_loader.backend)
         progress = Progress(total_steps - self.step, run.progress and self.dist.is_main)
-        stats: dict[str, float] = {}
         t_start, steps_at_start = time.perf_counter(), self.step
         self._last_log_t = t_start
         while self.step < total_steps:
             if self._train_epoch(total_steps, progress, t_start, steps_at_start):
                 progress.close()
+                self.evals.close()
                 self.tb.close()
                 raise TrainingError(f"non-finite loss at step {self.step}: training stopped; "
                                     f"the last good checkpoint is {self.out / 'latest.pth'}")
@@ -286,11 +291,15 @@ class Trainer:
             # The phase of the epoch just finished may switch the interval (YOLOX: every epoch at the end).
             interval = recipes.phase(cfg, self.epoch - 1).eval_interval or run.eval_interval
             if last or (epoch_done and self.epoch % interval == 0):
-                stats = self.evaluate()
-                if stats["AP"] > self.best_ap:
-                    self.best_ap = stats["AP"]
-                    self.save("best")
-                    self.save("latest")
+                self.evaluate()
+        # The last evaluations are waited for; latest.pth then records the best AP.
+        try:
+            self._collect_evals(wait=True)
+        finally:
+            self.evals.close()
+        if self.evals.best_changed:
+            self.save("latest")
+        stats = dist.broadcast_object(self.evals.last_stats if self.dist.is_main else None) or {}
         progress.close()
         self.tb.close()
         if stats and self.dist.is_main:
@@ -408,6 +417,7 @@ class Trainer:
                                     "images_per_s": ips, **losses}) + "\n")
         self.tb.scalars({"train/lr": lr, "train/images_per_s": ips, "train/data_time": data_time / max(1, n),
                          "train/memory_mb": mem}, self.step)
+        self._collect_evals()  # scores finished in the background since the last log
         return True
 
 
