@@ -118,6 +118,8 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
              and not torch.equal(v, (latest["ema"].get("module", latest["ema"]))[k])]
     assert moved, "the weights did not change after step 5: the check above would prove nothing"
     assert latest["best_ap"] == best["best_ap"]
+    # The start-up model summary is in the run directory (tests/test_summary.py checks its figures).
+    assert "M parameters" in (out / "model_summary.txt").read_text()
     # TensorBoard got the scores at the evaluated steps.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -23,7 +23,7 @@ from torch import nn
 from fastdet import recipes
 from fastdet.config import Config
 from fastdet.data.formats import load_split
-from fastdet.data.loader import build_eval_loader, build_train_loader
+from fastdet.data.loader import build_eval_loader, build_train_loader, train_sizes
 from fastdet.engine import dist
 from fastdet.engine.evaluation import EvalRunner
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
@@ -33,6 +33,7 @@ from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard,
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.step import TrainStep, resolve_amp
+from fastdet.engine.summary import summarize_model, write_summary
 
 log = logging.getLogger("fastdet")
 
@@ -162,9 +163,20 @@ class Trainer:
         """The resolved config next to the run; a fresh run in an old directory starts its logs anew."""
         if self.dist.is_main:
             self.cfg.dump(self.out / "config.yaml")
+            self._log_model_summary()
             if not self.cfg.run.resume:
                 for name in ("metrics.jsonl", "eval.jsonl"):
                     (self.out / name).unlink(missing_ok=True)
+
+    def _log_model_summary(self) -> None:
+        """Parameters, trainable parameters and GFLOPs at the smallest and largest training
+        size and the evaluation size: logged and written to model_summary.txt."""
+        d = self.cfg.data
+        sizes = train_sizes(d)
+        summary = summarize_model(self.model, f"{self.cfg.model.arch}-{self.cfg.model.size}",
+                                  (min(sizes), max(sizes), d.img_size))
+        write_summary(summary, self.out)
+        log.info("%s", summary)
 
     # ------------------------------------------------------------------ helpers
     def _ddp_wrapper(self) -> Callable[[nn.Module], nn.Module]:
