@@ -123,6 +123,14 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
     # TensorBoard got the scores at the evaluated steps.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(out / "tb"))
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"images": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("val/AP")] == [5, 7]
+    assert [e.step for e in acc.Scalars("val_AP/circle")] == [5, 7]  # per class too
+    assert records[0]["per_class"].keys() == {"circle", "rectangle", "triangle", "cross"}
+    # The evaluation plots (drawn by the scorer's process) and results.png, as files and images.
+    images = set(acc.Tags()["images"])
+    assert {"val/PR_curve", "val/F1_curve", "val/confusion_matrix", "results", "val/predictions"} <= images
+    assert [e.step for e in acc.Images("val/confusion_matrix")] == [5, 7]
+    for name in ("PR_curve.png", "F1_curve.png", "confusion_matrix.png", "results.png", "val_predictions.jpg"):
+        assert (out / name).stat().st_size > 10_000, name

@@ -12,8 +12,10 @@ exits, waited for (``collect(wait=True)``). For each one, on rank 0:
 - a line in ``eval.jsonl`` (``epoch``, ``step``: the evaluated ones; the 12 numbers;
   ``per_class``; ``scored_s``; ``collected_step``) and TensorBoard scalars at the
   evaluated step (``val/AP`` ..., ``val_AP/<class>``, ``val_AP50/<class>``);
-- the PR / F1 curves and the confusion matrix (``fastdet.eval.plots``) as PNGs in the
-  run directory and TensorBoard images;
+- the PR / F1 curves and the confusion matrix (``fastdet.eval.plots``, drawn in the
+  scorer's process) as PNGs in the run directory and TensorBoard images (``val/PR_curve``,
+  ``val/F1_curve``, ``val/confusion_matrix``); ``draw_results`` draws ``results.png`` at
+  the end of training;
 - a new best AP writes ``best.pth`` from the state captured when the weights were
   evaluated.
 
@@ -34,6 +36,7 @@ import torch
 from fastdet.engine.checkpoint import save_checkpoint
 from fastdet.eval.async_scoring import DEFAULT_SCORE_FN, AsyncScorer, ScoredJob
 from fastdet.eval.coco import gather_predictions, gt_source
+from fastdet.eval.plots import plot_results, read_png
 
 log = logging.getLogger("fastdet")
 
@@ -62,10 +65,12 @@ class EvalRunner:
     """
 
     def __init__(self, dataset: Any, out_dir: Path, tb: Any, *, is_main: bool, async_eval: bool = True,
-                 score_fn: str = DEFAULT_SCORE_FN, on_scored: Optional[Callable[[ScoredJob], None]] = None):
+                 score_fn: str = DEFAULT_SCORE_FN, on_scored: Optional[Callable[[ScoredJob], None]] = None,
+                 plots: bool = True):
         self.dataset, self.out, self.tb = dataset, Path(out_dir), tb
         self.is_main, self.async_eval, self.score_fn = is_main, async_eval, score_fn
         self.on_scored = on_scored
+        self.plots = plots
         self.scorer: AsyncScorer | None = None
         self.best_ap = -1.0
         self.best_changed = False  # a best.pth written since the trainer last saved latest.pth
@@ -74,7 +79,8 @@ class EvalRunner:
 
     def _scorer(self) -> AsyncScorer:
         if self.scorer is None:
-            self.scorer = AsyncScorer(gt_source(self.dataset), score_fn=self.score_fn)
+            self.scorer = AsyncScorer(gt_source(self.dataset), score_fn=self.score_fn,
+                                      plot_dir=str(self.out) if self.plots else None)
         return self.scorer
 
     def run(self, model, loader, amp_dtype, predict_kwargs: dict[str, Any], *, step: int, epoch: int,
@@ -123,6 +129,10 @@ class EvalRunner:
             f.write(json.dumps(record) + "\n")
         self.history.append(record)
         self.last_stats = stats
+        for tag, path in job.extra.get("plots", {}).items():
+            self.tb.image(f"val/{tag}", read_png(path), m["step"])
+        if "plot_error" in job.extra:
+            log.warning("the evaluation plots of step %d were not drawn: %s", m["step"], job.extra["plot_error"])
         if self.on_scored is not None:
             self.on_scored(job)
         if stats["AP"] > self.best_ap:
@@ -132,6 +142,19 @@ class EvalRunner:
             save_checkpoint(self.out / "best.pth", state)
             self.best_changed = True
             log.info("new best AP %.4f: best.pth holds the weights of step %d", self.best_ap, m["step"])
+
+    def draw_results(self, step: int) -> Optional[Path]:
+        """``results.png`` of the run so far (losses, LR, AP), also as a TensorBoard image (rank 0)."""
+        if not (self.is_main and self.plots):
+            return None
+        try:
+            path = plot_results(self.out)
+        except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
+            log.warning("results.png was not drawn: %s: %s", type(e).__name__, e)
+            return None
+        if path is not None:
+            self.tb.image("results", read_png(path), step)
+        return path
 
     def close(self) -> None:
         if self.scorer is not None:

@@ -311,6 +311,7 @@ class Trainer:
             self.evals.close()
         if self.evals.best_changed:
             self.save("latest")
+        self.evals.draw_results(self.step)
         stats = dist.broadcast_object(self.evals.last_stats if self.dist.is_main else None) or {}
         progress.close()
         self.tb.close()

@@ -49,28 +49,39 @@ def _resolve(fn: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _worker(gt_source: Any, backend: Optional[str], score_fn: str, jobs: Any, done: Any) -> None:
-    """The background process: load the ground truth once, then score jobs until None."""
+def _worker(gt_source: Any, backend: Optional[str], score_fn: str, plot_dir: Optional[str], jobs: Any,
+            done: Any) -> None:
+    """The background process: load the ground truth once, then score (and draw) jobs until None."""
     from fastdet.eval.scoring import load_gt
 
     try:
         gt = load_gt(gt_source, backend)
         fn = _resolve(score_fn)
     except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
-        done.put((-1, None, f"{type(e).__name__}: {e}", 0.0))
+        done.put((-1, None, f"{type(e).__name__}: {e}", 0.0, {}))
         return
     while True:
         job = jobs.get()
         if job is None:
             return
-        job_id, results, image_ids = job
+        job_id, results, image_ids, step = job
         t = time.perf_counter()
         try:
             scores = fn(gt, results, image_ids)
-            done.put((job_id, scores, None, time.perf_counter() - t))
         except Exception as e:  # noqa: BLE001 - one failed job is reported, the next still runs
             done.put((job_id, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
-                      time.perf_counter() - t))
+                      time.perf_counter() - t, {}))
+            continue
+        seconds = time.perf_counter() - t
+        extra: dict[str, Any] = {}
+        if plot_dir is not None:
+            try:
+                from fastdet.eval.plots import draw_evaluation
+
+                extra["plots"] = draw_evaluation(scores, plot_dir, step)
+            except Exception as e:  # noqa: BLE001 - a failed drawing must not lose the score
+                extra["plot_error"] = f"{type(e).__name__}: {e}"
+        done.put((job_id, scores, None, seconds, extra))
 
 
 class AsyncScorer:
@@ -81,13 +92,18 @@ class AsyncScorer:
         backend: ``fastdet.eval.scoring`` back end (None: ``$FASTDET_COCO_EVAL`` or auto).
         score_fn: ``"module:function"`` called as ``fn(gt, results, image_ids)`` in the
             process (the default is ``fastdet.eval.scoring.score``).
+        plot_dir: where the process draws each scoring's PR / F1 curves and confusion
+            matrix (``fastdet.eval.plots.draw_evaluation``); None: not drawn.
     """
 
-    def __init__(self, gt_source: Any, backend: Optional[str] = None, score_fn: str = DEFAULT_SCORE_FN):
+    def __init__(self, gt_source: Any, backend: Optional[str] = None, score_fn: str = DEFAULT_SCORE_FN,
+                 plot_dir: Optional[str] = None):
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._done = ctx.Queue()
-        self._proc = ctx.Process(target=_worker, args=(gt_source, backend, score_fn, self._jobs, self._done),
+        self._proc = ctx.Process(target=_worker, args=(gt_source, backend, score_fn,
+                                                                   None if plot_dir is None else str(plot_dir),
+                                                                   self._jobs, self._done),
                                  name="fastdet-scorer", daemon=True)
         self._proc.start()
         self._meta: dict[int, dict[str, Any]] = {}
@@ -103,14 +119,14 @@ class AsyncScorer:
         job_id = self._next
         self._next += 1
         self._meta[job_id] = meta
-        self._jobs.put((job_id, results, image_ids))
+        self._jobs.put((job_id, results, image_ids, meta.get("step", job_id)))
         return job_id
 
     def _collect(self, item: tuple) -> ScoredJob:
-        job_id, scores, error, seconds = item
+        job_id, scores, error, seconds, extra = item
         if job_id < 0:
             raise RuntimeError(f"the scoring process could not load the ground truth: {error}")
-        return ScoredJob(job_id, self._meta.pop(job_id), scores, error, seconds)
+        return ScoredJob(job_id, self._meta.pop(job_id), scores, error, seconds, extra)
 
     def poll(self) -> list[ScoredJob]:
         """The jobs finished so far, without waiting (in the order they finished)."""

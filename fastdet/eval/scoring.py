@@ -97,6 +97,9 @@ class Scores:
     cat_ids: list[int] = field(default_factory=list)
     class_names: list[str] = field(default_factory=list)
     backend: str = ""
+    # [K+1, K+1] counts, rows predicted class, columns true class, index K background
+    # (``confusion_matrix``); None when there was nothing to score.
+    confusion: Optional[np.ndarray] = None
 
     def per_class_table(self) -> str:
         """A text table: class, AP, AP50 (``-`` where the class has no ground truth)."""
@@ -123,7 +126,8 @@ def score(gt: GroundTruth | str | Path | dict, results: list[dict], image_ids: l
     if not results:
         return Scores({k: 0.0 for k in STAT_NAMES}, cat_ids=gt.cat_ids, class_names=gt.class_names,
                       backend=gt.backend,
-                      per_class={n: {"AP": 0.0, "AP50": 0.0} for n in gt.class_names})
+                      per_class={n: {"AP": 0.0, "AP50": 0.0} for n in gt.class_names},
+                      confusion=confusion_matrix(gt, [], image_ids))
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         if gt.backend == "faster":
@@ -152,4 +156,72 @@ def score(gt: GroundTruth | str | Path | dict, results: list[dict], image_ids: l
     # Tables in the order of the categories array (COCOeval sorts by id).
     idx = [order[c] for c in gt.cat_ids]
     return Scores(stats, per_class, buf.getvalue().rstrip(), precision[:, :, idx], pr_scores[:, :, idx],
-                  gt.cat_ids, gt.class_names, gt.backend)
+                  gt.cat_ids, gt.class_names, gt.backend, confusion_matrix(gt, results, image_ids))
+
+
+CONF_THRESH = 0.25  # detections counted in the confusion matrix (ultralytics' default)
+CONF_IOU = 0.5
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU [N, M] of xywh boxes ``a`` [N, 4] and ``b`` [M, 4]."""
+    ax1, ay1 = a[:, 0] + a[:, 2], a[:, 1] + a[:, 3]
+    bx1, by1 = b[:, 0] + b[:, 2], b[:, 1] + b[:, 3]
+    iw = np.clip(np.minimum(ax1[:, None], bx1[None]) - np.maximum(a[:, None, 0], b[None, :, 0]), 0, None)
+    ih = np.clip(np.minimum(ay1[:, None], by1[None]) - np.maximum(a[:, None, 1], b[None, :, 1]), 0, None)
+    inter = iw * ih
+    union = (a[:, 2] * a[:, 3])[:, None] + (b[:, 2] * b[:, 3])[None] - inter
+    return inter / np.maximum(union, 1e-9)
+
+
+def confusion_matrix(gt: GroundTruth, results: list[dict], image_ids: list[int],
+                     conf: float = CONF_THRESH, iou: float = CONF_IOU) -> np.ndarray:
+    """``[K+1, K+1]`` counts: rows predicted class, columns true class, K = background.
+
+    Per image, detections scoring at least ``conf`` are matched to the (non-crowd) ground
+    truth class-agnostically, one to one, highest IoU first, IoU above ``iou``: a matched
+    pair counts at (predicted, true); an unmatched box at (background, true); an unmatched
+    detection at (predicted, background), unless it lies inside a crowd region (ignored,
+    as COCO ignores it).
+    """
+    K = len(gt.cat_ids)
+    col = {c: k for k, c in enumerate(gt.cat_ids)}
+    m = np.zeros((K + 1, K + 1), np.int64)
+    dets: dict[int, list[dict]] = {}
+    for r in results:
+        if r["score"] >= conf and r["category_id"] in col:
+            dets.setdefault(r["image_id"], []).append(r)
+    for img in image_ids:
+        anns = gt.coco.imgToAnns.get(img, []) if hasattr(gt.coco, "imgToAnns") else []
+        boxes = [a for a in anns if not a.get("iscrowd", 0)]
+        crowd = [a for a in anns if a.get("iscrowd", 0)]
+        d = dets.get(img, [])
+        g_cls = np.array([col[a["category_id"]] for a in boxes], np.int64)
+        d_cls = np.array([col[r["category_id"]] for r in d], np.int64)
+        matched_g, matched_d = set(), set()
+        if boxes and d:
+            ious = _iou(np.array([r["bbox"] for r in d], np.float64), np.array([a["bbox"] for a in boxes], np.float64))
+            pairs = np.argwhere(ious > iou)
+            for i, j in sorted(pairs.tolist(), key=lambda p: -ious[p[0], p[1]]):
+                if i in matched_d or j in matched_g:
+                    continue
+                matched_d.add(i)
+                matched_g.add(j)
+                m[d_cls[i], g_cls[j]] += 1
+        for j, c in enumerate(g_cls):
+            if j not in matched_g:
+                m[K, c] += 1
+        rest = [i for i in range(len(d)) if i not in matched_d]
+        if rest and crowd:
+            db = np.array([d[i]["bbox"] for i in rest], np.float64)
+            cb = np.array([a["bbox"] for a in crowd], np.float64)
+            # Intersection over the detection's area, as COCO matches crowd regions.
+            x0 = np.maximum(db[:, None, 0], cb[None, :, 0])
+            y0 = np.maximum(db[:, None, 1], cb[None, :, 1])
+            x1 = np.minimum((db[:, 0] + db[:, 2])[:, None], (cb[:, 0] + cb[:, 2])[None])
+            y1 = np.minimum((db[:, 1] + db[:, 3])[:, None], (cb[:, 1] + cb[:, 3])[None])
+            ioa = (np.clip(x1 - x0, 0, None) * np.clip(y1 - y0, 0, None)) / np.maximum(db[:, 2:3] * db[:, 3:4], 1e-9)
+            rest = [i for i, hit in zip(rest, (ioa > iou).any(1)) if not hit]
+        for i in rest:
+            m[d_cls[i], K] += 1
+    return m
