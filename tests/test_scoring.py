@@ -9,6 +9,7 @@ straddling the small/medium/large area limits.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -123,6 +124,11 @@ def test_no_results_scores_zero_and_the_table_prints():
 
 def test_backend_choice(monkeypatch):
     assert resolve_backend("auto") == "faster"
+    with monkeypatch.context() as m:  # faster-coco-eval not installed: pycocotools, or a clear ImportError
+        m.setitem(sys.modules, "faster_coco_eval", None)
+        assert resolve_backend("auto") == "pycocotools"
+        with pytest.raises(ImportError):
+            resolve_backend("faster")
     monkeypatch.setenv("FASTDET_COCO_EVAL", "pycocotools")
     assert resolve_backend() == "pycocotools"
     monkeypatch.setenv("FASTDET_COCO_EVAL", "fast")
