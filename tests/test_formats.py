@@ -248,8 +248,23 @@ def test_bad_yolo_yaml(demo_small, tmp_path):
     _one_line(r"field 'val': .*nope is neither an image folder", cfg_for(data))
     data.write_text(yaml.safe_dump({k: v for k, v in spec.items() if k != "names"}))
     _one_line(r"field 'names' must be", cfg_for(data))
+    data.write_text(yaml.safe_dump({**spec, "path": "missing_root"}))
+    _one_line(r"field 'path': no directory .*missing_root", cfg_for(data))
     data.write_text(yaml.safe_dump(spec))
     _one_line(r"--val-ann is for COCO files", cfg_for(data, val_ann="x.json"))
+
+
+def test_yolo_path_relative_to_the_yaml_or_absolute(demo_small, tmp_path):
+    data = make_yolo(demo_small, tmp_path / "y")
+    spec = yaml.safe_load(data.read_text())
+    elsewhere = tmp_path / "configs" / "set.yaml"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(yaml.safe_dump({**spec, "path": "../y"}))
+    a = load_split(cfg_for(elsewhere), "val")
+    elsewhere.write_text(yaml.safe_dump({**spec, "path": str(tmp_path / "y")}))
+    b = load_split(cfg_for(elsewhere), "val")
+    same_records(a, b, atol=0)
+    assert len(a) == 8
 
 
 def test_missing_and_corrupt_yolo_images_are_counted_skips(demo_small, tmp_path):

@@ -175,6 +175,25 @@ def yolo_names(path: Path, doc: dict) -> list[str]:
     return names
 
 
+def yolo_root(path: Path, doc: dict) -> Path:
+    """The set's root: ``path`` as written if absolute; else relative to the yaml's folder,
+    or to the working directory as ultralytics also reads it; absent: the yaml's folder."""
+    raw = doc.get("path")
+    if raw is None:
+        return path.parent
+    if not isinstance(raw, str):
+        raise DataError(f"{path}: field 'path' must be a directory, got {raw!r}")
+    p = Path(raw).expanduser()
+    if p.is_absolute():
+        candidates = [p]
+    else:
+        candidates = [path.parent / p, Path.cwd() / p]
+    for c in candidates:
+        if c.is_dir():
+            return c
+    raise DataError(f"{path}: field 'path': no directory {' or '.join(str(c) for c in candidates)}")
+
+
 def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> list[Path]:
     """The image files of a split entry: a folder, a txt list of images, or a list of those."""
     entries = entry if isinstance(entry, list) else [entry]
@@ -247,9 +266,7 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
     path = _yolo_yaml(data)
     doc = _read_yaml(path)
     names = yolo_names(path, doc)
-    root = Path(doc.get("path") or ".").expanduser()
-    if not root.is_absolute():
-        root = (path.parent / root)
+    root = yolo_root(path, doc)
     if split not in doc or doc[split] is None:
         raise DataError(f"{path}: no '{split}' entry (the {split} images)")
     files = _yolo_images(path, root, split, doc[split])
