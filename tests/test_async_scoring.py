@@ -77,12 +77,12 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
 
     out = tmp_path / "run"
     # 23 train images with boxes, batch 4: 5 steps an epoch; evaluated after epoch 1 (step 5)
-    # and at the last step (7).
+    # and at the last step (6).
     monkeypatch.setenv("FASTDET_TEST_RUN_DIR", str(out))
     monkeypatch.setenv("FASTDET_TEST_WAIT_STEP", "6")
     args = build_parser().parse_args([
         "--arch", "ppyoloe", "--size", "s", "--data", str(demo_small), "--device", "cpu",
-        "--img-size", "64", "--no-multiscale", "--batch-size", "4", "--epochs", "2", "--max-steps", "7", "--eval-interval", "1",
+        "--img-size", "64", "--no-multiscale", "--batch-size", "4", "--epochs", "2", "--max-steps", "6", "--eval-interval", "1",
         "--output-dir", str(out), "--workers", "0", "--log-interval", "1",
         "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2"])
     torch.manual_seed(0)
@@ -101,11 +101,11 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
         stats = trainer.train()
     finally:
         dist.shutdown()
-    assert sorted(evaluated) == [5, 7]
+    assert sorted(evaluated) == [5, 6]
     records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [5, 7]
+    assert [r["step"] for r in records] == [5, 6]
     # The first score arrived while training went on (it could not finish before step 6).
-    assert records[0]["collected_step"] >= 6 and records[1]["collected_step"] == 7
+    assert records[0]["collected_step"] >= 6 and records[1]["collected_step"] == 6
     assert stats["AP"] == records[-1]["AP"]
     best_step = max(records, key=lambda r: (r["AP"], -r["step"]))["step"]
     best = load_checkpoint(out / "best.pth")
@@ -125,12 +125,12 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
 
     acc = EventAccumulator(str(out / "tb"), size_guidance={"images": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("val/AP")] == [5, 7]
-    assert [e.step for e in acc.Scalars("val_AP/circle")] == [5, 7]  # per class too
+    assert [e.step for e in acc.Scalars("val/AP")] == [5, 6]
+    assert [e.step for e in acc.Scalars("val_AP/circle")] == [5, 6]  # per class too
     assert records[0]["per_class"].keys() == {"circle", "rectangle", "triangle", "cross"}
     # The evaluation plots (drawn by the scorer's process) and results.png, as files and images.
     images = set(acc.Tags()["images"])
     assert {"val/PR_curve", "val/F1_curve", "val/confusion_matrix", "results", "val/predictions"} <= images
-    assert [e.step for e in acc.Images("val/confusion_matrix")] == [5, 7]
+    assert [e.step for e in acc.Images("val/confusion_matrix")] == [5, 6]
     for name in ("PR_curve.png", "F1_curve.png", "confusion_matrix.png", "results.png", "val_predictions.jpg"):
         assert (out / name).stat().st_size > 10_000, name
