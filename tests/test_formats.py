@@ -337,3 +337,5 @@ def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root,
     assert ev.returncode == 0, ev.stderr
     ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
+    assert "per-class AP" in ev.stdout and "triangle" in ev.stdout  # the table, by class name
+    assert "per-class AP at step 2" in r.stdout and (out / "confusion_matrix.png").is_file()

@@ -64,6 +64,7 @@ def coco_eval(ann_file: str | dict, results: list[dict], image_ids: list[int]) -
     scores = score(ann_file, results, image_ids)
     if scores.summary:
         log.info("COCO bbox evaluation (%s):\n%s", scores.backend, scores.summary)
+        log.info("per-class AP:\n%s", scores.per_class_table())
     return scores.stats
 
 
