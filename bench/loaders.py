@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Loader throughput (decode + augment + targets, no model).")
     p.add_argument("--backend", nargs="+", default=["torch", "dali"], choices=["torch", "dali"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--data", default="demo", help="'demo' or a COCO root (annotations/, train2017/)")
+    p.add_argument("--data", default="demo", help="'demo', a COCO root (annotations/, train2017/), a YOLO data.yaml or a VOC root")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--size", type=int, default=640, help="one image size; --multiscale uses 320..768 instead")
     p.add_argument("--multiscale", action="store_true")
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", action="store_true", help="write the JSON under bench/results/ (see its README)")
     args = p.parse_args(argv)
 
-    from fastdet.data.coco import load_coco, resolve_data
+    from fastdet.data.formats import load_split
 
     data = DataConfig(
         data=args.data,
@@ -173,14 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         max_boxes=100,
     )
-    paths = resolve_data(data, splits=("train",))
-    ds = load_coco(paths.train_ann, paths.train_images, train=True, check_images="decode", cache_dir=data.cache_dir)
+    ds = load_split(data, "train", check_images="decode")  # COCO, YOLO data.yaml or VOC
     cfg = Config(data=replace(data, check_images="decode"))
     stage_list = YOLOX_STAGES if args.stages == "yolox" else None
     rows = [measure_loader(cfg, ds, b, args.device, args.batches, args.warmup, stages=stage_list)
             for b in args.backend]
     aug = "YOLOX stages" if args.stages == "yolox" else ("no augmentation" if args.no_augment else "PP-YOLOE stages")
-    print(f"{len(ds.records)} images from {paths.train_ann}; batch {args.batch_size}, "
+    print(f"{len(ds.records)} images from {ds.ann_file}; batch {args.batch_size}, "
           f"{'sizes 320..768' if args.multiscale else f'size {args.size}'}, {aug}, {args.workers} workers")
     for r in rows:
         if "skipped" in r:

@@ -337,15 +337,20 @@ class Bench:
         if self.dataset is None:
             from fastdet.data.coco import load_coco
 
+            from fastdet.data.formats import data_format, load_split
+
             d = self.cfg.data
-            paths = self.data_paths()
-            ds = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=d.keep_empty_train,
-                           check_images=d.check_images, cache_dir=d.cache_dir)
+            if data_format(d.data) == "coco":
+                paths = self.data_paths()
+                ds = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=d.keep_empty_train,
+                               check_images=d.check_images, cache_dir=d.cache_dir)
+            else:  # a YOLO data.yaml or a VOC root
+                ds = load_split(d, "train")
             if ds.num_classes > self.cfg.model.num_classes:
-                raise ValueError(f"{paths.train_ann}: {ds.num_classes} classes, more than "
+                raise ValueError(f"{ds.ann_file}: {ds.num_classes} classes, more than "
                                  f"--num-classes {self.cfg.model.num_classes}")
             self.dataset = ds
-            self.data_desc = {"train_ann": str(paths.train_ann), "images": len(ds.records),
+            self.data_desc = {"train_ann": str(ds.ann_file), "images": len(ds.records),
                               "classes": ds.num_classes}
         return self.dataset
 

@@ -23,7 +23,8 @@ from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--data": ("data.data", dict(metavar="demo|COCO_ROOT", help="'demo' (built in) or a COCO root")),
+    "--data": ("data.data", dict(metavar="demo|COCO_ROOT|data.yaml|VOC_ROOT",
+                                  help="'demo' (built in), a COCO root, a YOLO data.yaml or a VOC root")),
     "--train-ann": ("data.train_ann", dict(metavar="JSON", help="COCO instances file of the training set "
                                            "(without --data: give all four of these paths)")),
     "--val-ann": ("data.val_ann", dict(metavar="JSON", help="COCO instances file of the validation set")),

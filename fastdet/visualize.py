@@ -43,6 +43,38 @@ def draw_detections(image: np.ndarray | Tensor, boxes: Tensor, scores: Tensor, l
     return draw_bounding_boxes(img, boxes.float().cpu(), labels=captions, colors=colors, width=width)
 
 
+def draw_ground_truth(image: np.ndarray | Tensor, boxes: Tensor, labels: Tensor,
+                      class_names: Sequence[str]) -> Tensor:
+    """The ground-truth boxes with their class names (no score) on a copy of ``image``;
+    the same colours per class as :func:`draw_detections`, so the two sides compare."""
+    img = torch.as_tensor(np.ascontiguousarray(image)).permute(2, 0, 1) if isinstance(image, np.ndarray) else image
+    if boxes.numel() == 0:
+        return img.clone()
+    labels = labels.tolist()
+    captions = [str(class_names[c]) if c < len(class_names) else str(c) for c in labels]
+    colors = [PALETTE[c % len(PALETTE)] for c in labels]
+    width = max(1, round(max(img.shape[-2:]) / 320))
+    return draw_bounding_boxes(img, boxes.float().cpu(), labels=captions, colors=colors, width=width)
+
+
+def titled(tile: Tensor, title: str, note: str | None = None, bar: int = 18) -> Tensor:
+    """uint8 ``[3, H, W]`` with a ``title`` bar above it and, if given, a ``note`` boxed in its middle."""
+    from PIL import Image, ImageDraw
+
+    h, w = tile.shape[-2:]
+    canvas = Image.new("RGB", (w, h + bar), (40, 40, 40))
+    canvas.paste(Image.fromarray(tile.permute(1, 2, 0).contiguous().numpy()), (0, bar))
+    draw = ImageDraw.Draw(canvas)
+    draw.text((4, 3), title, fill=(255, 255, 255))
+    if note:
+        x0, y0, x1, y1 = draw.textbbox((0, 0), note)
+        tw, th = x1 - x0, y1 - y0
+        cx, cy = (w - tw) // 2, bar + (h - th) // 2
+        draw.rectangle((cx - 6, cy - 5, cx + tw + 6, cy + th + 5), fill=(0, 0, 0), outline=(255, 80, 80))
+        draw.text((cx, cy), note, fill=(255, 255, 255))
+    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
+
+
 def fit_tile(image: Tensor, size: int, fill: int = 114) -> Tensor:
     """uint8 ``[3, H, W]`` scaled to fit a ``size`` x ``size`` tile (aspect kept, centred)."""
     h, w = image.shape[-2:]

@@ -138,7 +138,7 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
 
 CHECK_MODES = ("none", "open", "decode")
 # Reasons in the order the summary lists them.
-BOX_REASONS = ("crowd", "degenerate", "outside image")
+BOX_REASONS = ("crowd", "difficult", "degenerate", "outside image")
 IMAGE_REASONS = ("missing file", "corrupt", "size mismatch", "without boxes")
 _SHOWN_EXAMPLES = 3  # image paths named per reason in the summary
 
@@ -196,7 +196,9 @@ class DataReport:
             reasons = []
             for r in BOX_REASONS:
                 if self.box_skips[r]:
-                    note = " (scored from the annotation file)" if r == "crowd" and not self.train else ""
+                    note = ""
+                    if r in ("crowd", "difficult") and not self.train:
+                        note = " (scored as ignore regions)" if r == "difficult" else " (scored from the annotation file)"
                     reasons.append(f"{self.box_skips[r]} {r}{note}")
             parts.append(f"dropped {_plural(self.dropped_boxes, 'box')}: " + ", ".join(reasons))
         if self.skipped_images:
@@ -227,6 +229,9 @@ class CocoDataset:
     image_dir: Path
     report: DataReport
     train: bool
+    # The COCO ground truth as a dict when the set was not read from a COCO file (YOLO,
+    # VOC: built in memory by fastdet.data.formats); None: score against ``ann_file``.
+    coco_gt: Optional[dict] = field(default=None, repr=False, compare=False)
     _labels: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -550,12 +555,41 @@ def load_coco(
         DataError: one line naming the file and field, for input that cannot be used.
     """
     ann_file = Path(ann_file).expanduser()
+    if check_images not in CHECK_MODES:
+        raise DataError(f"check_images must be one of {', '.join(CHECK_MODES)}, got {check_images!r}")
+    doc = _read_json(ann_file)
+    return load_coco_doc(doc, ann_file, image_dir, train=train, keep_empty=keep_empty,
+                         check_images=check_images, cache_dir=cache_dir)
+
+
+def load_coco_doc(
+    doc: dict,
+    ann_file: str | Path,
+    image_dir: str | Path,
+    *,
+    train: bool,
+    keep_empty: Optional[bool] = None,
+    check_images: str = "open",
+    cache_dir: str | Path | None = None,
+    in_memory: bool = False,
+    prior_skips: Iterable[tuple[str, str]] = (),
+    crowd_reason: str = "crowd",
+) -> CocoDataset:
+    """:func:`load_coco` on an already-read COCO document.
+
+    The YOLO and VOC readers (``fastdet.data.formats``) build ``doc`` in memory and pass
+    ``in_memory=True``: the dataset then keeps it as ``coco_gt``, the ground truth the
+    evaluator scores against (``ann_file`` names the file the set was described by, for
+    messages). ``prior_skips`` are ``(reason, image path)`` of images the reader already
+    found unusable (left out of ``doc``): they are counted in the report like the others.
+    ``crowd_reason`` names the ``iscrowd`` boxes in the report (VOC: ``"difficult"``).
+    """
+    ann_file = Path(ann_file).expanduser()
     image_dir = Path(image_dir).expanduser().absolute()
     if check_images not in CHECK_MODES:
         raise DataError(f"check_images must be one of {', '.join(CHECK_MODES)}, got {check_images!r}")
     if keep_empty is None:
         keep_empty = not train
-    doc = _read_json(ann_file)
     filled = fill_coco_defaults(doc)
     if not image_dir.is_dir():
         raise DataError(f"{image_dir}: image directory not found (images of {ann_file})")
@@ -564,10 +598,14 @@ def load_coco(
     image_index = {im[0]: i for i, im in enumerate(images)}
     label_of = {c: i for i, c in enumerate(cat_ids)}
     img, xywh, label, crowd, ann_id = _parse_annotations(ann_file, doc["annotations"], image_index, label_of)
+    gt = doc if in_memory else None
     del doc
 
-    report = DataReport(ann_file=str(ann_file), train=train, images_in_file=len(images), boxes_in_file=len(img),
-                        filled=filled)
+    prior_skips = list(prior_skips)
+    report = DataReport(ann_file=str(ann_file), train=train, images_in_file=len(images) + len(prior_skips),
+                        boxes_in_file=len(img), filled=filled)
+    for reason, path in prior_skips:
+        report.count(report.image_skips, reason, examples=[path])
     # Image sizes: [I] as decoded (checked) or as declared (check_images="none").
     widths = np.array([im[2] for im in images], np.float64)
     heights = np.array([im[3] for im in images], np.float64)
@@ -596,7 +634,7 @@ def load_coco(
     tiny = (xywh[:, 2] < 1) | (xywh[:, 3] < 1)
     outside = ~crowd & ~tiny & ((x1 <= 0) | (y1 <= 0) | (x0 >= W) | (y0 >= H))
     degenerate = ~crowd & ~outside & (tiny | (cw < 1) | (ch < 1))
-    for reason, m in (("crowd", crowd), ("degenerate", degenerate), ("outside image", outside)):
+    for reason, m in ((crowd_reason, crowd), ("degenerate", degenerate), ("outside image", outside)):
         n = int(m.sum())
         if n:
             report.count(report.box_skips, reason, n, (f"annotation id {a}" for a in ann_id[m][:_SHOWN_EXAMPLES]))
@@ -634,6 +672,7 @@ def load_coco(
         image_dir=image_dir,
         report=report,
         train=train,
+        coco_gt=gt,
     )
     if not records:
         raise DataError(f"{ann_file}: no usable images in {image_dir} ({report.summary()})")

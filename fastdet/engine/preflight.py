@@ -76,8 +76,8 @@ def check_end_of_run_path(model: nn.Module, val_set: CocoDataset, build_loader: 
         with _quiet():
             coco_eval_mod.evaluate(model, loader, tiny, amp_dtype, predict_kwargs)
             if is_main:
-                stage = f"scoring with pycocotools against {val_set.ann_file}"
-                coco_eval_mod.coco_eval(str(val_set.ann_file), fake_results(tiny), tiny.image_ids)
+                stage = f"scoring against the ground truth of {val_set.ann_file}"
+                coco_eval_mod.coco_eval(coco_eval_mod.gt_source(val_set), fake_results(tiny), tiny.image_ids)
         if is_main:
             stage = f"writing a checkpoint into {out}"
             probe = out / ".preflight.pth"

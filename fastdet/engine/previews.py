@@ -2,9 +2,12 @@
 
 At every evaluation the trainer calls :func:`log_val_predictions` (rank 0): the same
 ``NUM_IMAGES`` val images, preprocessed as evaluation does, go through ``model.predict``;
-their detections above ``SCORE_THRESH`` are drawn on the original images, tiled into one
-grid, logged to TensorBoard (``val/predictions``) and written to ``val_predictions.jpg``
-in the run folder (the last evaluation's set stays there).
+each is drawn twice, side by side: its ground truth (class names) and the detections
+scoring above ``SCORE_THRESH`` (class and score, the same colour per class), each tile
+titled, and "no box scores above 0.30" written on a prediction tile without any box.
+The pairs are tiled into one grid (two pairs a row), logged to TensorBoard
+(``val/predictions``) and written to ``val_predictions.jpg`` in the run folder (the last
+evaluation's set stays there).
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
+from torchvision.utils import make_grid
 
 from fastdet.data.augment import ImageDecodeError, decode_image
 from fastdet.data.preprocess import Preprocess, boxes_to_original
-from fastdet.visualize import draw_detections, grid, save_image
+from fastdet.visualize import draw_detections, draw_ground_truth, fit_tile, save_image, titled
 
 log = logging.getLogger("fastdet")
 
 NUM_IMAGES = 8
 SCORE_THRESH = 0.3  # as fastdet.predict draws
 FILE_NAME = "val_predictions.jpg"
+TILE = 320  # px: each image fitted into a square of this side
 TAG = "val/predictions"
 
 
@@ -40,17 +45,19 @@ def preview_records(records: Sequence[Any], n: int = NUM_IMAGES) -> list[Any]:
 def log_val_predictions(model: nn.Module, records: Sequence[Any], preprocess: Preprocess, img_size: int,
                         predict_kwargs: dict[str, Any], class_names: Sequence[str], tb: Any,
                         out_dir: Path, step: int) -> Path | None:
-    """Draw ``model``'s detections on the preview records; the written file, or None if none decoded.
+    """Draw the ground truth and ``model``'s detections of the preview records; the written
+    file, or None if none decoded.
 
     Args:
         model: the evaluated (EMA) model; put in eval mode here.
         records: the val set's ``ImageRecord``s (``.file``).
         tb: ``fastdet.engine.logging.TensorBoard`` (``image(tag, chw_uint8, step)``).
     """
-    imgs = []
+    imgs, kept = [], []
     for rec in preview_records(records):
         try:
             imgs.append(decode_image(rec.file))
+            kept.append(rec)
         except ImageDecodeError:  # already counted as a skip by the val set's report
             continue
     if not imgs:
@@ -60,11 +67,16 @@ def log_val_predictions(model: nn.Module, records: Sequence[Any], preprocess: Pr
     inputs, scales = zip(*(preprocess(img, (img_size, img_size)) for img in imgs))
     kw = {**predict_kwargs, "score_thresh": max(SCORE_THRESH, predict_kwargs.get("score_thresh", 0.0))}
     dets = model.predict(torch.stack(inputs).to(device), **kw)  # fp32: 8 images, not the hot path
-    drawn = []
-    for img, det, s in zip(imgs, dets, scales):
+    tiles = []
+    for rec, img, det, s in zip(kept, imgs, dets, scales):
+        gt = draw_ground_truth(img, torch.as_tensor(rec.boxes), torch.as_tensor(rec.labels), class_names)
+        tiles.append(titled(fit_tile(gt, TILE), f"ground truth: {len(rec.boxes)} boxes"))
         boxes = boxes_to_original(det["boxes"].float().cpu(), s, img.shape[:2])
-        drawn.append(draw_detections(img, boxes, det["scores"].cpu(), det["labels"].cpu(), class_names))
-    picture = grid(drawn)  # [3, H, W] uint8
+        pred = draw_detections(img, boxes, det["scores"].cpu(), det["labels"].cpu(), class_names)
+        n = len(det["scores"])
+        note = None if n else f"no box scores above {kw['score_thresh']:.2f}"
+        tiles.append(titled(fit_tile(pred, TILE), f"predictions (score >= {kw['score_thresh']:.2f}): {n}", note))
+    picture = make_grid(tiles, nrow=4, padding=2, pad_value=255)  # [3, H, W] uint8: pairs side by side
     tb.image(TAG, picture, step)
     path = Path(out_dir) / FILE_NAME
     save_image(picture, path)

@@ -23,11 +23,12 @@ from torch import nn
 
 from fastdet import recipes
 from fastdet.config import Config
-from fastdet.data.coco import load_coco, resolve_data
-from fastdet.data.loader import build_eval_loader, build_train_loader
+from fastdet.data.formats import load_split
+from fastdet.data.loader import build_eval_loader, build_train_loader, train_sizes
 from fastdet.engine import dist
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
                                        previous_path, rng_state, save_checkpoint, set_rng_state)
+from fastdet.engine.evaluation import EvalRunner
 from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
                                    restart_count, resume_command)
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
@@ -37,8 +38,8 @@ from fastdet.engine.preflight import PreflightError, check_end_of_run_path
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
+from fastdet.engine.summary import summarize_model, write_summary
 from fastdet.engine.sync_bn import convert_sync_batchnorm
-from fastdet.eval.coco import evaluate
 
 log = logging.getLogger("fastdet")
 # When this module was imported (torch already was): the clock of "first step after start".
@@ -115,16 +116,14 @@ class Trainer:
 
     def _load_data(self, cfg: Config) -> Config:
         """The train and val sets; returns ``cfg`` with ``model.num_classes`` set from them."""
-        d = cfg.data
-        paths = resolve_data(d)
-        self.train_set = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=d.keep_empty_train,
-                                   check_images=d.check_images, cache_dir=d.cache_dir)
-        self.val_set = load_coco(paths.val_ann, paths.val_images, train=False,
-                                 check_images=d.check_images, cache_dir=d.cache_dir)
+        # COCO, YOLO (data.yaml) or VOC, told apart by what --data points at (data/formats.py).
+        self.train_set = load_split(cfg.data, "train")
+        self.val_set = load_split(cfg.data, "val")
         if len(self.train_set) == 0:
-            raise ValueError(f"{paths.train_ann}: no usable training images ({self.train_set.report.summary()})")
+            raise ValueError(f"{self.train_set.ann_file}: no usable training images "
+                             f"({self.train_set.report.summary()})")
         if self.train_set.cat_ids != self.val_set.cat_ids:
-            raise ValueError(f"{paths.val_ann}: categories differ from {paths.train_ann}")
+            raise ValueError(f"{self.val_set.ann_file}: categories differ from {self.train_set.ann_file}")
         return replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
 
     def _build_model(self) -> None:
@@ -176,15 +175,30 @@ class Trainer:
         # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint.
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None,
                               purge_step=self.step + 1 if cfg.run.resume else None)
+        # Evaluations are scored in a background process (engine/evaluation.py).
+        self.evals = EvalRunner(self.val_set, self.out, self.tb, is_main=self.dist.is_main,
+                                async_eval=cfg.run.async_eval)
+        self.evals.best_ap = self.best_ap
         self.profiler = ProfilerWindow(cfg.run.profile_steps, self.device)
 
     def _start_run_files(self) -> None:
         """The resolved config next to the run; a fresh run in an old directory starts its logs anew."""
         if self.dist.is_main:
             self.cfg.dump(self.out / "config.yaml")
+            self._log_model_summary()
             if not self.cfg.run.resume:
                 for name in ("metrics.jsonl", "eval.jsonl"):
                     (self.out / name).unlink(missing_ok=True)
+
+    def _log_model_summary(self) -> None:
+        """Parameters, trainable parameters and GFLOPs at the smallest and largest training
+        size and the evaluation size: logged and written to model_summary.txt."""
+        d = self.cfg.data
+        sizes = train_sizes(d)
+        summary = summarize_model(self.model, f"{self.cfg.model.arch}-{self.cfg.model.size}",
+                                  (min(sizes), max(sizes), d.img_size))
+        write_summary(summary, self.out)
+        log.info("%s", summary)
 
     # ------------------------------------------------------------------ helpers
     def _ddp_wrapper(self) -> Callable[[nn.Module], nn.Module]:
@@ -321,37 +335,42 @@ class Trainer:
         if self.cfg.model.all_reduce_bn_stats and self.dist.world_size > 1 and not self.cfg.model.sync_bn:
             dist.average_bn_stats(self.model, *([self.ema.module] if self.ema is not None else []))
 
+    def _weights_state(self) -> dict[str, Any]:
+        """What ``best.pth`` keeps: weights to use, not to resume (no optimizer state, which is
+        as large as the model)."""
+        return {k: v for k, v in self._state().items() if k not in ("optimizer", "scaler", "rng", "rng_ranks")}
+
     def save(self, name: str) -> None:
         self._average_bn_stats()  # every rank calls save (only rank 0 writes)
         self._rng_ranks = dist.all_gather_objects(rng_state()) if self.dist.world_size > 1 else None
         if self.dist.is_main:
-            state = self._state()
-            if name == "best":  # weights to use, not to resume: no optimizer state (as large as the model)
-                state = {k: v for k, v in state.items() if k not in ("optimizer", "scaler", "rng", "rng_ranks")}
+            state = self._weights_state() if name == "best" else self._state()
             # `latest` keeps the one before it (latest.prev.pth) to fall back on.
             save_checkpoint(self.out / f"{name}.pth", state, keep_previous=name == "latest")
         if name == "latest" and getattr(self, "control", None) is not None:
             self.control.checkpoint_saved()
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> None:
+        """Predict on the val set (every rank) and hand the detections to the background
+        scorer; the score is acted on when it arrives (:meth:`_collect_evals`)."""
         self._average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
-        t = time.perf_counter()
         rng = rng_state()  # evaluation must not perturb the training's random streams
-        stats = evaluate(model, self.val_loader, self.val_set, self.amp_dtype, recipes.predict_kwargs(self.cfg))
-        set_rng_state(rng)
-        log.info("eval (%s weights) epoch %d: AP %.4f  AP50 %.4f  AP75 %.4f  (%.1f s)",
-                 "EMA" if self.ema is not None else "model", self.epoch, stats["AP"],
-                 stats["AP50"], stats["AP75"], time.perf_counter() - t)
-        self.tb.scalars(stats, self.step, prefix="val/")
+        self.evals.run(model, self.val_loader, self.amp_dtype, recipes.predict_kwargs(self.cfg),
+                       step=self.step, epoch=self.epoch, state=self._weights_state,
+                       current_step=lambda: self.step)
         if self.dist.is_main:
-            with open(self.out / "eval.jsonl", "a") as f:
-                f.write(json.dumps({"epoch": self.epoch, "step": self.step, **stats}) + "\n")
             self.val_predictions = log_val_predictions(
                 model, self.val_set.records, recipes.family(self.cfg.model.arch).preprocess,
                 self.cfg.data.img_size, recipes.predict_kwargs(self.cfg), self.val_set.class_names,
                 self.tb, self.out, self.step)
-        return stats
+        set_rng_state(rng)
+        self._collect_evals()
+
+    def _collect_evals(self, wait: bool = False) -> None:
+        """Log, record and keep the best of the scores that have arrived (rank 0)."""
+        self.evals.collect(self.step, wait=wait)
+        self.best_ap = self.evals.best_ap
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, float]:
@@ -383,12 +402,12 @@ class Trainer:
                  self.amp_dtype or "off", cfg.compile.compile, cfg.compile.cuda_graphs,
                  self.train_loader.backend)
         progress = Progress(total_steps - self.step, run.progress and self.dist.is_main)
-        stats: dict[str, float] = {}
         t_start, steps_at_start = time.perf_counter(), self.step
         self._last_log_t = t_start
         while self.step < total_steps:
             if self._train_epoch(total_steps, progress, t_start, steps_at_start):
                 progress.close()
+                self.evals.close()
                 self.tb.close()
                 raise TrainingError(f"non-finite loss at step {self.step}: training stopped; "
                                     f"the last good checkpoint is {self.out / 'latest.pth'}")
@@ -401,14 +420,19 @@ class Trainer:
             # The phase of the epoch just finished may switch the interval (YOLOX: every epoch at the end).
             interval = recipes.phase(cfg, self.epoch - 1).eval_interval or run.eval_interval
             if last or (epoch_done and self.epoch % interval == 0):
-                stats = self.evaluate()
-                if stats["AP"] > self.best_ap:
-                    self.best_ap = stats["AP"]
-                    self.save("best")
-                    self.save("latest")
+                self.evaluate()
             if self._stop_requested and not last:  # stopped at an epoch's end: saved above
                 self._stop_preempted()
         self.control.finish()
+        # The last evaluations are waited for; latest.pth then records the best AP.
+        try:
+            self._collect_evals(wait=True)
+        finally:
+            self.evals.close()
+        if self.evals.best_changed:
+            self.save("latest")
+        self.evals.draw_results(self.step)
+        stats = dist.broadcast_object(self.evals.last_stats if self.dist.is_main else None) or {}
         progress.close()
         self.tb.close()
         self.close_background()
@@ -633,6 +657,7 @@ class Trainer:
     def _stop_preempted(self) -> None:
         """After ``latest.pth`` holds this step: every rank stops (faults.Preempted)."""
         self.control.finish()
+        self.evals.close()  # a scoring still running is lost with the stop; latest.pth is saved
         latest = self.out / "latest.pth"
         into = self.step - self.epoch * self.steps_per_epoch
         if self.dist.is_main:
@@ -675,6 +700,7 @@ class Trainer:
                                     "images_per_s": ips, **losses}) + "\n")
         self.tb.scalars({"train/lr": lr, "train/images_per_s": ips, "train/data_time": data_time / max(1, n),
                          "train/memory_mb": mem}, self.step)
+        self._collect_evals()  # scores finished in the background since the last log
         return True
 
 

@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastdet.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="PATH")
-    p.add_argument("--data", default=None, metavar="demo|COCO_ROOT")
+    p.add_argument("--data", default=None, metavar="demo|COCO_ROOT|data.yaml|VOC_ROOT")
     p.add_argument("--val-ann", default=None, metavar="JSON")
     p.add_argument("--val-images", default=None, metavar="DIR")
     p.add_argument("--img-size", type=int, default=None)
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from fastdet import recipes
-    from fastdet.data.coco import DataError, load_coco, resolve_data
+    from fastdet.data.coco import DataError
+    from fastdet.data.formats import load_split
     from fastdet.data.loader import build_eval_loader
     from fastdet.engine import dist
     from fastdet.engine.checkpoint import load_checkpoint
@@ -64,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank)
         setup_logging(None, info.is_main)
-        paths = resolve_data(cfg.data, splits=("val",))
-        val = load_coco(paths.val_ann, paths.val_images, train=False, cache_dir=cfg.data.cache_dir)
+        val = load_split(cfg.data, "val", check_images="open")
         if ck.get("cat_ids") and list(ck["cat_ids"]) != list(val.cat_ids):
-            raise ValueError(f"{paths.val_ann}: categories differ from the checkpoint's "
+            raise ValueError(f"{val.ann_file}: categories differ from the checkpoint's "
                              f"({len(val.cat_ids)} vs {len(ck['cat_ids'])})")
         model = recipes.build_detector(cfg, val.num_classes).to(device)
         weights = ck["ema"] if args.weights == "ema" and ck.get("ema") else ck["model"]
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         from fastdet.engine import dist as _d
 
         _d.shutdown()
-    logging.getLogger("fastdet").info("evaluated %s on %s", args.ckpt, paths.val_ann)
+    logging.getLogger("fastdet").info("evaluated %s on %s", args.ckpt, val.ann_file)
     print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}  "
           f"APs {stats['APs']:.4f}  APm {stats['APm']:.4f}  APl {stats['APl']:.4f}")
     return 0

@@ -1,17 +1,15 @@
-"""COCO evaluation with pycocotools, gathered across ranks.
+"""COCO evaluation, gathered across ranks, scored by ``fastdet.eval.scoring``.
 
 Every rank predicts on its shard of the val set; detections are mapped back to the
 original image sizes, converted to COCO results (category ids restored from the
 contiguous labels), gathered on rank 0, de-duplicated by image id and scored by
-``COCOeval`` against the original annotation file (crowd boxes included, as COCO
-scores them).
+``COCOeval`` against the original annotation file, or the in-memory document of a YOLO or VOC set (crowd
+and difficult boxes included, as COCO scores them), with faster-coco-eval or pycocotools.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import logging
 from typing import Any, Iterable
 
@@ -19,13 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fastdet.data.coco import fill_coco_defaults
 from fastdet.data.preprocess import boxes_to_original
 from fastdet.engine import dist
+from fastdet.eval.scoring import STAT_NAMES, load_gt, score  # noqa: F401  (STAT_NAMES: part of this module's interface)
 
 log = logging.getLogger("fastdet")
 
-STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
 
 @torch.no_grad()
@@ -65,56 +62,52 @@ def predict_coco(model: nn.Module, loader: Iterable[dict[str, Tensor]], cat_ids:
 def coco_ground_truth(ann_file: str):
     """pycocotools' ``COCO`` of ``ann_file`` with the fields it needs and many tools leave
     out (``iscrowd``, ``area``, ``id``) filled in as COCO defines them (as ``load_coco`` does)."""
-    from pycocotools.coco import COCO
-
-    with open(ann_file, "rb") as f:
-        doc = json.load(f)
-    fill_coco_defaults(doc)
-    gt = COCO()
-    gt.dataset = doc
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt.createIndex()
-    return gt
+    return load_gt(ann_file, "pycocotools").coco
 
 
-def coco_eval(ann_file: str, results: list[dict], image_ids: list[int]) -> dict[str, float]:
-    """Run COCOeval (bbox) and return the 12 standard stats by name."""
-    from pycocotools.cocoeval import COCOeval
+def coco_eval(ann_file: str | dict, results: list[dict], image_ids: list[int]) -> dict[str, float]:
+    """COCOeval (bbox) on an annotation file or in-memory COCO document: the 12 stats by name."""
+    scores = score(ann_file, results, image_ids)
+    if scores.summary:
+        log.info("COCO bbox evaluation (%s):\n%s", scores.backend, scores.summary)
+        log.info("per-class AP:\n%s", scores.per_class_table())
+    return scores.stats
 
-    gt = coco_ground_truth(ann_file)
-    if not results:
-        return {k: 0.0 for k in STAT_NAMES}
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        dt = gt.loadRes(results)
-        ev = COCOeval(gt, dt, "bbox")
-        ev.params.imgIds = sorted(image_ids)
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    log.info("COCO bbox evaluation:\n%s", buf.getvalue().rstrip())
-    return {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}
+
+def gt_source(dataset) -> str | dict:
+    """What ``dataset`` is scored against: its in-memory COCO document (YOLO, VOC) or its file."""
+    gt = getattr(dataset, "coco_gt", None)
+    return gt if gt is not None else str(dataset.ann_file)
+
+
+def gather_predictions(model: nn.Module, loader, dataset, amp_dtype: torch.dtype | None,
+                       predict_kwargs: dict[str, Any]) -> tuple[list[dict], list[int]] | None:
+    """Every rank predicts its shard; rank 0 gets ``(results, image ids)``, the others None."""
+    results, seen = predict_coco(model, loader, dataset.cat_ids, amp_dtype, predict_kwargs)
+    gathered = dist.all_gather_objects((results, sorted(seen)))
+    if _rank() != 0:
+        return None
+    all_seen: set[int] = set()
+    merged: list[dict] = []
+    for res, ids in gathered:
+        new = set(ids) - all_seen  # a duplicated image (padding) counts once
+        merged += [r for r in res if r["image_id"] in new]
+        all_seen |= new
+    expected = {r.image_id for r in dataset.records}
+    if all_seen != expected:
+        missing = len(expected - all_seen)
+        raise RuntimeError(f"evaluation saw {len(all_seen)} of {len(expected)} val images "
+                           f"({missing} missing): the eval loader dropped images")
+    return merged, sorted(all_seen)
 
 
 def evaluate(model: nn.Module, loader, dataset, amp_dtype: torch.dtype | None,
              predict_kwargs: dict[str, Any]) -> dict[str, float]:
     """Evaluate on every rank's shard; rank 0 scores, every rank gets the stats."""
-    results, seen = predict_coco(model, loader, dataset.cat_ids, amp_dtype, predict_kwargs)
-    gathered = dist.all_gather_objects((results, sorted(seen)))
+    gathered = gather_predictions(model, loader, dataset, amp_dtype, predict_kwargs)
     stats: dict[str, float] | None = None
-    if _rank() == 0:
-        all_seen: set[int] = set()
-        merged: list[dict] = []
-        for res, ids in gathered:
-            new = set(ids) - all_seen  # a duplicated image (padding) counts once
-            merged += [r for r in res if r["image_id"] in new]
-            all_seen |= new
-        expected = {r.image_id for r in dataset.records}
-        if all_seen != expected:
-            missing = len(expected - all_seen)
-            raise RuntimeError(f"evaluation saw {len(all_seen)} of {len(expected)} val images "
-                               f"({missing} missing): the eval loader dropped images")
-        stats = coco_eval(dataset.ann_file, merged, sorted(all_seen))
+    if gathered is not None:
+        stats = coco_eval(gt_source(dataset), *gathered)
     return dist.broadcast_object(stats)
 
 

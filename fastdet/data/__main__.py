@@ -1,0 +1,106 @@
+"""``python -m fastdet.data check --data ...``: the dataset report, without training.
+
+For each split (train, then val): images and boxes kept, what was dropped or skipped and
+why (the same report training prints), boxes per class, and a histogram of box sizes
+(square root of the area in pixels, with COCO's small / medium / large counts). Exits 1
+with one line naming the file when the set cannot be read. The format (COCO, YOLO
+``data.yaml``, Pascal VOC) is detected from ``--data`` as training detects it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import numpy as np
+
+# Edges of the box-size histogram: sqrt(area) in pixels of the original image.
+SIZE_EDGES = (0, 8, 16, 32, 64, 96, 128, 256, 512, float("inf"))
+_BAR = 40
+
+
+def _size_histogram(sides: np.ndarray) -> list[str]:
+    counts, _ = np.histogram(sides, bins=np.array(SIZE_EDGES))
+    peak = max(1, int(counts.max()) if counts.size else 1)
+    lines = []
+    for lo, hi, n in zip(SIZE_EDGES[:-1], SIZE_EDGES[1:], counts):
+        label = f"{lo:>4g}-{hi:<4g}" if hi != float("inf") else f"{lo:>4g}+   "
+        lines.append(f"    {label} px  {int(n):>8}  {'#' * round(_BAR * n / peak)}")
+    return lines
+
+
+def split_report(ds) -> str:
+    """The multi-line report of one loaded split."""
+    boxes = [r.boxes for r in ds.records if len(r.boxes)]
+    labels = [r.labels for r in ds.records if len(r.labels)]
+    xyxy = np.concatenate(boxes) if boxes else np.zeros((0, 4), np.float32)
+    lab = np.concatenate(labels) if labels else np.zeros((0,), np.int64)
+    sides = np.sqrt(np.maximum(0, (xyxy[:, 2] - xyxy[:, 0]) * (xyxy[:, 3] - xyxy[:, 1])))
+    empty = sum(1 for r in ds.records if len(r.boxes) == 0)
+    r = ds.report
+    lines = [f"  {r.images_kept} images ({empty} without boxes), {r.boxes_kept} boxes, {ds.num_classes} classes",
+             f"  problems: {r.summary()}"]
+    for reason, shown in r.examples.items():
+        if shown:
+            lines.append(f"    {reason}: {', '.join(shown)}")
+    per_class = np.bincount(lab, minlength=ds.num_classes)
+    width = max(5, *(len(n) for n in ds.class_names))
+    lines.append("  boxes per class:")
+    for name, n in zip(ds.class_names, per_class):
+        note = "  (no boxes)" if n == 0 else ""
+        lines.append(f"    {name:<{width}}  {int(n):>8}{note}")
+    lines.append("  box size (sqrt of area, px):")
+    lines += _size_histogram(sides)
+    small, medium = int((sides < 32).sum()), int(((sides >= 32) & (sides < 96)).sum())
+    lines.append(f"    COCO small {small}, medium {medium}, large {len(sides) - small - medium}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastdet.data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="print the dataset report (images, boxes per class, box sizes, problems)")
+    c.add_argument("--data", required=True, metavar="demo|COCO_ROOT|data.yaml|VOC_ROOT")
+    c.add_argument("--train-ann", default=None, metavar="JSON")
+    c.add_argument("--train-images", default=None, metavar="DIR")
+    c.add_argument("--val-ann", default=None, metavar="JSON")
+    c.add_argument("--val-images", default=None, metavar="DIR")
+    c.add_argument("--check-images", choices=["none", "open", "decode"], default="open")
+    c.add_argument("--splits", default="train,val", help="comma-separated (default: train,val)")
+    c.add_argument("--cache-dir", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dataclasses import replace
+
+    from fastdet.config import DataConfig
+    from fastdet.data.coco import DataError
+    from fastdet.data.formats import data_format, load_split
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    cfg = replace(DataConfig(), data=args.data, train_ann=args.train_ann, train_images=args.train_images,
+                  val_ann=args.val_ann, val_images=args.val_images, check_images=args.check_images,
+                  **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    bad = set(splits) - {"train", "val"}
+    if bad:
+        print(f"fastdet.data: error: --splits takes train and val, got {sorted(bad)[0]}", file=sys.stderr)
+        return 1
+    print(f"{args.data}: {data_format(args.data).upper()} format")
+    try:
+        for split in splits:
+            ds = load_split(cfg, split, train=False)
+            print(f"{split}: {ds.ann_file}")
+            print(split_report(ds))
+    except DataError as e:
+        print(f"fastdet.data: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""YOLO-format and Pascal VOC sets: the same records, report, errors and AP as the COCO set they encode.
+
+The small demo set (COCO) is rewritten here as an ultralytics folder (``data.yaml``,
+``images/``, ``labels/*.txt``) and as a VOC root (``Annotations/``, ``ImageSets/Main/``,
+``JPEGImages/``), the images linked, so every comparison is against the COCO reading of
+the same boxes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from fastdet.config import DataConfig
+from fastdet.data.coco import DataError, load_coco
+from fastdet.data.formats import data_format, load_split, yolo_label_path
+from fastdet.eval.scoring import score
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+# ----------------------------------------------------------------------------- writers
+
+def _coco(demo_small: Path, split: str) -> dict:
+    return json.loads((demo_small / "annotations" / f"instances_{split}2017.json").read_text())
+
+
+def make_yolo(demo_small: Path, root: Path, *, names_as_dict: bool = False) -> Path:
+    """The demo set as an ultralytics folder; returns ``data.yaml``."""
+    for split in ("train", "val"):
+        doc = _coco(demo_small, split)
+        label = {c["id"]: i for i, c in enumerate(doc["categories"])}
+        (root / "images" / split).mkdir(parents=True, exist_ok=True)
+        (root / "labels" / split).mkdir(parents=True, exist_ok=True)
+        by_image: dict[int, list] = {}
+        for a in doc["annotations"]:
+            by_image.setdefault(a["image_id"], []).append(a)
+        for im in doc["images"]:
+            img = root / "images" / split / im["file_name"]
+            if not img.exists():
+                img.symlink_to(demo_small / f"{split}2017" / im["file_name"])
+            anns = by_image.get(im["id"], [])
+            if not anns:  # background: no txt at all
+                continue
+            W, H = im["width"], im["height"]
+            lines = [f"{label[a['category_id']]} {(a['bbox'][0] + a['bbox'][2] / 2) / W!r} "
+                     f"{(a['bbox'][1] + a['bbox'][3] / 2) / H!r} {a['bbox'][2] / W!r} {a['bbox'][3] / H!r}"
+                     for a in anns]
+            yolo_label_path(img).write_text("\n".join(lines) + "\n")
+    names = [c["name"] for c in _coco(demo_small, "train")["categories"]]
+    spec = {"path": ".", "train": "images/train", "val": "images/val",
+            "names": dict(enumerate(names)) if names_as_dict else names}
+    (root / "data.yaml").write_text(yaml.safe_dump(spec))
+    return root / "data.yaml"
+
+
+def make_voc(demo_small: Path, root: Path, difficult: set[int] = frozenset()) -> Path:
+    """The demo set as a VOC root (annotation ids in ``difficult`` marked difficult)."""
+    for d in ("Annotations", "ImageSets/Main", "JPEGImages"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    names = [c["name"] for c in _coco(demo_small, "train")["categories"]]
+    (root / "label_list.txt").write_text("\n".join(names) + "\n")
+    for split in ("train", "val"):
+        doc = _coco(demo_small, split)
+        cat = {c["id"]: c["name"] for c in doc["categories"]}
+        ids = []
+        for im in doc["images"]:
+            stem = Path(im["file_name"]).stem
+            ids.append(stem)
+            img = root / "JPEGImages" / f"{stem}.jpg"
+            if not img.exists():
+                img.symlink_to(demo_small / f"{split}2017" / im["file_name"])
+            objs = []
+            for a in doc["annotations"]:
+                if a["image_id"] != im["id"]:
+                    continue
+                x, y, w, h = a["bbox"]
+                objs.append(f"<object><name>{cat[a['category_id']]}</name>"
+                            f"<difficult>{int(a['id'] in difficult)}</difficult><bndbox>"
+                            f"<xmin>{x + 1!r}</xmin><ymin>{y + 1!r}</ymin><xmax>{x + w!r}</xmax>"
+                            f"<ymax>{y + h!r}</ymax></bndbox></object>")
+            (root / "Annotations" / f"{stem}.xml").write_text(
+                f"<annotation><filename>{stem}.jpg</filename><size><width>{im['width']}</width>"
+                f"<height>{im['height']}</height><depth>3</depth></size>{''.join(objs)}</annotation>")
+        (root / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def yolo_yaml(demo_small, tmp_path_factory) -> Path:
+    return make_yolo(demo_small, tmp_path_factory.mktemp("yolo"))
+
+
+@pytest.fixture(scope="module")
+def voc_root(demo_small, tmp_path_factory) -> Path:
+    return make_voc(demo_small, tmp_path_factory.mktemp("voc"))
+
+
+def cfg_for(data: Path | str, **kw) -> DataConfig:
+    return replace(DataConfig(), data=str(data), cache_dir=str(Path(data).parent / "cache"), **kw)
+
+
+def same_records(a, b, atol=1e-3):
+    assert len(a.records) == len(b.records)
+    for ra, rb in zip(a.records, b.records):
+        assert Path(ra.file).resolve() == Path(rb.file).resolve()
+        assert (ra.width, ra.height) == (rb.width, rb.height)
+        np.testing.assert_allclose(ra.boxes, rb.boxes, atol=atol)
+        np.testing.assert_array_equal(ra.labels, rb.labels)
+    assert a.class_names == b.class_names
+
+
+# ----------------------------------------------------------------------------- detection
+
+def test_format_is_detected_from_what_data_points_at(demo_small, yolo_yaml, voc_root):
+    assert data_format("demo") == "coco" and data_format(str(demo_small)) == "coco"
+    assert data_format(str(yolo_yaml)) == "yolo" and data_format(str(yolo_yaml.parent)) == "yolo"
+    assert data_format(str(voc_root)) == "voc"
+
+
+# ----------------------------------------------------------------------------- same records
+
+@pytest.mark.parametrize("fmt", ["yolo", "voc"])
+@pytest.mark.parametrize("split, train", [("train", True), ("val", False)])
+def test_records_and_report_equal_the_coco_reading(fmt, split, train, demo_small, yolo_yaml, voc_root):
+    data = yolo_yaml if fmt == "yolo" else voc_root
+    ds = load_split(cfg_for(data), split, train=train)
+    ref = load_coco(demo_small / "annotations" / f"instances_{split}2017.json", demo_small / f"{split}2017",
+                    train=train)
+    same_records(ds, ref)
+    assert ds.report.summary() == ref.report.summary()
+    assert (ds.report.images_kept, ds.report.boxes_kept) == (ref.report.images_kept, ref.report.boxes_kept)
+    assert ds.cat_ids == list(range(4)) and ds.coco_gt is not None
+
+
+def test_yolo_names_as_a_mapping_and_polygons(demo_small, tmp_path):
+    data = make_yolo(demo_small, tmp_path / "y", names_as_dict=True)
+    ds = load_split(cfg_for(data), "val")
+    assert ds.class_names == ["circle", "rectangle", "triangle", "cross"]
+    # A polygon line is read as its bounding box.
+    lbl = next(iter(sorted((tmp_path / "y" / "labels" / "val").glob("*.txt"))))
+    lbl.write_text("2 0.1 0.2 0.5 0.2 0.5 0.6 0.1 0.6\n")
+    ds = load_split(cfg_for(data), "val")
+    rec = next(r for r in ds.records if Path(r.file).stem == lbl.stem)
+    np.testing.assert_allclose(rec.boxes, [[0.1 * rec.width, 0.2 * rec.height, 0.5 * rec.width, 0.6 * rec.height]],
+                               rtol=1e-5)
+    assert rec.labels.tolist() == [2]
+
+
+# ----------------------------------------------------------------------------- AP the same way
+
+def _fake_results(doc: dict, cat_map: dict[int, int], image_map: dict[int, int]) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for a in doc["annotations"]:
+        x, y, w, h = a["bbox"]
+        for _ in range(2):
+            out.append({"image_id": image_map[a["image_id"]], "category_id": cat_map[a["category_id"]],
+                        "bbox": [x + rng.normal() * 3, y + rng.normal() * 3, w * rng.uniform(0.8, 1.2), h],
+                        "score": float(rng.random())})
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["yolo", "voc"])
+def test_ap_from_the_in_memory_ground_truth_equals_the_coco_file(fmt, demo_small, yolo_yaml, voc_root):
+    data = yolo_yaml if fmt == "yolo" else voc_root
+    ds = load_split(cfg_for(data), "val")
+    doc = _coco(demo_small, "val")
+    cat_map = {c["id"]: i for i, c in enumerate(doc["categories"])}
+    by_file = {Path(r.file).stem: r.image_id for r in ds.records}
+    image_map = {im["id"]: by_file[Path(im["file_name"]).stem] for im in doc["images"]}
+    ours = score(ds.coco_gt, _fake_results(doc, cat_map, image_map), ds.image_ids, backend="pycocotools")
+    # YOLO and VOC have boxes only, so the area that sorts small/medium/large is the box's
+    # (the demo file's is the shape's).
+    for a in doc["annotations"]:
+        a["area"] = a["bbox"][2] * a["bbox"][3]
+    ref = score(doc, _fake_results(doc, {c: c for c in cat_map}, {i: i for i in image_map}),
+                [im["id"] for im in doc["images"]], backend="pycocotools")
+    assert ours.stats["AP"] > 0.1
+    for k, v in ref.stats.items():
+        assert ours.stats[k] == pytest.approx(v, abs=2e-3), k
+
+
+def test_voc_difficult_boxes_are_ignore_regions(demo_small, tmp_path):
+    doc = _coco(demo_small, "val")
+    hard = {doc["annotations"][0]["id"], doc["annotations"][3]["id"]}
+    root = make_voc(demo_small, tmp_path / "voc", difficult=hard)
+    train = load_split(cfg_for(root), "val", train=True)
+    assert train.report.box_skips["difficult"] == 2
+    val = load_split(cfg_for(root), "val")
+    assert "2 difficult (scored as ignore regions)" in val.report.summary()
+    crowd = [a for a in val.coco_gt["annotations"] if a["iscrowd"]]
+    assert len(crowd) == 2
+    # Scored as the COCO file with those boxes marked iscrowd: the same 12 numbers.
+    for a in doc["annotations"]:
+        a["iscrowd"] = int(a["id"] in hard)
+        a["area"] = a["bbox"][2] * a["bbox"][3]
+    ref_file = tmp_path / "crowd.json"
+    ref_file.write_text(json.dumps(doc))
+    cat_map = {c["id"]: i for i, c in enumerate(doc["categories"])}
+    by_file = {Path(r.file).stem: r.image_id for r in val.records}
+    image_map = {im["id"]: by_file[Path(im["file_name"]).stem] for im in doc["images"]}
+    ours = score(val.coco_gt, _fake_results(doc, cat_map, image_map), val.image_ids, backend="pycocotools")
+    ref = score(str(ref_file), _fake_results(doc, {c: c for c in cat_map}, {i: i for i in image_map}),
+                [im["id"] for im in doc["images"]], backend="pycocotools")
+    for k, v in ref.stats.items():
+        assert ours.stats[k] == pytest.approx(v, abs=2e-3), k
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _one_line(match: str, cfg: DataConfig, split: str = "val") -> str:
+    with pytest.raises(DataError, match=match) as e:
+        load_split(cfg, split)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("line, match", [
+    ("0 0.5 0.5 1.7 0.2", r":2: coordinates must be normalised to 0\.\.1"),
+    ("9 0.5 0.5 0.1 0.2", r":2: class 9 is not in names \(0\.\.3\)"),
+    ("1 0.5 abc 0.1 0.2", r":2: expected 'class cx cy w h' numbers"),
+    ("1 0.5 0.5 0.1", r":2: expected 'class cx cy w h'"),
+])
+def test_bad_yolo_label_lines_name_file_and_line(demo_small, tmp_path, line, match):
+    data = make_yolo(demo_small, tmp_path / "y")
+    lbl = sorted((tmp_path / "y" / "labels" / "val").glob("*.txt"))[0]
+    lbl.write_text("0 0.5 0.5 0.1 0.1\n" + line + "\n")
+    msg = _one_line(match, cfg_for(data))
+    assert str(lbl) in msg
+
+
+def test_bad_yolo_yaml(demo_small, tmp_path):
+    data = make_yolo(demo_small, tmp_path / "y")
+    spec = yaml.safe_load(data.read_text())
+    data.write_text(yaml.safe_dump({**spec, "nc": 7}))
+    _one_line(r"field 'nc' is 7 but 'names' has 4", cfg_for(data))
+    data.write_text(yaml.safe_dump({**spec, "val": "nope"}))
+    _one_line(r"field 'val': .*nope is neither an image folder", cfg_for(data))
+    data.write_text(yaml.safe_dump({k: v for k, v in spec.items() if k != "names"}))
+    _one_line(r"field 'names' must be", cfg_for(data))
+    data.write_text(yaml.safe_dump({**spec, "path": "missing_root"}))
+    _one_line(r"field 'path': no directory .*missing_root", cfg_for(data))
+    data.write_text(yaml.safe_dump(spec))
+    _one_line(r"--val-ann is for COCO files", cfg_for(data, val_ann="x.json"))
+
+
+def test_yolo_path_relative_to_the_yaml_or_absolute(demo_small, tmp_path):
+    data = make_yolo(demo_small, tmp_path / "y")
+    spec = yaml.safe_load(data.read_text())
+    elsewhere = tmp_path / "configs" / "set.yaml"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(yaml.safe_dump({**spec, "path": "../y"}))
+    a = load_split(cfg_for(elsewhere), "val")
+    elsewhere.write_text(yaml.safe_dump({**spec, "path": str(tmp_path / "y")}))
+    b = load_split(cfg_for(elsewhere), "val")
+    same_records(a, b, atol=0)
+    assert len(a) == 8
+
+
+def test_missing_and_corrupt_yolo_images_are_counted_skips(demo_small, tmp_path):
+    data = make_yolo(demo_small, tmp_path / "y")
+    imgs = sorted((tmp_path / "y" / "images" / "val").glob("*.jpg"))
+    imgs[0].unlink()
+    imgs[0].write_bytes(b"not a jpeg")
+    ds = load_split(cfg_for(data), "val")
+    assert ds.report.image_skips["corrupt"] == 1 and len(ds) == 7
+    assert str(imgs[0]) in ds.report.summary()
+
+
+@pytest.mark.parametrize("xml, match", [
+    ("<annotation><object><name>circle</name></object></annotation>", r"no <size>"),
+    ("<annotation><size><width>64</width></size></annotation>", r"<size><height> missing"),
+    ("<annotation><size><width>64</width><height>48</height></size><object><name>dog</name>"
+     "<bndbox><xmin>1</xmin><ymin>1</ymin><xmax>9</xmax><ymax>9</ymax></bndbox></object></annotation>",
+     r"object 0: class 'dog' is not in"),
+    ("<annotation><size><width>64</width><height>48</height></size><object><name>circle</name>"
+     "<bndbox><xmin>1</xmin><ymin>x</ymin></bndbox></object></annotation>", r"object 0: <bndbox><ymin> must be a number"),
+    ("<annotation><size>", r"invalid XML at line 1 column"),
+])
+def test_bad_voc_xml_is_one_line_naming_the_file(demo_small, tmp_path, xml, match):
+    root = make_voc(demo_small, tmp_path / "v")
+    first = (root / "ImageSets" / "Main" / "val.txt").read_text().split()[0]
+    (root / "Annotations" / f"{first}.xml").write_text(xml)
+    msg = _one_line(match, cfg_for(root))
+    assert f"{first}.xml" in msg
+
+
+# ----------------------------------------------------------------------------- the check command
+
+def test_check_command_prints_the_dataset_report(yolo_yaml, voc_root, tmp_path):
+    for data in (yolo_yaml, voc_root):
+        r = subprocess.run([sys.executable, "-m", "fastdet.data", "check", "--data", str(data),
+                            "--cache-dir", str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out = r.stdout
+        assert "train:" in out and "val:" in out and "boxes per class:" in out and "box size" in out
+        val = load_split(cfg_for(data), "val")
+        n_circle = sum(int((rec.labels == 0).sum()) for rec in val.records)
+        val_part = out[out.index("val:"):]
+        assert re.search(rf"\n    circle +{n_circle}\n", val_part), val_part
+        assert f"{val.report.images_kept} images (1 without boxes)" in val_part
+    bad = subprocess.run([sys.executable, "-m", "fastdet.data", "check", "--data", str(tmp_path / "none.yaml")],
+                         capture_output=True, text=True, env=ENV, timeout=60)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "none.yaml" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.mark.parametrize("fmt, loader", [("yolo", "torch"), ("voc", "dali")])
+def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root, tmp_path):
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    data = yolo_yaml if fmt == "yolo" else voc_root
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "fastdet.train", "--arch", "ppyoloe", "--size", "s",
+                        "--data", str(data), "--device", "cpu", "--img-size", "64", "--no-multiscale",
+                        "--batch-size", "4", "--epochs", "1", "--max-steps", "2", "--output-dir", str(out),
+                        "--workers", "0", "--loader", loader, "--set", "optim.warmup_steps=2",
+                        "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"loader {loader}" in r.stdout and "COCO AP" in r.stdout
+    trained = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    ev = subprocess.run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "latest.pth"),
+                         "--device", "cpu", "--loader", loader], capture_output=True, text=True, env=ENV,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr
+    ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
+    assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
+    assert "per-class AP" in ev.stdout and "triangle" in ev.stdout  # the table, by class name
+    assert "per-class AP at step 2" in r.stdout and (out / "confusion_matrix.png").is_file()
