@@ -142,6 +142,7 @@ class TrainStep:
             else:
                 forward = ddp(forward)
         self.forward: Callable[..., dict[str, Tensor]] = forward
+        self._ddp = ddp is not None  # DDP's own bookkeeping is not ours to check (check_capturable)
         self.compiled = compile
         self.loss_names: tuple[str, ...] | None = None
         # [MAX_LOSSES] device accumulator of the named losses (the first K slots are used).
@@ -266,7 +267,7 @@ class TrainStep:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for i in range(self.graph_warmup_iters):
-                    if i == self.graph_warmup_iters - 1 and i > 0 and not self.compiled:
+                    if i == self.graph_warmup_iters - 1 and i > 0 and not (self.compiled or self._ddp):
                         self.check_capturable(static, kw)  # after the first: lazy tables are made
                     else:
                         self._body(static, kw)
