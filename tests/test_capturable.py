@@ -109,6 +109,32 @@ if not TRITON_RUN:
             torch.tensor(3.0) * float(host)
         assert not guard.violations, guard.report()
 
+    def test_cuda_graphs_refuses_a_step_that_cannot_be_captured_in_one_line():
+        """TrainStep runs the last warm-up iteration before each eager capture under the
+        guard: a host copy in the step (here the old FCOS ``level_points`` pattern) is refused
+        with one line naming the code, instead of a failed capture."""
+        from fastdet.engine.optim import CapturableSGD, build_param_groups
+        from fastdet.engine.step import TrainStep
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = torch.nn.Conv2d(3, 2, 1)
+
+            def forward(self, images, targets):
+                ranges = torch.tensor((0.0, 64.0), device=images.device)  # a copy per step
+                return {"total_loss": (self.conv(images).mean() * ranges[1] / 64.0)}
+
+        net = Net()
+        opt = CapturableSGD(build_param_groups(net, 0.0), lr=0.1)
+        step = TrainStep(net, net, opt, None, CPU, None)
+        batch = batch_for((32, 32), CPU, seed=0)
+        with pytest.raises(RuntimeError) as e:
+            step.check_capturable(batch, {})
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("--cuda-graphs: this step cannot be captured: torch.tensor(")
+        assert "ranges = torch.tensor((0.0, 64.0), device=images.device)" in msg, msg
+
     def test_every_reference_op_has_no_host_sync():
         calls = op_calls(CPU)
         assert set(calls) == set(dispatch.OPS)

@@ -28,6 +28,7 @@ told from a no-op move and is not flagged; ``.cpu()``, ``.numpy()``, ``.tolist()
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -74,10 +75,20 @@ def _same(device, ref: torch.device) -> bool:
     return d.type == ref.type and (d.index is None or ref.index is None or d.index == ref.index)
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _skipped_frame(filename: str) -> bool:
+    stdlib = "/lib/python3" in filename and "site-packages" not in filename
+    return (filename.startswith(_TORCH_DIR) or stdlib or "/_pytest/" in filename or "/pluggy/" in filename
+            or filename.endswith("host_sync.py"))
+
+
 def _caller() -> str:
-    frames = [f for f in traceback.extract_stack()[:-3]
-              if "/fastdet/" in f.filename and not f.filename.endswith("host_sync.py")]
-    return "".join(traceback.format_list(frames[-3:])).rstrip() or "(outside fastdet)"
+    """The innermost frames of the code that made the call (torch and other installed
+    packages left out): the model, loss or op that needs fixing."""
+    frames = [f for f in traceback.extract_stack()[:-3] if not _skipped_frame(f.filename)]
+    return "".join(traceback.format_list(frames[-3:])).rstrip() or "(unknown)"
 
 
 class _FunctionGuard(TorchFunctionMode):

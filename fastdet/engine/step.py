@@ -172,6 +172,7 @@ class TrainStep:
             else:
                 forward = ddp(forward)
         self.forward: Callable[..., dict[str, Tensor]] = forward
+        self._ddp = ddp is not None  # DDP's own bookkeeping is not ours to check (check_capturable)
         self.compiled = compile
         # compile.shapes=dynamic: the images' H and W are symbolic (mark_dynamic), so one
         # graph can serve several sizes where the backend allows it (aot_eager does; inductor
@@ -364,8 +365,11 @@ class TrainStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(self.graph_warmup_iters):
-                    self._body(static, kw)
+                for i in range(self.graph_warmup_iters):
+                    if i == self.graph_warmup_iters - 1 and i > 0 and not (self.compiled or self._ddp):
+                        self.check_capturable(static, kw)  # after the first: lazy tables are made
+                    else:
+                        self._body(static, kw)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
@@ -376,6 +380,20 @@ class TrainStep:
         g = _Graph(graph, static)
         self._graphs[key] = g
         return g
+
+    def check_capturable(self, inputs: dict[str, Tensor], kw: dict[str, Any]) -> None:
+        """Run one step body under :class:`~fastdet.engine.host_sync.HostSyncGuard` and
+        refuse, in one line naming the code, a step that reads a device value back or
+        copies host data to the device: a CUDA-graph capture would fail on it (eager steps
+        only; a compiled step is checked by Dynamo and cudagraph trees)."""
+        from fastdet.engine.host_sync import HostSyncGuard
+
+        with HostSyncGuard(self.device) as guard:
+            self._body(inputs, kw)
+        if guard.violations:
+            v = guard.violations[0]
+            at = " ".join(line.strip() for line in v.where.strip().splitlines()[-2:])
+            raise RuntimeError(f"--cuda-graphs: this step cannot be captured: {v.what}; at {at}")
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, sizes: list[tuple[int, int]], batch_size: int, max_boxes: int,
