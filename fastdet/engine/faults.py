@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import signal
@@ -29,8 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger("fastdet")
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure ... the user is invited to retry".
 EXIT_PREEMPTED = 75
