@@ -42,7 +42,7 @@ def test_ppyoloe_presets_match_published_recipe(size):
     assert cfg.family.static_assigner_epoch == 100
     # PP-YOLOE+ post-processing (REFERENCE.md / ARCHS.md §4): score 0.01, top 1000, IoU 0.7, keep 300.
     o = cfg.family
-    assert (o.score_thresh, o.pre_nms_topk, o.nms_iou, o.max_det) == (0.01, 1000, 0.7, 300)
+    assert (o.score_thresh, o.pre_nms_topk, o.nms_iou, o.max_det) == (0.01, 1000, 0.6, 100)  # ppyoloe_crn.yml
     # ppyoloe_reader.yml: RandomDistort, RandomExpand (ratio 4), RandomCrop, RandomFlip, all p 0.5.
     assert (o.distort_prob, o.expand_prob, o.expand_max_ratio, o.crop, o.flip_prob) == (0.5, 0.5, 4.0, True, 0.5)
     assert cfg.data.train_sizes == tuple(range(320, 769, 32)) and len(cfg.data.train_sizes) == 15
@@ -166,7 +166,7 @@ def test_config_dict_of_the_previous_layout_still_loads():
     old["model"].update(static_assigner_epoch=8, score_thresh=0.02, nms_iou=0.7, max_det=300, pre_nms_topk=1000)
     old["data"].update(distort_prob=0.0, expand_prob=0.0, expand_max_ratio=4.0, crop=False, flip_prob=0.5)
     cfg = config_from_dict(old)
-    want = PPYOLOEOptions(**{**family, "static_assigner_epoch": 8, "score_thresh": 0.02,
+    want = PPYOLOEOptions(**{**family, "static_assigner_epoch": 8, "score_thresh": 0.02, "nms_iou": 0.7, "max_det": 300,
                              "distort_prob": 0.0, "expand_prob": 0.0, "crop": False})
     assert cfg.family == want
     assert cfg.model == get_preset("ppyoloe", "s").model

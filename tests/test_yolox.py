@@ -296,3 +296,24 @@ def test_compiled_matches_eager(backend):
         err = float((p.grad.double() - truth[n].grad).norm() / scale)
         eager_err = float((grads_e[n].double() - truth[n].grad).norm() / scale)
         assert err <= max(2 * eager_err, 1e-3), (n, err, eager_err)
+
+
+def test_postprocess_takes_every_point_above_the_threshold_as_megvii():
+    """Megvii's COCO eval sends every point with obj x cls >= test_conf into the NMS (no
+    pre-NMS top-k): 1000 overlapping best points collapse to one box, and the 200 weaker,
+    disjoint ones behind them must survive as well."""
+    from fastdet import recipes
+    from fastdet.models.yolox import yolox_postprocess
+
+    n_dup, n_far = 1000, 200
+    dup = torch.tensor([0.0, 0.0, 10.0, 10.0]).expand(n_dup, 4)
+    far = torch.stack([torch.arange(n_far) * 20.0 + 100, torch.zeros(n_far),
+                       torch.arange(n_far) * 20.0 + 110, torch.full((n_far,), 10.0)], 1)
+    boxes = torch.cat([dup, far])[None]
+    scores = torch.cat([torch.full((n_dup, 1), 0.9), torch.full((n_far, 1), 0.5)])[None]
+    kw = recipes.predict_kwargs(recipes.get_preset("yolox", "s"))
+    assert kw["pre_nms_topk"] == 0 and kw["iou_thresh"] == 0.65 and kw["score_thresh"] == 0.01
+    (d,) = yolox_postprocess(boxes, scores, **{**kw, "max_det": 1000})
+    assert len(d["boxes"]) == 1 + n_far
+    (d,) = yolox_postprocess(boxes, scores)
+    assert len(d["boxes"]) == min(300, 1 + n_far)

@@ -319,6 +319,9 @@ class PPYOLOE(Detector):
     """PP-YOLOE: the base detector with the PP-YOLOE head. What changes over training
     (the assigner) is the recipe's :func:`ppyoloe_phase`."""
 
+    # ppyoloe_crn.yml's MultiClassNMS (see PPYOLOEOptions)
+    predict_defaults = {"score_thresh": 0.01, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
+
 
 def build_ppyoloe(
     size: str,
@@ -349,9 +352,14 @@ def build_ppyoloe(
 class PPYOLOEOptions(NMSOptions):
     """The ``family`` config section of PP-YOLOE (``--set family.<field>=value``).
 
-    Post-processing (PP-YOLOE+: score 0.01, pre-NMS top 1000, IoU 0.7, keep 300) comes
-    from :class:`NMSOptions`.
+    Post-processing is the authors' eval config of the crn models this family builds
+    (PaddleDetection configs/ppyoloe/_base_/ppyoloe_crn.yml, MultiClassNMS): score 0.01,
+    pre-NMS top 1000, IoU 0.6, keep 100 (PP-YOLOE+ uses IoU 0.7, keep 300:
+    ``--set family.nms_iou=0.7 family.max_det=300``).
     """
+
+    nms_iou: float = 0.6
+    max_det: int = 100
 
     # Epochs trained with the static (ATSS) assigner before the task-aligned one takes
     # over (PP-YOLOE 300e recipe: 100; PP-YOLOE+ 80e: 30).

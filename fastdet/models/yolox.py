@@ -269,18 +269,19 @@ def yolox_postprocess(
     score_thresh: float = 0.01,
     iou_thresh: float = NMS_IOU,
     max_det: int = 300,
-    pre_nms_topk: int = 1000,
+    pre_nms_topk: int = 0,
 ) -> list[dict[str, Tensor]]:
     """Megvii ``postprocess``: one label per point (its best class), score = obj x that class's
     probability >= ``score_thresh``, class-aware NMS (``batched_nms``) at ``iou_thresh``.
 
-    The ``pre_nms_topk`` best points enter the NMS (Megvii takes all that pass the
-    threshold); the ``max_det`` best survivors are kept. boxes [B, A, 4] xyxy, scores [B, A, C].
+    As Megvii's COCO evaluation, every point that passes the threshold enters the NMS
+    (``pre_nms_topk`` 0, the default); a positive ``pre_nms_topk`` keeps only that many best
+    points. The ``max_det`` best survivors are kept. boxes [B, A, 4] xyxy, scores [B, A, C].
     """
     out = []
     for b in range(boxes.shape[0]):
         conf, labels = scores[b].max(dim=-1)  # [A]
-        k = min(pre_nms_topk, conf.numel())
+        k = conf.numel() if pre_nms_topk <= 0 else min(pre_nms_topk, conf.numel())
         top, idx = conf.topk(k)
         keep = top >= score_thresh
         top, idx = top[keep], idx[keep]
@@ -302,7 +303,7 @@ class YOLOX(Detector):
         score_thresh: float = 0.01,
         iou_thresh: float = NMS_IOU,
         max_det: int = 300,
-        pre_nms_topk: int = 1000,
+        pre_nms_topk: int = 0,
     ) -> list[dict[str, Tensor]]:
         """Detections per image: ``{"boxes" [K,4] xyxy input px, "scores" [K], "labels" [K]}``."""
         boxes, scores = self(images)
@@ -341,8 +342,9 @@ def build_yolox(
 class YOLOXOptions(NMSOptions):
     """The ``family`` config section of YOLOX (``--set family.<field>=value``).
 
-    Post-processing (Megvii ``postprocess``): one class per point, score obj x cls >= 0.01,
-    class-aware NMS at 0.65. The augmentation is Megvii's ``yolox_base.py``: mosaic (prob
+    Post-processing (Megvii ``postprocess`` with yolox_base.py's test_conf and nmsthre, its
+    COCO eval): one class per point, score obj x cls >= 0.01, every such point into a
+    class-aware NMS at 0.65 (no pre-NMS top-k). The augmentation is Megvii's ``yolox_base.py``: mosaic (prob
     1.0) then random affine (±10° rotation, ±0.1 translation, scale U(0.1, 2), ±2° shear),
     mixup (prob 1.0, partner scale U(0.5, 1.5)), HSV (prob 1.0), flip 0.5, a top-left
     letterbox padded with 114, raw 0..255 pixels. nano and tiny: mosaic scale (0.5, 1.5),
@@ -351,6 +353,8 @@ class YOLOXOptions(NMSOptions):
     """
 
     nms_iou: float = NMS_IOU
+    # Megvii's eval keeps every point above test_conf (yolox_base.py): no top-k before NMS.
+    pre_nms_topk: int = 0
     mosaic_prob: float = 1.0
     mixup_prob: float = 1.0
     hsv_prob: float = 1.0
