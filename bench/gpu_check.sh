@@ -35,6 +35,9 @@
 #   tests_inductor  the whole-model inductor test (640, b64), after `step`    ~30 s (a warm cache)
 #                   has put the same graph in inductor's cache
 #   kernels         bench/kernels.py                                          ~60 s
+#   profile         bench/profile_step.py (PPYOLOE-s 640 b64: eager fp32 /    ~90 s (graphs from
+#                   bf16, compiled, + CUDA graphs): time by category, top      inductor's cache)
+#                   kernels, TFLOP/s vs a bf16 matmul, Perfetto traces
 #   data_e2e        bench/throughput.py --modes data,e2e                      what is left
 #   layout          bench/throughput.py --modes layout                        what is left
 #
@@ -94,7 +97,7 @@ else
     OUT_DIR=${1:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 fi
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
-PARTS=${GPU_CHECK_PARTS:-env,install,build,tests_kernels,tests_capture,tests_triton,smoke,smoke_ddp,step,tests_inductor,kernels,data_e2e,layout}
+PARTS=${GPU_CHECK_PARTS:-env,install,build,tests_kernels,tests_capture,tests_triton,smoke,smoke_ddp,step,tests_inductor,kernels,profile,data_e2e,layout}
 DEMO_IMAGES=4096
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 BENCH_ARGS=(--device "$DEVICE")
@@ -293,6 +296,7 @@ part tests_inductor 120 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_inducto
     tests/test_gpu_step.py -k "$INDUCTOR_TEST"
 part kernels 100 "$PY" bench/kernels.py "${BENCH_ARGS[@]}" --reps 20 --budget 3 \
     --json "$OUT_DIR/${STEM}_kernels.json"
+part profile 120 "$PY" bench/profile_step.py "${BENCH_ARGS[@]}" --steps 3 --out "$OUT_DIR/profile"
 if [[ -n "$PREP_PID" ]]; then
     wait "$PREP_PID" || note "prepare data: failed (see prepare_data.log)"
 fi
