@@ -429,10 +429,13 @@ class Trainer:
             self._collect_evals(wait=True)
         finally:
             self.evals.close()
-        if self.evals.best_changed:
+        # Rank 0 scored: every rank learns whether best.pth moved (save() is collective).
+        best_changed, stats = dist.broadcast_object(
+            (self.evals.best_changed, self.evals.last_stats) if self.dist.is_main else None)
+        if best_changed:
             self.save("latest")
         self.evals.draw_results(self.step)
-        stats = dist.broadcast_object(self.evals.last_stats if self.dist.is_main else None) or {}
+        stats = stats or {}
         progress.close()
         self.tb.close()
         self.close_background()
