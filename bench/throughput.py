@@ -819,11 +819,14 @@ def main(argv: list[str] | None = None) -> int:
         row = bench.run_mode(name)
         bench.rows.append(row)
         bench.add_speedups()
-        if row["status"] == "ok":
+        if row["status"] != "ok":
+            msg = row["reason"]
+        elif "images_per_s" in row:
             row["reliable"] = not reliability(row)
-        msg = (f"{row['images_per_s']:.1f} img/s (spread {row['spread_pct']:.1f}%)"
-               + (f"; {reliability(row)}" if reliability(row) else "")
-               if row["status"] == "ok" else row["reason"])
+            msg = (f"{row['images_per_s']:.1f} img/s (spread {row['spread_pct']:.1f}%)"
+                   + (f"; {reliability(row)}" if reliability(row) else ""))
+        else:  # a warmup row: its times
+            msg = row.get("note", "")
         print(f"[{name}] {row['status']}: {msg} ({row['wall_s']:.1f} s)", flush=True)
         if args.json:
             write_json(args.json, bench.document())

@@ -14,7 +14,9 @@ The model's class count comes from the training annotations (``--data``), or
 ``--num-classes`` without reading them. ``--ddp`` compiles the graphs a ``torchrun``
 launch uses (DDP cuts them at its gradient buckets). On a GPU machine the graphs are
 compiled for ``cuda:0``: launch training with ``torchrun --virtual-local-rank`` so every
-rank loads them.
+rank loads them. On the CPU inductor's kernels (and its cache key) depend on torch's
+thread count: run this with the training's ``OMP_NUM_THREADS`` (torchrun sets 1 per rank
+when it starts several).
 """
 
 from __future__ import annotations

@@ -289,3 +289,13 @@ def test_two_ranks_share_one_worker_and_switch_together(demo_small, tmp_path):
     assert len({ln.split("compiled by worker ")[1].split()[0] for ln in r.stdout.splitlines()
                 if "compiled by worker" in ln}) == 1
     assert "recompiled" not in r.stdout + r.stderr
+
+
+def test_bench_warmup_modes_bring_their_baseline_and_stay_out_of_all():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench import throughput
+
+    assert throughput.parse_modes("warmup") == ["step_compile", "step_compile_dynamic", "warmup_cold",
+                                                "warmup_warm"]
+    assert not set(throughput.parse_modes("all")) & {"step_compile_dynamic", "warmup_cold", "warmup_warm"}
+    assert throughput.BASELINE_OF["step_compile_dynamic"] == "step_compile"

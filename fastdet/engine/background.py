@@ -156,7 +156,7 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
 
 def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: str | None, device: str,
                     ddp: bool, threads: int, nice: int = 0, parent: int | None = None,
-                    report=None) -> list[dict[str, Any]]:
+                    report=None, torch_threads: int | None = None) -> list[dict[str, Any]]:
     """Compile ``buckets`` as the trainer's step would (forward + loss + backward, on a
     synthetic batch), filling inductor's caches; one record per bucket, also written to
     ``ready_dir/<bucket.file_id>.json`` when given. ``report(record)`` is called after each."""
@@ -167,7 +167,10 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
 
     if nice:
         os.nice(nice)  # training ranks keep their share of the cores
-    torch.set_num_threads(threads)
+    if torch_threads:
+        # inductor's CPU kernels, and so its cache key, depend on torch's thread count:
+        # the worker uses the trainer's, or the trainer would miss every entry.
+        torch.set_num_threads(torch_threads)
     cfg = recipes.config_from_dict(cfg_dict)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -256,14 +259,15 @@ class BackgroundCompile:
         ctx = mp.get_context("spawn")
         # Workers read these when they import torch; the trainer keeps its own.
         saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")}
-        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(self.threads)
         try:
             for i in range(self.workers):
                 share = self.buckets[i:: self.workers]
                 p = ctx.Process(target=_worker_entry, name=f"fastdet-compile-{i}",
                                 args=(self.cfg.to_dict(), share, str(self.ready_dir), str(self.device),
-                                      self.ddp, self.threads, 5, os.getpid()))
+                                      self.ddp, self.threads, 5, os.getpid(), None,
+                                      torch.get_num_threads()))
                 p.start()
                 self.procs.append(p)
         finally:

@@ -493,12 +493,18 @@ class Trainer:
         if cfg.compile.compile and cfg.compile.warmup == "background":
             self._start_background(list(sizes), variants)
             return
+        from fastdet.engine import background as bgc
+
+        if cfg.compile.compile:  # blocking: the same shared cache as the workers and fastdet.compile
+            bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
+        c0 = bgc.cache_counts()
         t = time.perf_counter()
         self.train_step.warmup(list(sizes), cfg.data.batch_size, cfg.data.max_boxes,
                                variants, channels_last=cfg.data.channels_last)
-        log.info("warm-up: %d size bucket(s) x %d loss variant(s) compiled%s in %.1f s",
+        log.info("warm-up: %d size bucket(s) x %d loss variant(s) compiled%s in %.1f s (inductor %s, %s)",
                  len(sizes), len(variants), " and captured" if cfg.compile.cuda_graphs else "",
-                 time.perf_counter() - t)
+                 time.perf_counter() - t, bgc.os.environ.get(bgc.CACHE_ENV, "default cache"),
+                 bgc.describe_cache(bgc.count_delta(c0, bgc.cache_counts())))
 
     def _start_background(self, sizes: list[tuple[int, int]], variants: list[dict[str, Any]]) -> None:
         """compile.warmup=background: start the compile workers (fastdet/engine/background.py);
