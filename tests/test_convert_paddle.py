@@ -29,6 +29,8 @@ record = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(record)
 
 CASES = [("ppyoloe_crn_s", "ppyoloe", "s"), ("ppyolo_r50vd_dcn", "ppyolo", "r50vd_dcn"), ("ppyolo_r18vd", "ppyolo", "r18vd")]
+# Key manifests only: Paddle's FCOS outputs are not recorded yet.
+MANIFEST_ONLY = [("fcos_r50", "fcos", "r50")]
 
 
 def manifest_arrays(fixture: str) -> dict[str, np.ndarray]:
@@ -45,15 +47,15 @@ def write_pdparams(path: Path, weights: dict[str, np.ndarray]) -> None:
     path.write_bytes(pickle.dumps(state, protocol=4))
 
 
-@pytest.mark.parametrize("fixture,arch,size", CASES)
+@pytest.mark.parametrize("fixture,arch,size", CASES + MANIFEST_ONLY)
 def test_released_key_manifest_converts_exactly(fixture, arch, size, tmp_path):
     state = manifest_arrays(fixture)
     conv = ARCHITECTURES[arch].weight_sources["paddle"].convert
     ours, num_classes = conv(unwrap(state, tmp_path))
     assert num_classes == 80
     assert _fit(ours, arch, size, num_classes, {}) is None
-    other = next(s for s in ARCHITECTURES[arch].sizes if s != size)
-    assert _fit(ours, arch, other, num_classes, {}) is not None
+    other = next((s for s in ARCHITECTURES[arch].sizes if s != size), None)
+    assert other is None or _fit(ours, arch, other, num_classes, {}) is not None
 
 
 def rel_err(a, ref) -> float:
