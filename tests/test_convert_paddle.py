@@ -96,3 +96,28 @@ def test_pdparams_through_the_cli_converter_needs_a_fitting_size(tmp_path):
     assert ck["model"]["backbone.stem.0.bn.num_batches_tracked"].item() == 0
     with pytest.raises(ConvertError, match="this looks like ppyoloe-s"):
         convert(path, "ppyoloe", "l")
+
+
+@pytest.mark.parametrize("prefix", ["", "backbone."])
+def test_ppyoloe_backbone_weights_from_a_cspresnetb_file(tmp_path, prefix, caplog):
+    """``--backbone-weights CSPResNetb_s_pretrained.pdparams``: Paddle's names (stem conv1..3,
+    _mean/_variance), with or without ``backbone.``; the classifier is ignored and named.
+    (Built from the released detector's backbone key layout; no real ImageNet file here.)"""
+    import logging
+
+    manifest = json.loads((FIXTURES / "ppyoloe_crn_s_manifest.json").read_text())
+    rng = np.random.default_rng(0)
+    file = {prefix + k[len("backbone."):]: rng.standard_normal(s).astype(np.float32)
+            for k, s in manifest if k.startswith("backbone.")}
+    file["fc.weight"], file["fc.bias"] = np.zeros((1024, 1000), np.float32), np.zeros(1000, np.float32)
+    path = tmp_path / "CSPResNetb_s_pretrained.pdparams"
+    write_pdparams(path, file)
+    model = build_model("ppyoloe", "s")
+    with caplog.at_level(logging.INFO, logger="fastdet.models"):
+        model.load_backbone_weights(str(path))
+    assert "ignored in" in caplog.text and "fc.weight, fc.bias" in caplog.text and "missing" not in caplog.text
+    own = model.backbone.state_dict()
+    np.testing.assert_array_equal(own["stem.0.conv.weight"].numpy(), file[prefix + "stem.conv1.conv.weight"])
+    np.testing.assert_array_equal(own["stages.3.conv3.bn.running_var"].numpy(), file[prefix + "stages.3.conv3.bn._variance"])
+    with pytest.raises(ValueError, match="expects"):
+        build_model("ppyoloe", "m").load_backbone_weights(str(path))
