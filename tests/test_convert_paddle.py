@@ -121,3 +121,25 @@ def test_ppyoloe_backbone_weights_from_a_cspresnetb_file(tmp_path, prefix, caplo
     np.testing.assert_array_equal(own["stages.3.conv3.bn.running_var"].numpy(), file[prefix + "stages.3.conv3.bn._variance"])
     with pytest.raises(ValueError, match="expects"):
         build_model("ppyoloe", "m").load_backbone_weights(str(path))
+
+
+@pytest.mark.parametrize("fixture,size,prefix", [("ppyolo_r18vd", "r18vd", ""), ("ppyolo_r50vd_dcn", "r50vd_dcn", "backbone.")])
+def test_ppyolo_backbone_weights_from_a_resnet_vd_file(tmp_path, fixture, size, prefix, caplog):
+    """``--backbone-weights ResNet50_vd_ssld_pretrained.pdparams``: Paddle's ResNet-vd names
+    (the detector's backbone layout, DCN offsets included), with or without ``backbone.``;
+    the classifier ignored and named. (No real ImageNet file here.)"""
+    import logging
+
+    manifest = json.loads((FIXTURES / f"{fixture}_manifest.json").read_text())
+    rng = np.random.default_rng(0)
+    file = {prefix + k[len("backbone."):]: rng.standard_normal(s).astype(np.float32)
+            for k, s in manifest if k.startswith("backbone.")}
+    file["fc_0.w_0"] = np.zeros((2048, 1000), np.float32)
+    path = tmp_path / "ResNet_vd_pretrained.pdparams"
+    write_pdparams(path, file)
+    model = build_model("ppyolo", size)
+    with caplog.at_level(logging.INFO, logger="fastdet.models"):
+        model.load_backbone_weights(str(path))
+    assert "fc_0.w_0" in caplog.text and "missing" not in caplog.text
+    own = model.backbone.state_dict()
+    np.testing.assert_array_equal(own["stem.2.bn.running_mean"].numpy(), file[prefix + "conv1.conv1_3.norm._mean"])
