@@ -143,3 +143,23 @@ def test_ppyolo_backbone_weights_from_a_resnet_vd_file(tmp_path, fixture, size, 
     assert "fc_0.w_0" in caplog.text and "missing" not in caplog.text
     own = model.backbone.state_dict()
     np.testing.assert_array_equal(own["stem.2.bn.running_mean"].numpy(), file[prefix + "conv1.conv1_3.norm._mean"])
+
+
+def test_fcos_backbone_weights_from_a_paddle_resnet_file(tmp_path, caplog):
+    """FCOS also takes the authors' Paddle ResNet-50 (variant b) ImageNet file."""
+    import logging
+
+    manifest = json.loads((FIXTURES / "fcos_r50_manifest.json").read_text())
+    rng = np.random.default_rng(0)
+    file = {k[len("backbone."):]: rng.standard_normal(s).astype(np.float32)
+            for k, s in manifest if k.startswith("backbone.")}
+    file["fc_0.w_0"] = np.zeros((2048, 1000), np.float32)
+    path = tmp_path / "ResNet50_cos_pretrained.pdparams"
+    write_pdparams(path, file)
+    model = build_model("fcos", "r50")
+    with caplog.at_level(logging.INFO, logger="fastdet.models"):
+        model.load_backbone_weights(str(path))
+    assert "fc_0.w_0" in caplog.text and "missing" not in caplog.text
+    own = model.backbone.state_dict()
+    np.testing.assert_array_equal(own["layer4.2.bn3.running_var"].numpy(), file["res5.res5c.branch2c.norm._variance"])
+    np.testing.assert_array_equal(own["layer2.0.downsample.0.weight"].numpy(), file["res3.res3a.short.conv.weight"])

@@ -34,7 +34,7 @@ from fastdet.losses import all_reduce_mean, giou_loss
 from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
-from fastdet.models.paddle_names import NAME_TABLE, bn_name
+from fastdet.models.paddle_names import NAME_TABLE, bn_name, load_paddle_backbone
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import fcos_assign
 
@@ -303,8 +303,15 @@ class FCOS(Detector):
     predict_defaults = {"score_thresh": 0.025, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
 
     def load_backbone_weights(self, path: str) -> None:
-        """A torchvision-format ResNet-50 state dict (``--backbone-weights``)."""
-        load_backbone_weights(self.backbone, path)
+        """``--backbone-weights``: a torchvision-format ResNet-50 state dict, or the authors'
+        Paddle ImageNet ResNet-50 ``.pdparams`` (``ResNet50_cos_pretrained``, the FCOS
+        recipe's start; names as in :func:`from_paddle`, classifier ignored and named)."""
+        from fastdet.convert.io import is_torch_file  # lazy: fastdet.convert imports the models
+
+        if is_torch_file(path):
+            load_backbone_weights(self.backbone, path)
+        else:
+            load_paddle_backbone(self.backbone, path, _paddle_backbone_name)
 
     def lr_multipliers(self) -> dict[str, float]:
         """Read by ``fastdet.engine.optim.build_param_groups``: tower biases at 2x LR, as Paddle."""
@@ -466,6 +473,18 @@ _PADDLE_FPN = {"fpn_inner_res3_sum_lateral.": "lateral.0.", "fpn_inner_res4_sum_
 _PADDLE_HEAD = {"fcos_head_cls.": "cls_logits.", "fcos_head_reg.": "bbox_reg.", "fcos_head_centerness.": "centerness."}
 
 
+def _paddle_backbone_name(name: str) -> str | None:
+    """A Paddle ResNet (variant b) name without ``backbone.`` -> torchvision's; None otherwise."""
+    if name.startswith("conv1.conv1."):
+        rest = name[len("conv1.conv1."):]
+        return ("conv1." + rest[5:]) if rest.startswith("conv.") else ("bn1." + rest[5:]) if rest.startswith("norm.") else None
+    if m := re.match(r"res(\d)\.res\d([a-z])\.(.*)", name):
+        part = next((p for p in _PADDLE_BRANCH if m[3].startswith(p)), None)
+        if part is not None:
+            return f"layer{int(m[1]) - 1}.{ord(m[2]) - ord('a')}.{_PADDLE_BRANCH[part]}{m[3][len(part):]}"
+    return None
+
+
 def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """PaddleDetection ``fcos_r50_fpn_1x_coco.pdparams`` names -> fastdet's.
 
@@ -483,14 +502,11 @@ def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
         if k == NAME_TABLE:
             continue
         name = bn_name(k)
-        if name.startswith("backbone.conv1.conv1."):
-            rest = name[len("backbone.conv1.conv1."):]
-            name = "backbone." + ("conv1." + rest[5:] if rest.startswith("conv.") else "bn1." + rest[5:])
-        elif m := re.match(r"backbone\.res(\d)\.res\d([a-z])\.(.*)", name):
-            part = next((p for p in _PADDLE_BRANCH if m[3].startswith(p)), None)
-            if part is None:
-                raise KeyError(f"{k} (not a ResNet-b bottleneck name)")
-            name = f"backbone.layer{int(m[1]) - 1}.{ord(m[2]) - ord('a')}.{_PADDLE_BRANCH[part]}{m[3][len(part):]}"
+        if name.startswith("backbone."):
+            b = _paddle_backbone_name(name[len("backbone."):])
+            if b is None:
+                raise KeyError(f"{k} (not a ResNet-b name)")
+            name = "backbone." + b
         elif name.startswith("neck."):
             rest = name[len("neck."):]
             part = next((p for p in _PADDLE_FPN if rest.startswith(p)), None)
