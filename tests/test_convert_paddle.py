@@ -163,3 +163,17 @@ def test_fcos_backbone_weights_from_a_paddle_resnet_file(tmp_path, caplog):
     own = model.backbone.state_dict()
     np.testing.assert_array_equal(own["layer4.2.bn3.running_var"].numpy(), file["res5.res5c.branch2c.norm._variance"])
     np.testing.assert_array_equal(own["layer2.0.downsample.0.weight"].numpy(), file["res3.res3a.short.conv.weight"])
+
+
+def test_published_presets_name_their_backbone_file_and_say_when_it_is_missing():
+    from fastdet import recipes
+    from fastdet.models.recipe import pretrained_backbone_note
+
+    r = recipes.recipe("ppyoloe")
+    assert r.backbone_files["s"] == "CSPResNetb_s_pretrained.pdparams"
+    note = pretrained_backbone_note(r, "s", "/data/coco", None, None)
+    assert note and "CSPResNetb_s_pretrained.pdparams" in note and "--backbone-weights" in note
+    assert pretrained_backbone_note(r, "s", "/data/coco", "CSPResNetb_s_pretrained.pdparams", None) is None
+    assert pretrained_backbone_note(r, "s", "/data/coco", None, "yolox_s.pth") is None
+    assert pretrained_backbone_note(r, "s", "demo", None, None) is None
+    assert "ResNet50_vd_ssld" in recipes.recipe("ppyolo").backbone_files["r50vd_dcn"]

@@ -33,6 +33,7 @@ from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.eval.coco import evaluate
+from fastdet.models.recipe import pretrained_backbone_note
 
 log = logging.getLogger("fastdet")
 
@@ -115,6 +116,10 @@ class Trainer:
         self.model = recipes.build_detector(cfg).to(self.device)
         if cfg.model.backbone_weights and not cfg.run.resume:  # a resumed run has them in its state
             self.model.load_backbone_weights(cfg.model.backbone_weights)
+        note = pretrained_backbone_note(recipes.recipe(cfg.model.arch), cfg.model.size, cfg.data.data,
+                                        cfg.model.backbone_weights, cfg.run.ckpt or cfg.run.resume)
+        if note and self.dist.is_main:
+            log.info(note)
         if cfg.data.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)

@@ -415,6 +415,8 @@ RECIPE = Recipe(
         "optim.ema": True,
         "run.eval_interval": 6,
     },
+    # The ImageNet files the authors' configs start from (pretrain_weights).
+    backbone_files={"r50": "ResNet50_cos_pretrained.pdparams (Paddle) or torchvision resnet50 IMAGENET1K_V1"}
 )
 
 # --------------------------------------------------------------------------- released weights

@@ -654,6 +654,8 @@ RECIPE = Recipe(
         "optim.ema_type": "threshold",
         "run.eval_interval": 8,
     },
+    # The ImageNet files the authors' configs start from (pretrain_weights).
+    backbone_files={"r50vd_dcn": "ResNet50_vd_ssld_pretrained.pdparams", "r18vd": "ResNet18_vd_pretrained.pdparams"}
 )
 
 # --------------------------------------------------------------------------- released weights

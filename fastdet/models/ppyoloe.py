@@ -441,6 +441,9 @@ RECIPE = Recipe(
         "family.static_assigner_epoch": 8,
         "run.eval_interval": 8,
     },
+    # The ImageNet files the authors' configs start from (pretrain_weights).
+    backbone_files={"s": "CSPResNetb_s_pretrained.pdparams", "m": "CSPResNetb_m_pretrained.pdparams",
+                    "l": "CSPResNetb_l_pretrained.pdparams", "x": "CSPResNetb_x_pretrained.pdparams"}
 )
 
 # --------------------------------------------------------------------------- released weights
