@@ -135,6 +135,36 @@ def ppyolo(size: str):
     return Model()
 
 
+def fcos_r50():
+    from ppdet.modeling.backbones.resnet import ResNet
+    from ppdet.modeling.heads.fcos_head import FCOSFeat, FCOSHead
+    from ppdet.modeling.necks.fpn import FPN
+    import paddle
+
+    class Model(paddle.nn.Layer):  # configs/fcos/_base_/fcos_r50_fpn.yml
+        def __init__(self):
+            super().__init__()
+            self.backbone = ResNet(depth=50, variant="b", norm_type="bn", freeze_at=0, return_idx=[1, 2, 3],
+                                   num_stages=4)
+            self.neck = FPN(in_channels=[s.channels for s in self.backbone.out_shape], out_channel=256,
+                            spatial_scales=[0.125, 0.0625, 0.03125], has_extra_convs=True, extra_stage=2,
+                            use_c5=False, relu_before_extra_convs=True)
+            self.fcos_head = FCOSHead(fcos_feat=FCOSFeat(feat_in=256, feat_out=256, num_convs=4, norm_type="gn",
+                                                         use_dcn=False),
+                                      num_classes=80, fpn_stride=[8, 16, 32, 64, 128], prior_prob=0.01,
+                                      norm_reg_targets=True, centerness_on_reg=True, num_shift=0.5,
+                                      fcos_loss=None, nms=None)
+
+    return Model()
+
+
+def record_manifest(name: str, build) -> None:
+    """The key manifest only (no recorded outputs for this model yet)."""
+    manifest = [[k, list(v.shape)] for k, v in build().state_dict().items()]
+    (OUT / f"{name}_manifest.json").write_text(json.dumps(manifest, indent=0))
+    print(f"{name}: {len(manifest)} keys (manifest only)")
+
+
 def record(name: str, build, full: tuple, tiny: tuple, seed: int, hw=(64, 96)) -> None:
     """``build(*full)``: the released model (its key manifest); ``build(*tiny)``: the one whose
     outputs are recorded (a narrower PP-YOLOE; PP-YOLO at full width on a small input)."""
@@ -174,6 +204,7 @@ def main() -> None:
     record("ppyoloe_crn_s", ppyoloe, full=(0.50, 0.33), tiny=(0.125, 0.33), seed=25)
     for size in PPYOLO:
         record(f"ppyolo_{size}", ppyolo, full=(size,), tiny=(size,), seed=26, hw=(64, 64))
+    record_manifest("fcos_r50", fcos_r50)
 
 
 if __name__ == "__main__":

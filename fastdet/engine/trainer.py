@@ -40,6 +40,7 @@ from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
 from fastdet.engine.summary import summarize_model, write_summary
 from fastdet.engine.sync_bn import convert_sync_batchnorm
+from fastdet.models.recipe import pretrained_backbone_note
 
 log = logging.getLogger("fastdet")
 # When this module was imported (torch already was): the clock of "first step after start".
@@ -132,6 +133,10 @@ class Trainer:
         self.model = recipes.build_detector(cfg).to(self.device)
         if cfg.model.backbone_weights and not cfg.run.resume:  # a resumed run has them in its state
             self.model.load_backbone_weights(cfg.model.backbone_weights)
+        note = pretrained_backbone_note(recipes.recipe(cfg.model.arch), cfg.model.size, cfg.data.data,
+                                        cfg.model.backbone_weights, cfg.run.ckpt or cfg.run.resume)
+        if note and self.dist.is_main:
+            log.info(note)
         if cfg.data.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)

@@ -16,6 +16,7 @@ Targets are built on the device inside the loss from the padded ground truth
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -33,6 +34,7 @@ from fastdet.losses import all_reduce_mean, giou_loss
 from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
+from fastdet.models.paddle_names import NAME_TABLE, bn_name, load_paddle_backbone
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import fcos_assign
 
@@ -307,8 +309,15 @@ class FCOS(Detector):
     predict_defaults = {"score_thresh": 0.025, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
 
     def load_backbone_weights(self, path: str) -> None:
-        """A torchvision-format ResNet-50 state dict (``--backbone-weights``)."""
-        load_backbone_weights(self.backbone, path)
+        """``--backbone-weights``: a torchvision-format ResNet-50 state dict, or the authors'
+        Paddle ImageNet ResNet-50 ``.pdparams`` (``ResNet50_cos_pretrained``, the FCOS
+        recipe's start; names as in :func:`from_paddle`, classifier ignored and named)."""
+        from fastdet.convert.io import is_torch_file  # lazy: fastdet.convert imports the models
+
+        if is_torch_file(path):
+            load_backbone_weights(self.backbone, path)
+        else:
+            load_paddle_backbone(self.backbone, path, _paddle_backbone_name)
 
     def lr_multipliers(self) -> dict[str, float]:
         """Read by ``fastdet.engine.optim.build_param_groups``: tower biases at 2x LR, as Paddle."""
@@ -412,6 +421,8 @@ RECIPE = Recipe(
         "optim.ema": True,
         "run.eval_interval": 6,
     },
+    # The ImageNet files the authors' configs start from (pretrain_weights).
+    backbone_files={"r50": "ResNet50_cos_pretrained.pdparams (Paddle) or torchvision resnet50 IMAGENET1K_V1"}
 )
 
 # --------------------------------------------------------------------------- released weights
@@ -461,6 +472,73 @@ def from_torchvision(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return out, int(out["head.cls_logits.weight"].shape[0])
 
 
+_PADDLE_BRANCH = {"branch2a.conv.": "conv1.", "branch2a.norm.": "bn1.", "branch2b.conv.": "conv2.",
+                  "branch2b.norm.": "bn2.", "branch2c.conv.": "conv3.", "branch2c.norm.": "bn3.",
+                  "short.conv.": "downsample.0.", "short.norm.": "downsample.1."}
+_PADDLE_FPN = {"fpn_inner_res3_sum_lateral.": "lateral.0.", "fpn_inner_res4_sum_lateral.": "lateral.1.",
+               "fpn_inner_res5_sum.": "lateral.2.", "fpn_res3_sum.": "output.0.", "fpn_res4_sum.": "output.1.",
+               "fpn_res5_sum.": "output.2.", "fpn_6.": "p6.", "fpn_7.": "p7."}
+_PADDLE_HEAD = {"fcos_head_cls.": "cls_logits.", "fcos_head_reg.": "bbox_reg.", "fcos_head_centerness.": "centerness."}
+
+
+def _paddle_backbone_name(name: str) -> str | None:
+    """A Paddle ResNet (variant b) name without ``backbone.`` -> torchvision's; None otherwise."""
+    if name.startswith("conv1.conv1."):
+        rest = name[len("conv1.conv1."):]
+        return ("conv1." + rest[5:]) if rest.startswith("conv.") else ("bn1." + rest[5:]) if rest.startswith("norm.") else None
+    if m := re.match(r"res(\d)\.res\d([a-z])\.(.*)", name):
+        part = next((p for p in _PADDLE_BRANCH if m[3].startswith(p)), None)
+        if part is not None:
+            return f"layer{int(m[1]) - 1}.{ord(m[2]) - ord('a')}.{_PADDLE_BRANCH[part]}{m[3][len(part):]}"
+    return None
+
+
+def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """PaddleDetection ``fcos_r50_fpn_1x_coco.pdparams`` names -> fastdet's.
+
+    ResNet variant b ``conv1.conv1`` -> ``conv1`` / ``bn1``, ``resN.resN<letter>.branch2{a,b,c}``
+    -> torchvision's ``layer{N-1}.<i>.conv{1,2,3}`` / ``bn{1,2,3}``, ``short`` -> ``downsample``;
+    the FPN's ``fpn_inner_*`` / ``fpn_res*_sum`` / ``fpn_6``, ``fpn_7`` -> ``lateral`` /
+    ``output`` / ``p6``, ``p7``; tower ``fcos_head_{cls,reg}_tower_conv_i.{conv,norm}`` ->
+    ``{cls,reg}_tower.{3i, 3i+1}``; the five ``p{3..7}_feat.scale_reg`` -> ``head.scales``.
+    Checked against the key manifest of PaddleDetection 2.6's own model (324 keys); its
+    outputs are not yet compared with Paddle's.
+    """
+    out: dict[str, Any] = {}
+    scales: dict[int, Any] = {}
+    for k, v in state.items():
+        if k == NAME_TABLE:
+            continue
+        name = bn_name(k)
+        if name.startswith("backbone."):
+            b = _paddle_backbone_name(name[len("backbone."):])
+            if b is None:
+                raise KeyError(f"{k} (not a ResNet-b name)")
+            name = "backbone." + b
+        elif name.startswith("neck."):
+            rest = name[len("neck."):]
+            part = next((p for p in _PADDLE_FPN if rest.startswith(p)), None)
+            if part is None:
+                raise KeyError(f"{k} (not a PaddleDetection FCOS FPN name)")
+            name = "neck." + _PADDLE_FPN[part] + rest[len(part):]
+        elif m := re.match(r"fcos_head\.fcos_feat\.fcos_head_(cls|reg)_tower_conv_(\d+)\.(conv|norm)\.(.*)", name):
+            name = f"head.{m[1]}_tower.{3 * int(m[2]) + (m[3] == 'norm')}.{m[4]}"
+        elif m := re.match(r"fcos_head\.p(\d)_feat\.scale_reg$", name):
+            scales[int(m[1]) - 3] = v.reshape(())
+            continue
+        elif name.startswith("fcos_head.") and any(name[len("fcos_head."):].startswith(p) for p in _PADDLE_HEAD):
+            rest = name[len("fcos_head."):]
+            part = next(p for p in _PADDLE_HEAD if rest.startswith(p))
+            name = "head." + _PADDLE_HEAD[part] + rest[len(part):]
+        else:
+            raise KeyError(f"{k} (not a PaddleDetection FCOS name)")
+        out[name] = v
+    if "head.cls_logits.weight" not in out or sorted(scales) != list(range(len(STRIDES))):
+        raise KeyError("fcos_head.fcos_head_cls.weight / p3..p7_feat.scale_reg (absent: not a Paddle FCOS)")
+    out["head.scales"] = torch.stack([torch.as_tensor(scales[i]) for i in range(len(STRIDES))])
+    return out, int(out["head.cls_logits.weight"].shape[0])
+
+
 # Paddle fcos_reader.yml: Resize [800, 1333] keep_ratio, interp 1 (linear); ImageNet mean/std.
 FAMILY = ArchFamily(
     build=build_fcos,
@@ -470,6 +548,7 @@ FAMILY = ArchFamily(
     recipe=RECIPE,
     # torchvision's FCOS evaluates with its constructor's defaults: score 0.2, top 1000
     # candidates, NMS 0.6, 100 detections.
-    weight_sources={"torchvision": WeightSource(from_torchvision, options={"decode": "torchvision", "score_thresh": 0.2},
+    weight_sources={"paddle": WeightSource(from_paddle, file_format="paddle"),
+                    "torchvision": WeightSource(from_torchvision, options={"decode": "torchvision", "score_thresh": 0.2},
                                                 classes="coco91")},
 )

@@ -47,7 +47,7 @@ from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Res
 from fastdet.models.backbones.resnet_vd import ResNetVd
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, ConvBNAct, paddle_conv_init_
-from fastdet.models.paddle_names import NAME_TABLE, bn_name
+from fastdet.models.paddle_names import NAME_TABLE, bn_name, load_paddle_backbone
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import box_iou, yolo_targets
 
@@ -517,6 +517,12 @@ def matrix_nms(
 class PPYOLO(Detector):
     """PP-YOLO; :meth:`predict` uses Matrix NMS, as PaddleDetection's config does."""
 
+    def load_backbone_weights(self, path: str) -> None:
+        """The authors' ImageNet ResNet-vd file (``ResNet50_vd_ssld_pretrained.pdparams``,
+        ``ResNet18_vd_pretrained.pdparams``), with or without ``backbone.``; the classifier is
+        ignored and named (``fastdet.models.paddle_names.load_paddle_backbone``)."""
+        load_paddle_backbone(self.backbone, path, _paddle_backbone_name)
+
     @torch.no_grad()
     def predict(
         self,
@@ -649,6 +655,8 @@ RECIPE = Recipe(
         "optim.ema_type": "threshold",
         "run.eval_interval": 8,
     },
+    # The ImageNet files the authors' configs start from (pretrain_weights).
+    backbone_files={"r50vd_dcn": "ResNet50_vd_ssld_pretrained.pdparams", "r18vd": "ResNet18_vd_pretrained.pdparams"}
 )
 
 # --------------------------------------------------------------------------- released weights
@@ -661,6 +669,19 @@ _BLOCK_ORDER = {
     (0, True): ("spp", "drop", "route"),
     (0, False): ("drop", "route"),
 }
+
+
+def _paddle_backbone_name(name: str) -> str | None:
+    """A Paddle ResNet-vd name without ``backbone.`` (BatchNorm already ``bn``) -> fastdet's
+    ``ResNetVd`` name; None when it is not one (e.g. an ImageNet classifier)."""
+    name = name.replace(".norm.", ".bn.")
+    if m := re.match(r"conv1\.conv1_(\d)\.(.*)", name):
+        return f"stem.{int(m[1]) - 1}.{m[2]}"
+    if m := re.match(r"res(\d)\.res\d([a-z])\.(.*)", name):
+        rest = re.sub(r"^short\.conv\.(conv|bn)\.", r"short.1.\1.", m[3])
+        rest = rest.replace("branch2b.conv_offset.", "branch2b.conv.conv_offset.")
+        return f"stages.{int(m[1]) - 2}.{ord(m[2]) - ord('a')}.{rest}"
+    return None
 
 
 def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -680,12 +701,8 @@ def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     out: dict[str, Any] = {}
     for k, v in state.items():
         name = bn_name(k).replace(".batch_norm.", ".bn.").replace(".norm.", ".bn.")
-        if m := re.match(r"backbone\.conv1\.conv1_(\d)\.(.*)", name):
-            name = f"backbone.stem.{int(m[1]) - 1}.{m[2]}"
-        elif m := re.match(r"backbone\.res(\d)\.res\d([a-z])\.(.*)", name):
-            rest = re.sub(r"^short\.conv\.(conv|bn)\.", r"short.1.\1.", m[3])
-            rest = rest.replace("branch2b.conv_offset.", "branch2b.conv.conv_offset.")
-            name = f"backbone.stages.{int(m[1]) - 2}.{ord(m[2]) - ord('a')}.{rest}"
+        if name.startswith("backbone.") and (b := _paddle_backbone_name(name[len("backbone."):])):
+            name = "backbone." + b
         elif m := re.match(r"neck\.yolo_block\.(\d+)\.conv_module\.(\w+)\.(.*)", name):
             order = _BLOCK_ORDER[(2 if deep else 0, m[1] == "0" and spp)]
             if m[2] not in order:

@@ -27,7 +27,7 @@ from fastdet.losses import all_reduce_mean, distribution_focal_loss, giou_loss, 
 from fastdet.models.backbones.cspresnet import CSPResNet, scale_channels, scale_depths
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, BasicBlock, ConvBNAct
-from fastdet.models.paddle_names import NAME_TABLE, bn_name, dfl_projection_checked
+from fastdet.models.paddle_names import NAME_TABLE, bn_name, dfl_projection_checked, load_paddle_backbone
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import atss_assign, task_aligned_assign
 
@@ -319,6 +319,12 @@ class PPYOLOE(Detector):
     """PP-YOLOE: the base detector with the PP-YOLOE head. What changes over training
     (the assigner) is the recipe's :func:`ppyoloe_phase`."""
 
+    def load_backbone_weights(self, path: str) -> None:
+        """The authors' ImageNet CSPResNetb file (``CSPResNetb_s_pretrained.pdparams``, the
+        PP-YOLOE recipe's start), with or without a ``backbone.`` prefix; its classifier is
+        ignored and named (``fastdet.models.paddle_names.load_paddle_backbone``)."""
+        load_paddle_backbone(self.backbone, path, _paddle_backbone_name)
+
     # ppyoloe_crn.yml's MultiClassNMS (see PPYOLOEOptions)
     predict_defaults = {"score_thresh": 0.01, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
 
@@ -436,9 +442,19 @@ RECIPE = Recipe(
         "family.static_assigner_epoch": 8,
         "run.eval_interval": 8,
     },
+    # The ImageNet files the authors' configs start from (pretrain_weights).
+    backbone_files={"s": "CSPResNetb_s_pretrained.pdparams", "m": "CSPResNetb_m_pretrained.pdparams",
+                    "l": "CSPResNetb_l_pretrained.pdparams", "x": "CSPResNetb_x_pretrained.pdparams"}
 )
 
 # --------------------------------------------------------------------------- released weights
+
+
+def _paddle_backbone_name(name: str) -> str:
+    """A CSPResNet name without ``backbone.``: ``stem.conv1..3`` -> ``stem.0..2``, the rest as is."""
+    if m := re.match(r"stem\.conv(\d)\.(.*)", name):
+        return f"stem.{int(m[1]) - 1}.{m[2]}"
+    return name
 
 
 def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:

@@ -130,3 +130,17 @@ class Recipe:
     sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     demo: Mapping[str, Any] = field(default_factory=dict)
     predict: Callable[[Any], dict[str, Any]] = nms_kwargs
+    # size -> the authors' ImageNet backbone file the published recipe starts from
+    # (``--backbone-weights``); a published preset trained without it is told once that
+    # the paper's AP assumes it (``pretrained_backbone_note``).
+    backbone_files: Mapping[str, str] = field(default_factory=dict)
+
+
+def pretrained_backbone_note(recipe: "Recipe", size: str, data: str, backbone_weights: Any, ckpt: Any) -> str | None:
+    """The one log line for a published preset started from scratch (None when it has its
+    backbone file, starts from a checkpoint, or is the demo, which trains from scratch)."""
+    name = recipe.backbone_files.get(size)
+    if not name or backbone_weights or ckpt or data == "demo":
+        return None
+    return (f"the published AP of this preset assumes the authors' ImageNet backbone {name} "
+            "(--backbone-weights PATH); this run starts the backbone from scratch")
