@@ -21,6 +21,14 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
+
+def _ordered(boxes):
+    """[K, 4] xyxy as drawn: a box that a one-sided clip (PP-YOLO, Paddle's ``yolo_box``: x2
+    <= w - 1, x1 >= 0) left with x2 < x1 is drawn as the line it has become."""
+    b = boxes.float().cpu().clone()
+    b[:, 2:] = torch.maximum(b[:, 2:], b[:, :2])
+    return b
+
 def draw_detections(image: np.ndarray | Tensor, boxes: Tensor, scores: Tensor, labels: Tensor,
                     class_names: Sequence[str]) -> Tensor:
     """Boxes with ``"name 0.87"`` captions drawn on a copy of ``image``.
@@ -40,7 +48,7 @@ def draw_detections(image: np.ndarray | Tensor, boxes: Tensor, scores: Tensor, l
                 for c, s in zip(labels, scores.tolist())]
     colors = [PALETTE[c % len(PALETTE)] for c in labels]
     width = max(1, round(max(img.shape[-2:]) / 320))  # ~1 px per 320 px of the long side
-    return draw_bounding_boxes(img, boxes.float().cpu(), labels=captions, colors=colors, width=width)
+    return draw_bounding_boxes(img, _ordered(boxes), labels=captions, colors=colors, width=width)
 
 
 def draw_ground_truth(image: np.ndarray | Tensor, boxes: Tensor, labels: Tensor,
@@ -54,7 +62,7 @@ def draw_ground_truth(image: np.ndarray | Tensor, boxes: Tensor, labels: Tensor,
     captions = [str(class_names[c]) if c < len(class_names) else str(c) for c in labels]
     colors = [PALETTE[c % len(PALETTE)] for c in labels]
     width = max(1, round(max(img.shape[-2:]) / 320))
-    return draw_bounding_boxes(img, boxes.float().cpu(), labels=captions, colors=colors, width=width)
+    return draw_bounding_boxes(img, _ordered(boxes), labels=captions, colors=colors, width=width)
 
 
 def titled(tile: Tensor, title: str, note: str | None = None, bar: int = 18) -> Tensor:

@@ -264,7 +264,7 @@ def test_phase_stages_follow_the_recipe_and_the_demo():
     assert phase(off, 0).stages == (Resize("stretch", interp="linear"), Normalize(IMAGENET_MEAN, IMAGENET_STD))
     with pytest.raises(ValueError, match="flip_prob"):
         phase(apply_overrides(cfg, {"family.flip_prob": 1.5}), 0)
-    assert predict_kwargs(cfg) == dict(score_thresh=0.01, iou_thresh=0.7, max_det=300, pre_nms_topk=1000)
+    assert predict_kwargs(cfg) == dict(score_thresh=0.01, iou_thresh=0.6, max_det=100, pre_nms_topk=1000)  # the crn eval config
 
 
 # --------------------------------------------------------------------------- graph capture
