@@ -78,6 +78,10 @@ def test_log_lines_print_above_the_progress_bar(monkeypatch):
     """A log line during training is a whole line of its own, not glued to the bar's text."""
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
+    fd_log = logging.getLogger("fastdet")  # setup_logging changes these: later tests get them back
+    monkeypatch.setattr(fd_log, "handlers", list(fd_log.handlers))  # a copy: setup_logging clears in place
+    monkeypatch.setattr(fd_log, "propagate", fd_log.propagate)
+    monkeypatch.setattr(fd_log, "level", fd_log.level)
     setup_logging(None, True)
     bar = Progress(10, True, force=True)
     try:
@@ -87,7 +91,6 @@ def test_log_lines_print_above_the_progress_bar(monkeypatch):
         assert bar.bar.n == 2
     finally:
         bar.close()
-        logging.getLogger("fastdet").handlers.clear()
     lines = [seg.split("\r")[-1] for seg in out.getvalue().split("\n")]
     assert any(re.fullmatch(r"\d\d:\d\d:\d\d compile: graph 1/2 ready", ln) for ln in lines), lines
 

@@ -97,11 +97,22 @@ def test_build_directory_is_keyed_by_the_sources_content(monkeypatch, tmp_path):
     assert _ext.build_dir("cuda") != _ext.build_dir("cpu")
 
 
-def test_a_build_says_once_that_it_builds_and_how_long_it_took(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("logging_set_up", [False, True])
+def test_a_build_says_once_that_it_builds_and_how_long_it_took(monkeypatch, tmp_path, capsys, caplog,
+                                                               logging_set_up):
     """The compiler itself is replaced (a real build takes minutes): the first build of a
     key says it is building and then how long it took; a cached one says nothing. The
-    build compiles the copy of the sources in its own directory."""
+    build compiles the copy of the sources in its own directory. The lines reach the user
+    through fastdet's logging where it is set up (the train CLI), else on stderr: a logger
+    that stops propagating, with no handler of its own, must not swallow them."""
+    import logging
+
     from torch.utils import cpp_extension
+
+    fd_log = logging.getLogger("fastdet")
+    monkeypatch.setattr(fd_log, "handlers", [])
+    monkeypatch.setattr(fd_log, "propagate", logging_set_up)  # caplog's handler sits on the root
+    monkeypatch.setattr(fd_log, "level", logging.INFO)
 
     seen = {}
 
@@ -112,14 +123,13 @@ def test_a_build_says_once_that_it_builds_and_how_long_it_took(monkeypatch, tmp_
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     monkeypatch.setenv("FASTDET_EXT_DIR", str(tmp_path / "ext"))
     out = _ext.build("cpu")
-    cap = capsys.readouterr()
-    err = cap.err + cap.out  # stderr, or stdout where an earlier test set up fastdet's logging
+    err = caplog.text if logging_set_up else capsys.readouterr().err
     assert f"fastdet.ops: building the cpu extension in {out}" in err
     assert "fastdet.ops: the cpu extension built in" in err
     assert all(s.startswith(str(out / "src")) for s in seen["sources"]), seen
     assert seen["include"] == [str(out / "src")]
     assert _ext.build("cpu") == out
-    assert "building" not in "".join(capsys.readouterr())
+    assert "building" not in caplog.text.replace(err, "") + capsys.readouterr().err
 
 
 def test_build_command_is_cached_no_op():

@@ -185,8 +185,10 @@ def _stage_sources(variant: str, out: Path) -> Path:
 
 
 def _say(msg: str) -> None:
-    """One line the user sees: through logging when fastdet's INFO lines are shown, else on stderr."""
-    if log.isEnabledFor(logging.INFO) and logging.getLogger().hasHandlers():
+    """One line the user sees: through logging when fastdet's INFO lines reach a handler, else on
+    stderr (``log.hasHandlers`` follows propagation: the root's handlers do not count when
+    fastdet's logger stops propagating)."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
         log.info("%s", msg)
     else:
         print(msg, file=sys.stderr, flush=True)
