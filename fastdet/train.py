@@ -206,7 +206,8 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
                           "or name the run's directory with --output-dir)")
     try:
         # latest.pth damaged by a kill mid-write: the trainer resumes from latest.prev.pth.
-        ck = load_with_fallback(path)[0] if fallback else load_checkpoint(path)
+        # mmap: only the config is read here (the trainer loads the tensors).
+        ck = load_with_fallback(path, mmap=True)[0] if fallback else load_checkpoint(path, mmap=True)
         stored = recipes.config_from_dict(ck["config"])
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--resume: {path}: {e}") from None

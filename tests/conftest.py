@@ -5,6 +5,7 @@
   classes with COCO ids 1, 3, 7, 12, and one image without objects in each split.
 - ``demo_paths``: the same set as ``fastdet.data.coco.DataPaths``
   (``train_ann``, ``train_images``, ``val_ann``, ``val_images``).
+- ``exact_fp32``: TF32 off for the test (the GPU step and capture tests).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastdet.data.coco import DataPaths, coco_layout
 from fastdet.data.demo import make_demo
@@ -27,3 +29,12 @@ def demo_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_paths(demo_small: Path) -> DataPaths:
     return coco_layout(demo_small)
+
+
+@pytest.fixture
+def exact_fp32():
+    """fp32 without TF32, so eager and replayed kernels agree to rounding."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

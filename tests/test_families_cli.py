@@ -162,17 +162,23 @@ YOLOX_SAME_RUN = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr
                   "--set", "run.eval_interval=100"]
 
 
+def yolox_two_ranks_cmd(data, out, port: int, *flags: str) -> list[str]:
+    """torchrun, 2 ranks on this machine, of the one-process YOLOX-nano command with half its
+    batch per rank (the same images per step)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(port), "-m", "fastdet.train"]
+    cmd = torchrun + train_cmd(data, out, "yolox", "nano", *flags)[3:]
+    cmd[cmd.index("--batch-size") + 1] = "2"
+    return cmd
+
+
 def test_yolox_two_ranks_match_one_process(demo_small, tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     one, two = tmp_path / "one", tmp_path / "two"
     r1 = run(train_cmd(demo_small, one, "yolox", "nano", *YOLOX_SAME_RUN))
     assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", "29531", "-m", "fastdet.train"]
-    cmd = torchrun + train_cmd(demo_small, two, "yolox", "nano", *YOLOX_SAME_RUN)[3:]
-    cmd[cmd.index("--batch-size") + 1] = "2"
-    r2 = run(cmd)
+    r2 = run(yolox_two_ranks_cmd(demo_small, two, 29531, *YOLOX_SAME_RUN))
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert_same_training(one, two, "yolox", "nano")
 
@@ -190,11 +196,7 @@ def test_yolox_bn_statistics_are_averaged_over_ranks_before_checkpoints(demo_sma
     same = ["--no-augment", "--max-steps", "1", "--set", "optim.warmup_epochs=0"]
     r1 = run(train_cmd(demo_small, one, "yolox", "nano", *same))
     assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", "29532", "-m", "fastdet.train"]
-    cmd = torchrun + train_cmd(demo_small, two, "yolox", "nano", *same)[3:]
-    cmd[cmd.index("--batch-size") + 1] = "2"
-    r2 = run(cmd)
+    r2 = run(yolox_two_ranks_cmd(demo_small, two, 29532, *same))
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert "running statistics averaged over the ranks" in r2.stdout
     a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")

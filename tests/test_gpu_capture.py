@@ -30,15 +30,6 @@ LRS = (0.01, 0.003, 0.007)
 SQUARES = (64, 96)  # two sizes of a multi-size family; a keep-ratio family uses its canvases at the first
 
 
-@pytest.fixture
-def exact_fp32():
-    """fp32 without TF32, so eager and replayed kernels agree to rounding."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def buckets(arch: str):
     first = case(arch, SQUARES[0])
     if len(first.canvases) > 1:  # keep-ratio: landscape, portrait, square

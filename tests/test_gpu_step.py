@@ -51,15 +51,6 @@ LRS = (0.02, 0.005, 0.011)  # a different LR each step: replays must see the new
 BOXES = (4, 1, 16)
 
 
-@pytest.fixture
-def exact_fp32():
-    """fp32 without TF32, so eager and replayed kernels agree to rounding."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def make_step(model, *, compile=False, cuda_graphs=False, amp=None, clip=0.0) -> TrainStep:
     dev = next(model.parameters()).device
     opt = CapturableSGD(build_param_groups(model, 5e-4), lr=LRS[0], momentum=0.9, device=dev)

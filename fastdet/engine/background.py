@@ -138,6 +138,7 @@ def count_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
 
 
 def describe_cache(d: dict[str, int]) -> str:
+    """Inductor's cache counters as a log phrase; none (``{}`` or all zero) on a backend without a cache."""
     if not any(d.values()):
         return "no inductor cache (backend without one)"
     return (f"cache: {d['fx_hit']} FX hit(s) / {d['fx_miss']} miss(es), "

@@ -80,19 +80,19 @@ def previous_path(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.prev{path.suffix}")
 
 
-def load_with_fallback(path: str | Path, warn: Any = None) -> tuple[dict[str, Any], Path]:
+def load_with_fallback(path: str | Path, warn: Any = None, mmap: bool = False) -> tuple[dict[str, Any], Path]:
     """Load ``path``; if it is missing or unreadable (a kill or a full disk mid-write) and
     :func:`previous_path` exists, load that instead, calling ``warn(message)``. Returns the
     state and the path it came from; raises as :func:`load_checkpoint` when neither loads."""
     path = Path(path)
     prev = previous_path(path)
     try:
-        return load_checkpoint(path), path
+        return load_checkpoint(path, mmap=mmap), path
     except (ValueError, FileNotFoundError) as e:
         if not prev.is_file():
             raise
         reason = e
-    state = load_checkpoint(prev)
+    state = load_checkpoint(prev, mmap=mmap)
     if warn is not None:
         warn(f"{path} cannot be read ({reason}); resuming from the checkpoint before it, {prev} "
              f"(step {state.get('step')})")
@@ -104,9 +104,10 @@ def is_checkpoint_archive(path: str | Path) -> bool:
     return zipfile.is_zipfile(path)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     """Load with ``weights_only=True``; every failure is a one-line ValueError naming the file
-    (torch's own message advises ``weights_only=False``, wrong for a corrupt file)."""
+    (torch's own message advises ``weights_only=False``, wrong for a corrupt file).
+    ``mmap``: tensors map the file instead of being read (a caller that needs the config only)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -114,7 +115,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not a checkpoint: torch.save writes a zip archive and this "
                          "file is not one (corrupt, truncated or another format)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         raise ValueError(f"{path} holds Python objects other than tensors, numbers, strings and "
                          "containers; fastdet only loads checkpoints that need no code to "

@@ -550,10 +550,12 @@ class Trainer:
         bg = getattr(self, "background", None)
         if bg is None:
             return
+        from fastdet.engine.background import describe_cache
+
         ts = self.train_step
         for sw in ts.switches:
             h, w, kw = sw.key
-            how = bgc_describe(sw.cache)
+            how = describe_cache(sw.cache)
             msg = ("compile: bucket %dx%d%s runs compiled from step %d (%.1f s for that step: "
                    "%d graph(s), %s)")
             args = (h, w, "".join(f" {k}={v}" for k, v in kw), self.step, sw.seconds, sw.graphs, how)
@@ -570,7 +572,7 @@ class Trainer:
                 raise TrainingError(f"compile worker failed on bucket {b.name}: {record.get('error')}")
             log.info("compile: graph %d/%d (%s) compiled by worker %s in %.1f s (%s)", len(bg.done),
                      len(bg.buckets), b.name, record.get("pid"), record["seconds"],
-                     bgc_describe(record.get("cache", {})))
+                     describe_cache(record.get("cache", {})))
             ts.mark_ready(b.h, b.w, b.kwargs)
         if bg.total_s is not None:
             log.info("compile: all %d graph(s) compiled, %.1f s after training started", len(bg.buckets),
@@ -716,12 +718,6 @@ class Trainer:
                          "train/memory_mb": mem}, self.step)
         self._collect_evals()  # scores finished in the background since the last log
         return True
-
-
-def bgc_describe(cache: dict[str, int]) -> str:
-    from fastdet.engine.background import describe_cache
-
-    return describe_cache(cache) if cache else "no cache counters"
 
 
 def truncate_run_logs(out: Path, step: int) -> None:

@@ -46,6 +46,19 @@ def _valid(scores: Any) -> list[int]:
     return [k for k in range(scores.precision.shape[2]) if (scores.precision[0, :, k, 0, -1] > -1).any()]
 
 
+def _save_curves(plt: Any, fig: Any, ax: Any, any_class: bool, path: Path) -> Path:
+    """The common end of the curve plots: grid, a legend (or "no detections"), saved and closed."""
+    ax.grid(alpha=0.3)
+    if any_class:
+        ax.legend(loc="lower left", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no detections", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_pr(scores: Any, path: Path, title: str = "") -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 5.5), dpi=110)
@@ -61,15 +74,7 @@ def plot_pr(scores: Any, path: Path, title: str = "") -> Path:
         ax.plot(_RECALL, curves.mean(0), lw=3, color="#1f3b73", label=f"all classes AP50 {curves.mean():.3f}")
     ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02),
            title=title or "precision-recall at IoU 0.5")
-    ax.grid(alpha=0.3)
-    if ks:
-        ax.legend(loc="lower left", fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no detections", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
+    return _save_curves(plt, fig, ax, bool(ks), path)
 
 
 def f1_by_threshold(scores: Any, k: int, thresholds: np.ndarray) -> np.ndarray:
@@ -103,15 +108,7 @@ def plot_f1(scores: Any, path: Path, title: str = "") -> Path:
         ax.plot(thr, mean, lw=3, color="#1f3b73", label="all classes")
         head += f": best mean F1 {mean[best]:.3f} at score {thr[best]:.2f}"
     ax.set(xlabel="score threshold", ylabel="F1", xlim=(0, 1), ylim=(0, 1.02), title=head)
-    ax.grid(alpha=0.3)
-    if ks:
-        ax.legend(loc="lower left", fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no detections", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
+    return _save_curves(plt, fig, ax, bool(ks), path)
 
 
 def plot_confusion(scores: Any, path: Path, title: str = "") -> Path:

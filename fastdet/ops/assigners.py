@@ -209,7 +209,6 @@ def task_aligned_assign(
         bg_index: label of background anchors (PP-YOLOE: C).
     """
     B, A, C = pred_scores.shape
-    M = gt_bboxes.shape[1]
     dtype = pred_scores.dtype
     gt_bboxes = gt_bboxes.to(dtype)
     pad_gt_mask = pad_gt_mask.to(dtype)
