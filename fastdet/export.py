@@ -96,19 +96,25 @@ class WithNMS(nn.Module):
     """``images -> (boxes [N,D,4], scores [N,D], labels [N,D], num_dets [N])``: ``Detector.predict`` as fixed-size tensors."""
 
     def __init__(self, model: nn.Module, score_thresh: float, iou_thresh: float, max_det: int,
-                 pre_nms_topk: int):
+                 pre_nms_topk: int, per_class_topk: bool = False):
         super().__init__()
         self.model = model
         self.score_thresh, self.iou_thresh = float(score_thresh), float(iou_thresh)
         self.max_det, self.pre_nms_topk = int(max_det), int(pre_nms_topk)
+        self.per_class_topk = bool(per_class_topk)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         boxes, scores = self.model(images)  # [N, A, 4], [N, A, C]
         n, a, c = scores.shape
-        flat = scores.reshape(n, a * c)  # anchor-major, as multiclass_nms ranks them
-        top_s, top_i = flat.topk(min(self.pre_nms_topk, a * c), dim=1)
-        cand = torch.zeros_like(flat).scatter(1, top_i, top_s)  # only the top-k survive
-        cand = cand.reshape(n, a, c).transpose(1, 2)  # [N, C, A], NonMaxSuppression's layout
+        if self.per_class_topk:  # the top-k of each class survive, as multiclass_nms(per_class_topk=True)
+            per_class = scores.transpose(1, 2)  # [N, C, A]
+            top_s, top_i = per_class.topk(min(self.pre_nms_topk, a), dim=2)
+            cand = torch.zeros_like(per_class).scatter(2, top_i, top_s)  # [N, C, A]
+        else:
+            flat = scores.reshape(n, a * c)  # anchor-major, as multiclass_nms ranks them
+            top_s, top_i = flat.topk(min(self.pre_nms_topk, a * c), dim=1)
+            cand = torch.zeros_like(flat).scatter(1, top_i, top_s)  # only the top-k survive
+            cand = cand.reshape(n, a, c).transpose(1, 2)  # [N, C, A], NonMaxSuppression's layout
         sel = torch.ops.fastdet_export.nms(boxes, cand, self.max_det, self.iou_thresh, self.score_thresh)
         b, k, i = sel[:, 0], sel[:, 1], sel[:, 2]  # [K] each
         kept = torch.zeros_like(cand).index_put((b, k, i), cand[b, k, i]).reshape(n, c * a)
@@ -143,7 +149,8 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
             raise ValueError(f"--nms: {type(detector).__name__} has its own NMS (its predict), which the ONNX "
                              "NonMaxSuppression op does not reproduce: export without --nms")
         kw = predict_kwargs or detector.info.predict_kwargs
-        module = WithNMS(detector, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"])
+        module = WithNMS(detector, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"],
+                         kw.get("per_class_topk", detector.predict_defaults.get("per_class_topk", False)))
         names = OUTPUTS_NMS
         table = {torch.ops.fastdet_export.nms.default: _nms_onnx}
     example = torch.zeros(2 if dynamic_batch else 1, 3, img_size, img_size)
@@ -200,7 +207,8 @@ def onnx_metadata(info: Any, img_size: int, nms: bool, predict_kwargs: dict[str,
                       else "none: raw 0..255 pixels as float32"),
         "boxes": "xyxy in input pixels; divide x by sx and y by sy (input px per original px) for the original image",
         "outputs": "boxes, scores, labels, num_dets (after NMS)" if nms else "boxes [N, A, 4], scores [N, A, C] (before NMS)",
-        "nms": json.dumps({k: kw[k] for k in ("score_thresh", "iou_thresh", "max_det", "pre_nms_topk") if k in kw}),
+        "nms": json.dumps({k: kw[k] for k in ("score_thresh", "iou_thresh", "max_det", "pre_nms_topk", "per_class_topk")
+                           if k in kw}),
     }
     return meta
 

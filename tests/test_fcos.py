@@ -179,12 +179,12 @@ def test_predict_defaults_are_paddles(monkeypatch):
 
     monkeypatch.setattr(detector, "multiclass_nms", spy)
     model.predict(torch.zeros(1, 3, 64, 64))
-    assert seen["args"] == (0.025, 0.6, 100, 1000)
+    assert seen["args"] == (0.025, 0.6, 100, 1000, True)
     model.predict(torch.zeros(1, 3, 64, 64), score_thresh=0.3)
-    assert seen["args"] == (0.3, 0.6, 100, 1000)
+    assert seen["args"] == (0.3, 0.6, 100, 1000, True)
     cfg = recipes.get_preset("fcos", "r50")
-    assert recipes.predict_kwargs(cfg) == dict(zip(("score_thresh", "iou_thresh", "max_det", "pre_nms_topk"),
-                                                   (0.025, 0.6, 100, 1000)))
+    assert recipes.predict_kwargs(cfg) == dict(zip(("score_thresh", "iou_thresh", "max_det", "pre_nms_topk", "per_class_topk"),
+                                                   (0.025, 0.6, 100, 1000, True)))
 
 
 def test_lr_multipliers_double_the_tower_biases():
@@ -401,7 +401,8 @@ def test_registered_with_its_recipe():
     stages = recipes.phase(cfg, 0).stages
     assert stages == (Flip(0.5), Resize("keep_ratio", interp="linear", short=800, max_long=1333), Normalize())
     assert recipes.phase(cfg, 11) == recipes.phase(cfg, 0) and recipes.phase(cfg, 0).loss_kwargs == {}
-    assert recipes.predict_kwargs(cfg) == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000)
+    assert recipes.predict_kwargs(cfg) == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000,
+                                               per_class_topk=True)
     # lr 0.01 per 16 images: warm-up from 1/3 over 500 steps, x0.1 at epochs 8 and 11.
     sched = LRSchedule.from_config(o, 0.01, steps_per_epoch=1000)
     for step, lr in ((0, 0.01 / 3), (500, 0.01), (7999, 0.01), (8000, 0.001), (11000, 0.0001)):

@@ -89,6 +89,42 @@ def test_pre_nms_topk_bounds_candidates():
     torch.testing.assert_close(det[0]["scores"], top7)
 
 
+def paddle_multiclass_nms(boxes, scores, score_thresh, iou_thresh, max_det, nms_top_k):
+    """PaddleDetection's MultiClassNMS (its C++ kernel's steps), one image, a loop per
+    class: the scores above the threshold, the best ``nms_top_k`` of them, greedy NMS;
+    then the best ``max_det`` over all classes."""
+    kept = []
+    for c in range(scores.shape[1]):
+        idx = [int(i) for i in scores[:, c].argsort(descending=True) if scores[i, c] > score_thresh][:nms_top_k]
+        cb, cs = boxes[idx], scores[idx, c]
+        kept += [(float(cs[i]), c, idx[i]) for i in greedy_nms(cb, cs, [c] * len(idx), iou_thresh)]
+    kept = sorted(kept, key=lambda t: -t[0])[:max_det]
+    return [t[0] for t in kept], [t[1] for t in kept], [t[2] for t in kept]
+
+
+def test_per_class_topk_is_paddles_multiclass_nms():
+    boxes, scores = dense_predictions(A=120, C=4, seed=4)
+    scores[:, :, 0] = 0.5 + scores[:, :, 0] / 2  # class 0 holds the top of the (anchor, class) ranking
+    scores[:, :, 1:] /= 2
+    out = multiclass_nms(boxes, scores, 0.05, 0.5, max_det=30, pre_nms_topk=10, per_class_topk=True)
+    for b, det in enumerate(out):
+        s, labels, anchors = paddle_multiclass_nms(boxes[b], scores[b], 0.05, 0.5, 30, 10)
+        assert det["scores"].tolist() == s and det["labels"].tolist() == labels
+        torch.testing.assert_close(det["boxes"], boxes[b][anchors])
+        assert set(labels) == {0, 1, 2, 3}
+    # Over all pairs, the same top-10 keeps class 0's boxes only: the two top-k differ here.
+    flat = multiclass_nms(boxes, scores, 0.05, 0.5, max_det=30, pre_nms_topk=10)
+    assert set(flat[0]["labels"].tolist()) == {0}
+
+
+def test_the_paddle_families_take_their_top_k_per_class():
+    """PP-YOLOE and FCOS evaluate as PaddleDetection's MultiClassNMS (nms_top_k per class)."""
+    from fastdet import recipes
+    for arch, size in (("ppyoloe", "s"), ("fcos", "r50")):
+        assert recipes.predict_kwargs(recipes.get_preset(arch, size))["per_class_topk"] is True
+        assert build_model(arch, size, num_classes=2).predict_defaults["per_class_topk"] is True
+
+
 def test_no_detections_above_threshold():
     boxes, scores = dense_predictions(seed=3)
     det = multiclass_nms(boxes, scores * 0, score_thresh=0.01)

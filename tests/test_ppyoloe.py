@@ -264,7 +264,8 @@ def test_phase_stages_follow_the_recipe_and_the_demo():
     assert phase(off, 0).stages == (Resize("stretch", interp="linear"), Normalize(IMAGENET_MEAN, IMAGENET_STD))
     with pytest.raises(ValueError, match="flip_prob"):
         phase(apply_overrides(cfg, {"family.flip_prob": 1.5}), 0)
-    assert predict_kwargs(cfg) == dict(score_thresh=0.01, iou_thresh=0.6, max_det=100, pre_nms_topk=1000)  # the crn eval config
+    assert predict_kwargs(cfg) == dict(score_thresh=0.01, iou_thresh=0.6, max_det=100, pre_nms_topk=1000,
+                                       per_class_topk=True)  # the crn eval config (MultiClassNMS)
 
 
 # --------------------------------------------------------------------------- graph capture

@@ -75,7 +75,8 @@ class Detector(nn.Module):
     # The defaults of :meth:`predict` (the multiclass NMS that ``fastdet.export --nms``
     # reproduces); a family with other published post-processing values sets its own
     # here, and one with another NMS (Matrix NMS, YOLOX's) overrides ``predict`` instead.
-    predict_defaults: ClassVar[Mapping[str, Any]] = {"score_thresh": 0.01, "iou_thresh": 0.7, "max_det": 300, "pre_nms_topk": 1000}
+    predict_defaults: ClassVar[Mapping[str, Any]] = {"score_thresh": 0.01, "iou_thresh": 0.7, "max_det": 300,
+                                                     "pre_nms_topk": 1000, "per_class_topk": False}
 
     def __init__(self, backbone: nn.Module, neck: nn.Module, head: nn.Module):
         super().__init__()
@@ -114,6 +115,7 @@ class Detector(nn.Module):
         iou_thresh: float | None = None,
         max_det: int | None = None,
         pre_nms_topk: int | None = None,
+        per_class_topk: bool | None = None,
     ) -> list[dict[str, Tensor]]:
         """Detections per image: ``{"boxes" [K,4] xyxy input px, "scores" [K], "labels" [K]}``.
 
@@ -121,10 +123,11 @@ class Detector(nn.Module):
         (BatchNorm statistics). Host syncs are fine here: this is not the training hot path.
         """
         given = {"score_thresh": score_thresh, "iou_thresh": iou_thresh, "max_det": max_det,
-                 "pre_nms_topk": pre_nms_topk}
-        kw = {k: self.predict_defaults[k] if v is None else v for k, v in given.items()}
+                 "pre_nms_topk": pre_nms_topk, "per_class_topk": per_class_topk}
+        kw = {k: self.predict_defaults.get(k, False) if v is None else v for k, v in given.items()}
         boxes, scores = self(images)
-        return multiclass_nms(boxes, scores, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"])
+        return multiclass_nms(boxes, scores, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"],
+                              kw["per_class_topk"])
 
     @torch.no_grad()
     def fuse(self) -> "Detector":
@@ -148,29 +151,38 @@ def multiclass_nms(
     iou_thresh: float = 0.7,
     max_det: int = 300,
     pre_nms_topk: int = 1000,
+    per_class_topk: bool = False,
 ) -> list[dict[str, Tensor]]:
     """Class-aware NMS over dense predictions.
 
-    Per image: the ``pre_nms_topk`` highest (anchor, class) scores over all classes that
-    exceed ``score_thresh`` are candidates; ``torchvision.ops.batched_nms`` (per class,
-    IoU ``iou_thresh``); the best ``max_det`` are kept, by score. Paddle's MultiClassNMS
-    applies its ``nms_top_k`` per class; one top-k over all classes bounds the NMS cost
-    (at most ``pre_nms_topk`` boxes) and keeps the same boxes whenever fewer than
-    ``pre_nms_topk`` candidates pass the threshold.
+    Per image: candidates are the (anchor, class) scores above ``score_thresh`` among the
+    ``pre_nms_topk`` highest, over all classes (at most ``pre_nms_topk`` boxes go through
+    NMS), or with ``per_class_topk`` the ``pre_nms_topk`` highest of each class
+    (PaddleDetection's MultiClassNMS ``nms_top_k``, the authors' eval of PP-YOLOE and
+    FCOS; up to ``pre_nms_topk * C`` boxes). Then ``torchvision.ops.batched_nms`` (per
+    class, IoU ``iou_thresh``), and the best ``max_det`` over all classes are kept, by
+    score. The two agree whenever fewer than ``pre_nms_topk`` candidates pass the threshold.
 
     Args:
         boxes: [B, A, 4] xyxy; scores: [B, A, C].
     """
     out = []
-    num_classes = scores.shape[-1]
+    num_anchors, num_classes = scores.shape[-2:]
     for b in range(boxes.shape[0]):
-        s = scores[b].reshape(-1)  # [A * C], anchor-major
-        k = min(pre_nms_topk, s.numel())
-        top_s, top_i = s.topk(k)
-        keep = top_s > score_thresh
-        top_s, top_i = top_s[keep], top_i[keep]
-        anchor = torch.div(top_i, num_classes, rounding_mode="floor")
-        labels = top_i % num_classes
+        if per_class_topk:
+            k = min(pre_nms_topk, num_anchors)
+            top_s, top_a = scores[b].topk(k, dim=0)  # [k, C] each: per class, best first
+            keep = top_s > score_thresh
+            top_s, anchor = top_s[keep], top_a[keep]
+            labels = torch.arange(num_classes, device=scores.device).expand(k, -1)[keep]
+        else:
+            s = scores[b].reshape(-1)  # [A * C], anchor-major
+            k = min(pre_nms_topk, s.numel())
+            top_s, top_i = s.topk(k)
+            keep = top_s > score_thresh
+            top_s, top_i = top_s[keep], top_i[keep]
+            anchor = torch.div(top_i, num_classes, rounding_mode="floor")
+            labels = top_i % num_classes
         cand = boxes[b][anchor].float()
         kept = torchvision.ops.batched_nms(cand, top_s.float(), labels, iou_thresh)[:max_det]
         out.append({"boxes": cand[kept], "scores": top_s[kept], "labels": labels[kept]})

@@ -304,9 +304,10 @@ class FCOSHead(nn.Module):
 
 class FCOS(Detector):
     """FCOS. ``predict`` is the base multiclass NMS (so ``fastdet.export --nms`` reproduces
-    it) at Paddle's fcos_r50_fpn.yml values: score 0.025, top 1000, NMS 0.6, 100."""
+    it) at Paddle's fcos_r50_fpn.yml values: score 0.025, top 1000 per class, NMS 0.6, 100."""
 
-    predict_defaults = {"score_thresh": 0.025, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
+    predict_defaults = {"score_thresh": 0.025, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000,
+                        "per_class_topk": True}
 
     def load_backbone_weights(self, path: str) -> None:
         """``--backbone-weights``: a torchvision-format ResNet-50 state dict, or the authors'
@@ -356,13 +357,14 @@ class FCOSOptions(NMSOptions):
     """The ``family`` config section of FCOS (``--set family.<field>=value``).
 
     Post-processing is Paddle's MultiClassNMS of fcos_r50_fpn.yml: score 0.025, top 1000
-    before NMS, IoU 0.6, keep 100 (scores are sigmoid(cls) * sigmoid(centerness)).
+    per class before NMS, IoU 0.6, keep 100 (scores are sigmoid(cls) * sigmoid(centerness)).
     """
 
     score_thresh: float = 0.025
     nms_iou: float = 0.6
     max_det: int = 100
     pre_nms_topk: int = 1000
+    per_class_topk: bool = True
     flip_prob: float = 0.5
     # Train the backbone's BatchNorm and its first stages too (a from-scratch run, e.g.
     # the demo): see fastdet/models/backbones/resnet.py for why frozen ones need weights.

@@ -326,7 +326,8 @@ class PPYOLOE(Detector):
         load_paddle_backbone(self.backbone, path, _paddle_backbone_name)
 
     # ppyoloe_crn.yml's MultiClassNMS (see PPYOLOEOptions)
-    predict_defaults = {"score_thresh": 0.01, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000}
+    predict_defaults = {"score_thresh": 0.01, "iou_thresh": 0.6, "max_det": 100, "pre_nms_topk": 1000,
+                        "per_class_topk": True}
 
 
 def build_ppyoloe(
@@ -360,12 +361,13 @@ class PPYOLOEOptions(NMSOptions):
 
     Post-processing is the authors' eval config of the crn models this family builds
     (PaddleDetection configs/ppyoloe/_base_/ppyoloe_crn.yml, MultiClassNMS): score 0.01,
-    pre-NMS top 1000, IoU 0.6, keep 100 (PP-YOLOE+ uses IoU 0.7, keep 300:
+    pre-NMS top 1000 per class, IoU 0.6, keep 100 (PP-YOLOE+ uses IoU 0.7, keep 300:
     ``--set family.nms_iou=0.7 family.max_det=300``).
     """
 
     nms_iou: float = 0.6
     max_det: int = 100
+    per_class_topk: bool = True
 
     # Epochs trained with the static (ATSS) assigner before the task-aligned one takes
     # over (PP-YOLOE 300e recipe: 100; PP-YOLOE+ 80e: 30).

@@ -91,12 +91,18 @@ class NMSOptions(FamilyOptions):
     nms_iou: float = 0.7
     max_det: int = 300
     pre_nms_topk: int = 1000
+    # The pre-NMS top-k is taken per class (PaddleDetection's MultiClassNMS) rather than
+    # over all (anchor, class) pairs.
+    per_class_topk: bool = False
 
 
 def nms_kwargs(options: Any) -> dict[str, Any]:
     """``Detector.predict`` keyword arguments from :class:`NMSOptions` fields."""
-    return dict(score_thresh=options.score_thresh, iou_thresh=options.nms_iou,
-                max_det=options.max_det, pre_nms_topk=options.pre_nms_topk)
+    kw = dict(score_thresh=options.score_thresh, iou_thresh=options.nms_iou,
+              max_det=options.max_det, pre_nms_topk=options.pre_nms_topk)
+    if options.per_class_topk:  # only Detector.predict takes it (YOLOX's and Matrix NMS's predict do not)
+        kw["per_class_topk"] = True
+    return kw
 
 
 # What every family's demo recipe shares, so that `--data demo` learns in minutes on a
