@@ -28,9 +28,8 @@ _spec = importlib.util.spec_from_file_location("record_paddle_fixtures",
 record = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(record)
 
-CASES = [("ppyoloe_crn_s", "ppyoloe", "s"), ("ppyolo_r50vd_dcn", "ppyolo", "r50vd_dcn"), ("ppyolo_r18vd", "ppyolo", "r18vd")]
-# Key manifests only: Paddle's FCOS outputs are not recorded yet.
-MANIFEST_ONLY = [("fcos_r50", "fcos", "r50")]
+CASES = [("ppyoloe_crn_s", "ppyoloe", "s"), ("ppyolo_r50vd_dcn", "ppyolo", "r50vd_dcn"), ("ppyolo_r18vd", "ppyolo", "r18vd"),
+         ("fcos_r50", "fcos", "r50")]
 
 
 def manifest_arrays(fixture: str) -> dict[str, np.ndarray]:
@@ -47,7 +46,7 @@ def write_pdparams(path: Path, weights: dict[str, np.ndarray]) -> None:
     path.write_bytes(pickle.dumps(state, protocol=4))
 
 
-@pytest.mark.parametrize("fixture,arch,size", CASES + MANIFEST_ONLY)
+@pytest.mark.parametrize("fixture,arch,size", CASES)
 def test_released_key_manifest_converts_exactly(fixture, arch, size, tmp_path):
     state = manifest_arrays(fixture)
     conv = ARCHITECTURES[arch].weight_sources["paddle"].convert

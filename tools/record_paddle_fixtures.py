@@ -8,11 +8,12 @@ tests/fixtures/paddle/:
   order with its shape (what a released ``.pdparams`` holds), for the key-count checks;
 - ``<model>_tiny.npz``: a tiny-width model's key order and shapes, the seed that fills
   its weights (:func:`fill`, which the test repeats), a fixed input, and Paddle's dense
-  outputs on it (boxes, scores) in float32 and float64.
+  outputs on it (boxes, scores) in float32 and float64: every point or anchor before
+  NMS, decoded by Paddle's own post-processing with scale factor 1 (input pixels).
 
 Regenerate (CPU is enough):
 
-    pip install paddlepaddle==3.3.1
+    pip install paddlepaddle==3.3.1 numpy pyyaml six  # ppdet's model files import yaml and six
     git clone --branch v2.6.0 https://github.com/PaddlePaddle/PaddleDetection /tmp/PaddleDetection
     python tools/record_paddle_fixtures.py --ppdet /tmp/PaddleDetection
 """
@@ -136,6 +137,9 @@ def ppyolo(size: str):
 
 
 def fcos_r50():
+    """FCOSHead.post_process decodes (points at (j + 0.5) * stride, ltrb = relu(scale * reg) *
+    stride, score sigmoid(cls) * sigmoid(centerness)) and clips nothing; :func:`dense` stands
+    in for its MultiClassNMS."""
     from ppdet.modeling.backbones.resnet import ResNet
     from ppdet.modeling.heads.fcos_head import FCOSFeat, FCOSHead
     from ppdet.modeling.necks.fpn import FPN
@@ -153,21 +157,25 @@ def fcos_r50():
                                                          use_dcn=False),
                                       num_classes=80, fpn_stride=[8, 16, 32, 64, 128], prior_prob=0.01,
                                       norm_reg_targets=True, centerness_on_reg=True, num_shift=0.5,
-                                      fcos_loss=None, nms=None)
+                                      fcos_loss=None, nms=dense)
+
+        def forward(self, x):
+            outs = self.fcos_head(self.neck(self.backbone({"image": x})))
+            boxes, scores = self.fcos_head.post_process(outs, paddle.ones([x.shape[0], 2], dtype=x.dtype))
+            return boxes, scores.transpose([0, 2, 1])  # [B, A, 4] xyxy px, [B, A, 80]
 
     return Model()
 
 
-def record_manifest(name: str, build) -> None:
-    """The key manifest only (no recorded outputs for this model yet)."""
-    manifest = [[k, list(v.shape)] for k, v in build().state_dict().items()]
-    (OUT / f"{name}_manifest.json").write_text(json.dumps(manifest, indent=0))
-    print(f"{name}: {len(manifest)} keys (manifest only)")
+def dense(boxes, scores):
+    """In MultiClassNMS's place: FCOSHead.post_process's decoded boxes and scores, unfiltered."""
+    return boxes, scores, None
 
 
 def record(name: str, build, full: tuple, tiny: tuple, seed: int, hw=(64, 96)) -> None:
     """``build(*full)``: the released model (its key manifest); ``build(*tiny)``: the one whose
-    outputs are recorded (a narrower PP-YOLOE; PP-YOLO at full width on a small input)."""
+    outputs are recorded (a narrower PP-YOLOE; PP-YOLO and FCOS at full width on a small
+    input, where FCOS's 64 x 96 still gives P7 a point: A = 96 + 24 + 6 + 2 + 1)."""
     import paddle
 
     model = build(*full)
@@ -204,7 +212,7 @@ def main() -> None:
     record("ppyoloe_crn_s", ppyoloe, full=(0.50, 0.33), tiny=(0.125, 0.33), seed=25)
     for size in PPYOLO:
         record(f"ppyolo_{size}", ppyolo, full=(size,), tiny=(size,), seed=26, hw=(64, 64))
-    record_manifest("fcos_r50", fcos_r50)
+    record("fcos_r50", fcos_r50, full=(), tiny=(), seed=27)
 
 
 if __name__ == "__main__":
