@@ -35,7 +35,7 @@ from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.paddle_names import NAME_TABLE, bn_name, load_paddle_backbone
-from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, PaddleNMSOptions, Phase, Recipe, check_probabilities, paddle_nms_kwargs
 from fastdet.ops import fcos_assign
 
 SIZES = {"r50": 50}
@@ -353,7 +353,7 @@ def build_fcos(
 
 
 @dataclass(frozen=True)
-class FCOSOptions(NMSOptions):
+class FCOSOptions(PaddleNMSOptions):
     """The ``family`` config section of FCOS (``--set family.<field>=value``).
 
     Post-processing is Paddle's MultiClassNMS of fcos_r50_fpn.yml: score 0.025, top 1000
@@ -364,7 +364,6 @@ class FCOSOptions(NMSOptions):
     nms_iou: float = 0.6
     max_det: int = 100
     pre_nms_topk: int = 1000
-    per_class_topk: bool = True
     flip_prob: float = 0.5
     # Train the backbone's BatchNorm and its first stages too (a from-scratch run, e.g.
     # the demo): see fastdet/models/backbones/resnet.py for why frozen ones need weights.
@@ -424,7 +423,8 @@ RECIPE = Recipe(
         "run.eval_interval": 6,
     },
     # The ImageNet files the authors' configs start from (pretrain_weights).
-    backbone_files={"r50": "ResNet50_cos_pretrained.pdparams (Paddle) or torchvision resnet50 IMAGENET1K_V1"}
+    backbone_files={"r50": "ResNet50_cos_pretrained.pdparams (Paddle) or torchvision resnet50 IMAGENET1K_V1"},
+    predict=paddle_nms_kwargs,
 )
 
 # --------------------------------------------------------------------------- released weights

@@ -28,7 +28,7 @@ from fastdet.models.backbones.cspresnet import CSPResNet, scale_channels, scale_
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, BasicBlock, ConvBNAct
 from fastdet.models.paddle_names import NAME_TABLE, bn_name, dfl_projection_checked, load_paddle_backbone
-from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, PaddleNMSOptions, Phase, Recipe, check_probabilities, paddle_nms_kwargs
 from fastdet.ops import atss_assign, task_aligned_assign
 
 # size -> (depth_mult, width_mult), PaddleDetection configs/ppyoloe/ppyoloe_crn_{s,m,l,x}_300e_coco.yml
@@ -356,7 +356,7 @@ def build_ppyoloe(
 
 
 @dataclass(frozen=True)
-class PPYOLOEOptions(NMSOptions):
+class PPYOLOEOptions(PaddleNMSOptions):
     """The ``family`` config section of PP-YOLOE (``--set family.<field>=value``).
 
     Post-processing is the authors' eval config of the crn models this family builds
@@ -367,7 +367,6 @@ class PPYOLOEOptions(NMSOptions):
 
     nms_iou: float = 0.6
     max_det: int = 100
-    per_class_topk: bool = True
 
     # Epochs trained with the static (ATSS) assigner before the task-aligned one takes
     # over (PP-YOLOE 300e recipe: 100; PP-YOLOE+ 80e: 30).
@@ -446,7 +445,8 @@ RECIPE = Recipe(
     },
     # The ImageNet files the authors' configs start from (pretrain_weights).
     backbone_files={"s": "CSPResNetb_s_pretrained.pdparams", "m": "CSPResNetb_m_pretrained.pdparams",
-                    "l": "CSPResNetb_l_pretrained.pdparams", "x": "CSPResNetb_x_pretrained.pdparams"}
+                    "l": "CSPResNetb_l_pretrained.pdparams", "x": "CSPResNetb_x_pretrained.pdparams"},
+    predict=paddle_nms_kwargs,
 )
 
 # --------------------------------------------------------------------------- released weights

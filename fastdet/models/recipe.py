@@ -91,18 +91,26 @@ class NMSOptions(FamilyOptions):
     nms_iou: float = 0.7
     max_det: int = 300
     pre_nms_topk: int = 1000
-    # The pre-NMS top-k is taken per class (PaddleDetection's MultiClassNMS) rather than
-    # over all (anchor, class) pairs.
-    per_class_topk: bool = False
 
 
 def nms_kwargs(options: Any) -> dict[str, Any]:
     """``Detector.predict`` keyword arguments from :class:`NMSOptions` fields."""
-    kw = dict(score_thresh=options.score_thresh, iou_thresh=options.nms_iou,
-              max_det=options.max_det, pre_nms_topk=options.pre_nms_topk)
-    if options.per_class_topk:  # only Detector.predict takes it (YOLOX's and Matrix NMS's predict do not)
-        kw["per_class_topk"] = True
-    return kw
+    return dict(score_thresh=options.score_thresh, iou_thresh=options.nms_iou,
+                max_det=options.max_det, pre_nms_topk=options.pre_nms_topk)
+
+
+@dataclass(frozen=True)
+class PaddleNMSOptions(NMSOptions):
+    """:class:`NMSOptions` of PaddleDetection's MultiClassNMS, whose ``nms_top_k`` is taken
+    per class (``multiclass_nms(per_class_topk=True)``) rather than over all (anchor, class)
+    pairs; ``family.per_class_topk=false`` gives the latter."""
+
+    per_class_topk: bool = True
+
+
+def paddle_nms_kwargs(options: PaddleNMSOptions) -> dict[str, Any]:
+    """``Detector.predict`` keyword arguments from :class:`PaddleNMSOptions` fields."""
+    return {**nms_kwargs(options), "per_class_topk": options.per_class_topk}
 
 
 # What every family's demo recipe shares, so that `--data demo` learns in minutes on a
