@@ -67,6 +67,28 @@ def test_demo_training_writes_checkpoint_tensorboard_and_ap(eager_run):
     line = next(l for l in r.stdout.splitlines() if "step 3/" in l)
     for field in ("epoch 0", "loss_cls", "lr ", "img/s", "data ", "mem ", "eta "):
         assert field in line, line
+    # Each line's longest gap between steps is its step's time (log interval 1), and the
+    # run's longest is the largest of them, named with its step.
+    m = metrics(out)
+    assert all(b["time_s"] > a["time_s"] for a, b in zip(m, m[1:]))
+    for a, b in zip(m, m[1:]):
+        assert b["max_step_gap_s"] == pytest.approx(b["time_s"] - a["time_s"], abs=0.25)
+    worst = max(m, key=lambda x: x["max_step_gap_s"])
+    assert f"longest gap between two steps {worst['max_step_gap_s']:.1f} s (step {worst['step']};" in r.stdout
+
+
+def test_step_gaps_count_steps_not_the_time_between_epochs(monkeypatch):
+    from fastdet.engine import logging as L
+
+    clock = iter([0.0, 2.0, 3.0, 103.0, 110.0, 140.0, 141.0])
+    monkeypatch.setattr(L.time, "perf_counter", lambda: next(clock))
+    g = L.StepGaps()
+    g.restart()                       # epoch 0 begins at t=0
+    assert g.tick(1) == 2.0 and g.tick(2) == 1.0
+    assert g.take_interval() == 2.0 and g.take_interval() == 0.0
+    g.restart()                       # epoch 1 begins at t=103 after a 100 s evaluation
+    assert g.tick(3) == 7.0 and g.tick(4) == 30.0 and g.tick(5) == 1.0
+    assert (g.longest, g.longest_step) == (30.0, 4) and g.take_interval() == 30.0
 
 
 def test_eval_cli_on_the_checkpoint(eager_run, demo_small):

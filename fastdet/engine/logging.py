@@ -182,3 +182,35 @@ class Timer:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+
+class StepGaps:
+    """The longest wall-clock gap between the ends of two consecutive steps.
+
+    A step that waits for a compile (a bucket switching to its graph, a worker starving the
+    cores) shows here, whatever its cause; the time between epochs (checkpoint, evaluation)
+    does not, because :meth:`restart` is called when an epoch's steps begin. ``longest`` is over
+    the run, ``interval`` since the last :meth:`take_interval` (each ``metrics.jsonl`` line).
+    """
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.longest, self.longest_step = 0.0, 0
+        self.interval = 0.0
+
+    def restart(self) -> None:
+        self.last = time.perf_counter()
+
+    def tick(self, step: int) -> float:
+        """Called when ``step`` has finished; the gap since the previous one (seconds)."""
+        now = time.perf_counter()
+        gap = 0.0 if self.last is None else now - self.last
+        self.last = now
+        self.interval = max(self.interval, gap)
+        if gap > self.longest:
+            self.longest, self.longest_step = gap, step
+        return gap
+
+    def take_interval(self) -> float:
+        gap, self.interval = self.interval, 0.0
+        return gap

@@ -31,7 +31,7 @@ from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, l
 from fastdet.engine.evaluation import EvalRunner
 from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
                                    restart_count, resume_command)
-from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, TensorBoard, Timer,
+from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, StepGaps, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path
@@ -409,6 +409,7 @@ class Trainer:
         progress = Progress(total_steps - self.step, run.progress and self.dist.is_main)
         t_start, steps_at_start = time.perf_counter(), self.step
         self._last_log_t = t_start
+        self.gaps = StepGaps()
         while self.step < total_steps:
             if self._train_epoch(total_steps, progress, t_start, steps_at_start):
                 progress.close()
@@ -444,6 +445,10 @@ class Trainer:
         progress.close()
         self.tb.close()
         self.close_background()
+        if self.dist.is_main:
+            log.info("steps %d-%d: longest gap between two steps %.1f s (step %d; evaluation and "
+                     "checkpoints between epochs not counted)", steps_at_start + 1, self.step,
+                     self.gaps.longest, self.gaps.longest_step)
         if stats and self.dist.is_main:
             log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s; val predictions "
                      "drawn in %s)", stats["AP"], stats["AP50"], self.best_ap, self.out,
@@ -575,8 +580,9 @@ class Trainer:
                      describe_cache(record.get("cache", {})))
             ts.mark_ready(b.h, b.w, b.kwargs)
         if bg.total_s is not None:
-            log.info("compile: all %d graph(s) compiled, %.1f s after training started", len(bg.buckets),
-                     bg.total_s)
+            log.info("compile: all %d graph(s) compiled, %.1f s after training started; longest gap "
+                     "between two steps so far %.1f s (step %d)", len(bg.buckets), bg.total_s,
+                     self.gaps.longest, self.gaps.longest_step)
         dead = bg.dead_workers()
         if dead and not getattr(self, "_dead_reported", False):
             self._dead_reported = True
@@ -611,6 +617,7 @@ class Trainer:
         cfg, run = self.cfg, self.cfg.run
         self._train_mode()  # evaluation may have left the model in eval mode
         self.train_loader.set_epoch(self.epoch)
+        self.gaps.restart()
         skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
         kw = recipes.phase(cfg, self.epoch).loss_kwargs
         timer, data_time, n_images = Timer(), 0.0, 0
@@ -623,6 +630,8 @@ class Trainer:
                 return False
             if skip > 0:
                 skip -= 1
+                if skip == 0:
+                    self.gaps.restart()  # the skipped batches are not a gap between steps
                 continue
             data_time += timer.lap()
             self.profiler.before_step(self.step)
@@ -630,6 +639,7 @@ class Trainer:
                 self.optimizer.set_lr(self.schedule(self.step))
                 self.train_step(batch, kw)
             self.step += 1
+            self.gaps.tick(self.step)
             maybe_inject_fault(self.dist.rank, self.step)
             n_images += batch["images"].shape[0] * self.dist.world_size
             timer.lap()
@@ -713,7 +723,9 @@ class Trainer:
         if self.dist.is_main:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"epoch": self.epoch, "step": self.step, "lr": lr,
-                                    "images_per_s": ips, **losses}) + "\n")
+                                    "images_per_s": ips, "time_s": round(elapsed, 3),
+                                    "max_step_gap_s": round(self.gaps.take_interval(), 3),
+                                    **losses}) + "\n")
         self.tb.scalars({"train/lr": lr, "train/images_per_s": ips, "train/data_time": data_time / max(1, n),
                          "train/memory_mb": mem}, self.step)
         self._collect_evals()  # scores finished in the background since the last log
