@@ -28,6 +28,7 @@ from fastdet.engine.optim import build_optimizer_and_ema
 from fastdet.engine.step import TrainStep, compiled_graph_count, synthetic_batch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+REPO = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- planning
@@ -302,3 +303,61 @@ def test_bench_warmup_modes_bring_their_baseline_and_stay_out_of_all():
                                                 "warmup_warm"]
     assert not set(throughput.parse_modes("all")) & {"step_compile_dynamic", "warmup_cold", "warmup_warm"}
     assert throughput.BASELINE_OF["step_compile_dynamic"] == "step_compile"
+
+
+def test_compile_timeline_reads_a_real_launch_and_a_relaunch_starts_compiled(demo_small, tmp_path):
+    """bench/compile_timeline.py runs the trainer and reads its log: the plan, the first
+    (eager) step, the graph the worker compiled, the bucket's switch, and the longest gap
+    between steps from metrics.jsonl; it stops the run (SIGTERM, exit 75) once every bucket
+    runs compiled. The relaunch on the same cache starts no worker: the bucket the worker
+    compiled before loads at its first step, so the first step already runs compiled.
+    Dynamo's eager backend: the orchestration, not inductor's minutes."""
+    out, cache = tmp_path / "timeline.json", tmp_path / "cache"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "compile_timeline.py"), "--arch", "ppyoloe",
+                        "--size", "s", "--batch-size", "2", "--data", str(demo_small), "--cache-dir", str(cache),
+                        "--max-minutes", "10", "--json", str(out),
+                        "--set", "compile.backend=eager", "--set", "data.train_sizes=64",
+                        "--set", "data.img_size=64", "--set", "data.num_workers=0",
+                        "--set", "family.static_assigner_epoch=100", "--set", "optim.epochs=50"],
+                       capture_output=True, text=True, env={**ENV, "FASTDET_OPS_BACKEND": "torch"}, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    phases = json.loads(out.read_text())["phases"]
+    cold, warm = phases["cold"], phases["warm"]
+    for row in (cold, warm):
+        assert row["status"] == "ok" and row["exit_code"] == 75, row
+        assert row["graphs"] == 1 and row["stopped_because"] == "every bucket runs compiled"
+    assert (cold["workers"], cold["first_step_kind"]) == (1, "eager")
+    assert [g["bucket"] for g in cold["graphs_compiled"]] == ["64x64 static_assigner=True"]
+    (sw,) = cold["switches"]
+    assert sw["bucket"] == "64x64 static_assigner=True" and not sw["miss"] and sw["step"] >= 2
+    assert cold["first_step_seen_s"] <= cold["graphs_compiled"][0]["seen_s"] <= sw["seen_s"]
+    # The switch's step is a step of the run, and no gap is longer than the longest.
+    gaps = cold["step_gaps_s"]
+    assert len(gaps) == cold["steps"] >= sw["step"]
+    assert cold["longest_step_gap_s"] == max(gaps) == gaps[cold["longest_step_gap_step"] - 1]
+    assert gaps[sw["step"] - 1] >= sw["step_s"] - 0.25
+    assert (warm["workers"], warm["first_step_kind"], warm["graphs_compiled"]) == (0, "compiled", [])
+    assert [(s["bucket"], s["step"]) for s in warm["switches"]] == [("64x64 static_assigner=True", 1)]
+    assert (cache / bgc.GRAPHS_DIR).is_dir()
+
+
+def test_graph_key_holds_what_shapes_the_graph_and_nothing_else():
+    """A relaunch that changes only the run (steps, schedule, data paths, warm-up) finds the
+    graphs of the earlier launch; one that changes the graph (batch, classes, AMP, layout,
+    DDP, threads on the CPU, the device) does not."""
+    cfg = recipes.get_preset("ppyoloe", "s")
+    key = bgc.graph_key(cfg, "cpu", False, 2)
+    same = {"run.max_steps": 10, "optim.epochs": 3, "optim.base_lr": 0.1, "data.data": "/elsewhere",
+            "compile.warmup": "blocking", "compile.workers": 3, "run.log_interval": 1,
+            "model.backbone_weights": "/w.pth"}
+    for k, v in same.items():
+        assert bgc.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) == key, k
+    other = {"data.batch_size": 3, "model.num_classes": 3, "compile.amp": "off", "data.channels_last": True,
+             "data.max_boxes": 7, "compile.shapes": "dynamic"}
+    keys = {bgc.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) for k, v in other.items()}
+    keys |= {bgc.graph_key(cfg, "cpu", True, 2), bgc.graph_key(cfg, "cpu", False, 1),
+             bgc.graph_key(cfg, "meta", False, 2)}
+    assert len(keys) == len(other) + 3 and key not in keys
+    # A bucket is known once a worker has recorded it under the key.
+    b = bgc.Bucket.of(64, 96, {"static_assigner": True})
+    assert bgc.compiled_before(Path("/nonexistent"), key, [b]) == [False]

@@ -145,6 +145,61 @@ def describe_cache(d: dict[str, int]) -> str:
             f"{d['aot_hit']} AOTAutograd hit(s) / {d['aot_miss']} miss(es)")
 
 
+# --------------------------------------------------------------------------- graphs compiled before
+
+GRAPHS_DIR = "fastdet-graphs"  # under the inductor cache: what earlier launches compiled into it
+
+# The config fields a bucket's graph does not depend on: where the data is, the run's
+# length and intervals, the LR schedule (the step reads the LR from a tensor), and how the
+# warm-up itself runs. Everything else is in the key, so a changed setting misses (its
+# graphs compile again in the workers) rather than loading a graph of another config.
+_NOT_IN_GRAPH = {
+    "model": {"backbone_weights"},
+    "optim": {"base_lr", "ref_batch", "epochs", "schedule", "cosine_epochs", "warmup_steps", "warmup_epochs",
+              "warmup_start_factor", "min_lr_ratio", "no_aug_epochs", "milestones", "gamma"},
+    "compile": {"warmup", "workers", "cache_dir"},
+}
+_DATA_IN_GRAPH = ("batch_size", "max_boxes", "channels_last")
+_SOURCE_HASH: str | None = None
+
+
+def _source_hash() -> str:
+    """Of fastdet's Python and C++ sources: changed code may trace another graph."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha1()
+        for f in sorted([*root.rglob("*.py"), *(root.parent / "csrc").glob("*.*")]):
+            h.update(str(f.relative_to(root.parent)).encode())
+            h.update(f.read_bytes())
+        _SOURCE_HASH = h.hexdigest()
+    return _SOURCE_HASH
+
+
+def graph_key(cfg, device: torch.device | str, ddp: bool, threads: int) -> str:
+    """What a bucket's compiled graph depends on besides its size and loss arguments: the
+    graph-shaping config, the device, DDP's wrapping, torch's CPU threads (inductor's CPU
+    kernels and cache key hold them), torch's version and fastdet's sources."""
+    d = cfg.to_dict()
+    part = {sec: {k: v for k, v in d[sec].items() if k not in _NOT_IN_GRAPH.get(sec, ())}
+            for sec in ("model", "family", "optim", "compile")}
+    part["data"] = {k: d["data"][k] for k in _DATA_IN_GRAPH}
+    dev = torch.device(device)
+    what = [part, str(dev), bool(ddp), int(threads) if dev.type == "cpu" else 0, torch.__version__, _source_hash()]
+    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def compiled_dir(cache: Path, key: str) -> Path:
+    return cache / GRAPHS_DIR / key
+
+
+def compiled_before(cache: Path, key: str, buckets: list[Bucket]) -> list[bool]:
+    """For each bucket: did a worker or ``python -m fastdet.compile`` compile it into ``cache``
+    under ``key``? (Its graph then loads from the cache at the bucket's first step.)"""
+    d = compiled_dir(cache, key)
+    return [(d / f"{b.file_id}.json").is_file() for b in buckets]
+
+
 # --------------------------------------------------------------------------- the worker
 
 def _write_json(path: Path, record: dict[str, Any]) -> None:
@@ -198,6 +253,8 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
                      dynamic=cfg.compile.dynamic, ddp=wrap, backend=cfg.compile.backend,
                      shapes=cfg.compile.shapes)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 2)
+    done_dir = compiled_dir(resolve_cache_dir(), graph_key(cfg, dev, ddp, torch.get_num_threads()))
+    done_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for b in buckets:
         if parent is not None and os.getppid() != parent:
@@ -213,6 +270,8 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
         record["seconds"] = time.perf_counter() - t0
         record["cache"] = count_delta(c0, cache_counts())
         records.append(record)
+        if record["ok"]:  # later launches on this cache load it at the bucket's first step
+            _write_json(done_dir / f"{b.file_id}.json", record)
         if ready_dir is not None:
             _write_json(Path(ready_dir) / f"{b.file_id}.json", record)
         if report is not None:
@@ -240,7 +299,9 @@ class BackgroundCompile:
                  local_rank: int, local_ranks: int, ddp: bool):
         self.cfg, self.buckets, self.ready_dir = cfg, buckets, ready_dir
         self.device, self.local_rank, self.ddp = device, local_rank, ddp
-        self.workers, self.threads = plan_workers(len(buckets), cfg.compile.workers, local_ranks)
+        self.workers, self.threads = plan_workers(max(1, len(buckets)), cfg.compile.workers, local_ranks)
+        if not buckets:  # every graph was compiled before: no worker to start
+            self.workers = 0
         self.procs: list[Any] = []
         self.pending = list(buckets)
         self.done: dict[Bucket, dict[str, Any]] = {}

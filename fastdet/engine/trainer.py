@@ -531,13 +531,24 @@ class Trainer:
         # of the other ranks and the workers.
         torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
         launch = dist.broadcast_object(bgc.launch_id())
-        bg = bgc.BackgroundCompile(cfg, buckets, bgc.ready_dir_for(self.out, launch), self.device,
+        # Graphs an earlier launch (or python -m fastdet.compile) compiled into this cache are
+        # loaded at their bucket's first step; the workers compile only the others.
+        key = bgc.graph_key(cfg, self.device, self.dist.distributed, torch.get_num_threads())
+        known = bgc.compiled_before(cache, key, buckets)
+        if self.dist.distributed:
+            known = [bool(k) for k in self._agree_min([int(k) for k in known])]
+        todo = [b for b, k in zip(buckets, known) if not k]
+        bg = bgc.BackgroundCompile(cfg, todo, bgc.ready_dir_for(self.out, launch), self.device,
                                    local_rank=self.dist.local_rank, local_ranks=local_ranks,
                                    ddp=self.dist.distributed)
         if self.device.type == "cuda" and self.dist.distributed and self.device.index != 0:
             log.warning("compile: this rank's device is %s and inductor's cache key holds the device, "
                         "so it cannot load the graphs local rank 0's workers compile for cuda:0; "
                         "launch with torchrun --virtual-local-rank to share them", self.device)
+        if len(todo) < len(buckets):
+            log.info("compile: %d of %d graph(s) were compiled into this cache by an earlier launch or "
+                     "python -m fastdet.compile (%s): each loads at its bucket's first step",
+                     len(buckets) - len(todo), len(buckets), bgc.compiled_dir(cache, key))
         log.info("compile: %d graph(s) (%d size bucket(s) x %d loss variant(s)) in %d worker "
                  "process(es) x %d compile thread(s), backend %s; training starts eager and each "
                  "bucket switches to its compiled%s step when its graph is ready; inductor cache %s "
@@ -546,6 +557,9 @@ class Trainer:
                  bg.workers, bg.threads, cfg.compile.backend,
                  " and captured" if cfg.compile.cuda_graphs else "", cache)
         self.train_step.begin_background(len(buckets))
+        for b, k in zip(buckets, known):
+            if k:
+                self.train_step.mark_ready(b.h, b.w, b.kwargs)
         dist.barrier()  # the ready directory is fresh before any rank looks into it
         bg.start()
         self.background = bg
