@@ -195,7 +195,7 @@ def _train(data: Path, out: Path, wait: int, *extra: str) -> subprocess.Complete
            "--log-interval", "1", "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2",
            "--set", "run.eval_interval=100", "--set", "family.static_assigner_epoch=100",
            "--compile", "--set", "compile.backend=aot_eager",
-           "--set", f"compile.cache_dir={out.parent / 'cache'}", *extra]
+           "--set", f"compile.cache_dir={out.parent / ('cache-' + out.name)}", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800)
 
 
@@ -208,7 +208,7 @@ def test_background_compile_switches_and_resumes_exactly_across_the_switch(demo_
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
     log = a.stdout
     assert "1 graph(s) (1 size bucket(s) x 1 loss variant(s)) in 1 worker process(es)" in log
-    assert "training starts eager" in log and str(tmp_path / "cache") in log
+    assert "training starts eager" in log and str(tmp_path / "cache-full") in log
     assert re.search(r"compile: graph 1/1 \(64x64 static_assigner=True\) compiled by worker \d+ in", log)
     assert "runs compiled from step 3" in log
     assert "recompiled" not in log + a.stderr
@@ -269,6 +269,9 @@ def test_compile_cli_fills_the_cache_that_training_then_loads(demo_small, tmp_pa
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert str(cache) in r.stdout
+    # fastdet.compile recorded the bucket under the trainer's key: no worker, it loads at step 1.
+    assert "1 of 1 graph(s) were compiled into this cache" in r.stdout, r.stdout[-3000:]
+    assert "in 0 worker process(es)" in r.stdout
     m = re.search(r"runs compiled from step 1 \(([\d.]+) s for that step: 1 graph\(s\), cache: (\d+) FX hit\(s\) "
                   r"/ 0 miss\(es\), (\d+) AOTAutograd hit\(s\) / 0 miss", r.stdout)
     assert m and int(m.group(2)) + int(m.group(3)) > 0, r.stdout[-3000:]
