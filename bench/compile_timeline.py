@@ -47,7 +47,7 @@ FIRST = re.compile(r"first step done ([\d.]+) s after start \((\w+)\)")
 GRAPH = re.compile(r"compile: graph (\d+)/(\d+) \((.+?)\) compiled by worker \d+ in ([\d.]+) s \((.*)\)")
 ALL = re.compile(r"compile: all (\d+) graph\(s\) compiled, ([\d.]+) s after training started")
 SWITCH = re.compile(r"compile: bucket (\S+)(.*?) runs compiled from step (\d+) \(([\d.]+) s for that step: "
-                    r"(\d+) graph\(s\), (.*?)\)(; cache misses)?")
+                    r"(\d+) graph\(s\), (.*)\)(; cache misses.*)?\s*$")
 STEP = re.compile(r"epoch \d+  step (\d+)/")
 
 

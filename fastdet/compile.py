@@ -22,12 +22,21 @@ when it starts several).
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from fastdet.config import ConfigError, apply_overrides
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def build_parser():
@@ -70,20 +79,32 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fastdet.compile: error: {e}", file=sys.stderr)
         return 2
-    if device.type == "cuda":
-        import torch
+    import torch
 
+    if device.type == "cuda":
         device = torch.device("cuda", 0)
     cache = bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
     sizes = bgc.bucket_sizes(cfg)
     variants = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)
-    buckets = bgc.train_buckets(sizes, variants)
+    every = bgc.train_buckets(sizes, variants)
+    # What an earlier fastdet.compile or training launch compiled into this cache under the
+    # same graph key is not compiled again: a stopped or repeated fill does only the rest.
+    key = bgc.graph_key(cfg, device, args.ddp, torch.get_num_threads())
+    buckets = [b for b, known in zip(every, bgc.compiled_before(cache, key, every)) if not known]
+    if len(buckets) < len(every):
+        log.info("fastdet.compile: %d of %d graph(s) were compiled into %s before; %d to go",
+                 len(every) - len(buckets), len(every), cache, len(buckets))
+    if not buckets:
+        return 0
     workers, threads = bgc.plan_workers(len(buckets), cfg.compile.workers, 0)
     log.info("fastdet.compile: %s-%s, %d classes, batch %d on %s: %d graph(s) (%d size bucket(s) x %d loss "
              "variant(s)) in %d worker process(es) x %d compile thread(s), backend %s, into %s",
              cfg.model.arch, cfg.model.size, n, cfg.data.batch_size, device, len(buckets), len(sizes),
              len(variants), workers, threads, cfg.compile.backend, cache)
     t0 = time.perf_counter()
+    # A scheduler's SIGTERM (or a second Ctrl-C's) unwinds through the ``finally`` below,
+    # which stops the workers; what they finished stays in the cache.
+    signal.signal(signal.SIGTERM, _raise_stopped)
     with tempfile.TemporaryDirectory(prefix="fastdet-compile-") as tmp:
         bg = bgc.BackgroundCompile(cfg, buckets, Path(tmp), device, local_rank=0, local_ranks=0, ddp=args.ddp)
         bg.workers, bg.threads = workers, threads
@@ -104,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                         log.error("worker(s) %s stopped with %d graph(s) left", ", ".join(dead), len(bg.pending))
                     break
                 time.sleep(0.5)
+        except (_Stopped, KeyboardInterrupt) as e:
+            bg.poll()
+            log.error("fastdet.compile: stopped (%s) with %d of %d graph(s) compiled; the cache keeps them, "
+                      "and the same command compiles the rest", e or "Ctrl-C", len(bg.done), len(buckets))
+            return 130 if isinstance(e, KeyboardInterrupt) else 143
         finally:
             bg.close()
     if bg.pending or failed:

@@ -102,10 +102,22 @@ def resolve_cache_dir(setting: str = "") -> Path:
     return Path(path).expanduser().resolve()
 
 
+# AOTAutograd's cache skips ("bypasses") a graph holding a custom autograd.Function unless
+# this is set; FCOS's fused focal loss is one, so without it every load of an FCOS graph
+# re-runs AOTAutograd's joint trace and partition. Dynamo traces the Function's forward and
+# backward into the graph, so the cache key covers their code.
+AUTOGRAD_FN_ENV = "TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"
+
+
 def use_cache_dir(path: Path) -> Path:
-    """Point inductor (this process and the workers it starts) at ``path``."""
+    """Point inductor (this process and the workers it starts) at ``path``, with the
+    AOTAutograd cache serving graphs that hold a custom autograd.Function."""
+    import torch._functorch.config
+
     path.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_ENV] = str(path)
+    os.environ[AUTOGRAD_FN_ENV] = "1"  # read by spawned workers when they import torch
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     return path
 
 
@@ -281,8 +293,29 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     return records
 
 
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """In a worker: exit once ``parent`` is gone (killed, SIGKILLed by a scheduler, out of
+    memory). One graph compiles for minutes, up to an hour on a small CPU, so waiting for
+    the end of the graph would leave an orphan taking the cores of the next launch.
+    Inductor writes each cache entry to a temporary file and renames it, so stopping
+    mid-compile leaves no partial entry."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="fastdet-parent-watch", daemon=True).start()
+
+
 def _worker_entry(*args: Any) -> None:
+    import inspect
+
     logging.basicConfig(level=logging.WARNING)
+    parent = inspect.signature(compile_buckets).bind(*args).arguments.get("parent")
+    if parent is not None:
+        _exit_with_parent(parent)
     compile_buckets(*args)
 
 
