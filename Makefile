@@ -25,12 +25,17 @@ demo: $(STAMP)
 	$(PY) -m fastdet.train --arch ppyoloe --size s --data demo --output-dir runs/demo
 
 # The suite CI runs: everything but the tests marked slow (whole-model inductor builds and
-# the ONNX exports of every family), which `make test-all` adds.
+# the ONNX exports of every family), which `make test-all` adds. Test files run in
+# parallel, one pytest-xdist worker a core (`make test TEST_WORKERS=0`: one process);
+# --dist loadfile keeps a file's tests, and the checkpoints its fixtures train, together.
+TEST_WORKERS ?= auto
+TEST_FLAGS = -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" $(TEST_FLAGS) tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(TEST_FLAGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py --quick

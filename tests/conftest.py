@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,11 @@ from fastdet.data.coco import DataPaths, coco_layout
 from fastdet.data.demo import make_demo
 
 DEMO_SMALL = dict(num_train=24, num_val=8, seed=0)
+
+# Under pytest-xdist (`make test`) the workers share the cores: each takes its share of
+# torch's threads, so 2 workers on 2 cores do not run 4 spinning OpenMP threads.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from fastdet import recipes
 from fastdet.config import ConfigError, apply_overrides
@@ -284,7 +285,7 @@ def test_two_ranks_share_one_worker_and_switch_together(demo_small, tmp_path):
     on the machine), both ranks see the bucket ready at the same log point and switch at
     the same step (the run finishes: DDP's all-reduces stay paired)."""
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            hooked_train_script(tmp_path), "2", "--arch", "ppyoloe", "--size", "s", "--data", str(demo_small),
            "--device", "cpu", "--img-size", "64", "--no-multiscale", "--batch-size", "2", "--epochs", "2",
            "--output-dir", str(out), "--workers", "0", "--log-interval", "1", "--max-steps", "4",

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 from test_train import assert_same_training  # tests/ is on sys.path (rootdir conftest)
 
 from fastdet.engine.checkpoint import load_checkpoint
@@ -178,7 +179,7 @@ def test_yolox_two_ranks_match_one_process(demo_small, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     r1 = run(train_cmd(demo_small, one, "yolox", "nano", *YOLOX_SAME_RUN))
     assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
-    r2 = run(yolox_two_ranks_cmd(demo_small, two, 29531, *YOLOX_SAME_RUN))
+    r2 = run(yolox_two_ranks_cmd(demo_small, two, free_port(), *YOLOX_SAME_RUN))
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert_same_training(one, two, "yolox", "nano")
 
@@ -196,7 +197,7 @@ def test_yolox_bn_statistics_are_averaged_over_ranks_before_checkpoints(demo_sma
     same = ["--no-augment", "--max-steps", "1", "--set", "optim.warmup_epochs=0"]
     r1 = run(train_cmd(demo_small, one, "yolox", "nano", *same))
     assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
-    r2 = run(yolox_two_ranks_cmd(demo_small, two, 29532, *same))
+    r2 = run(yolox_two_ranks_cmd(demo_small, two, free_port(), *same))
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert "running statistics averaged over the ranks" in r2.stdout
     a, b = load_checkpoint(one / "latest.pth"), load_checkpoint(two / "latest.pth")

@@ -114,15 +114,12 @@ def test_dist_timeout_bounds_how_long_ranks_wait_for_each_other():
     """--dist-timeout reaches the collectives: rank 1 waits for rank 0's broadcast, which
     comes 5 s late; with a 2 s timeout it fails (gloo's default is 30 min, and the
     trainer's default 30 min too: what lets rank 0 score a long COCO evaluation)."""
-    import socket
-
     import torch.multiprocessing as mp
+    from ports import free_port
 
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 from PIL import Image
+from ports import free_port
 
 from fastdet.config import ModelConfig, apply_overrides
 from fastdet.data.coco import coco_layout, load_coco
@@ -322,12 +322,6 @@ def test_gpu_inductor_training_step_matches_eager():
 # --------------------------------------------------------------------------- distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _all_reduce_worker(rank: int, world: int, port: int, results):
     import torch.distributed as dist
 
@@ -348,7 +342,7 @@ def test_all_reduce_mean_over_two_ranks():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_all_reduce_worker, args=(2, _free_port(), results), nprocs=2, start_method="spawn")
+        mp.start_processes(_all_reduce_worker, args=(2, free_port(), results), nprocs=2, start_method="spawn")
         assert dict(results) == {0: (3.0, 3.0), 1: (3.0, 3.0)}  # mean of 2 and 4
 
 

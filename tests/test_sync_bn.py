@@ -10,24 +10,18 @@ count: torch/nn/modules/_functions.py), computed eagerly with ``dist.all_gather`
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 from torch import nn
 
 from fastdet.engine.sync_bn import FunctionalSyncBatchNorm, convert_sync_batchnorm
 
 BATCH = {0: 3, 1: 5}  # ranks hold different batch sizes
 C, H = 4, 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _net(momentum=0.1) -> nn.Module:
@@ -145,7 +139,7 @@ def two_rank_results():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_worker, args=(2, _free_port(), results), nprocs=2, start_method="spawn")
+        mp.start_processes(_worker, args=(2, free_port(), results), nprocs=2, start_method="spawn")
         return dict(results)
 
 

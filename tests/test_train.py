@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from fastdet.engine.checkpoint import load_checkpoint
 from fastdet.models import build_model
@@ -225,7 +226,7 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
         pytest.skip("torch.distributed with gloo is not available")
     one, r = one_process
     assert r.returncode == 0, r.stderr
-    two = two_ranks(demo_small, tmp_path / "two", port=29517)
+    two = two_ranks(demo_small, tmp_path / "two", port=free_port())
     assert two.returncode == 0, two.stdout + two.stderr
     assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
     assert two.stdout.count("COCO AP") == 1, two.stdout  # the final line once, not once per rank
@@ -240,12 +241,41 @@ def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path,
         pytest.skip("torch.distributed with gloo is not available")
     one, r = one_process_compiled
     assert r.returncode == 0, r.stdout + r.stderr
-    two = two_ranks(demo_small, tmp_path / "two", *COMPILE, port=29518)
+    two = two_ranks(demo_small, tmp_path / "two", *COMPILE, port=free_port())
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in two.stdout
     assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
     assert "recompiled" not in two.stdout + two.stderr
     assert_same_training(one, tmp_path / "two")
+
+
+def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(demo_small, tmp_path,
+                                                                                 monkeypatch):
+    """On the CPU an eval batch of the recipe's size costs seconds of eager forward before
+    the first step (PP-YOLO at 608 px: 12 s of a warm launch's 30 s); two images still run
+    the loader, predict, collation of unequal images and pycocotools. A GPU evaluates the
+    whole batch, which also shows that it fits in memory."""
+    from fastdet.engine import dist, preflight
+    from fastdet.engine.trainer import Trainer
+    from fastdet.train import build_parser, resolve_config
+
+    seen = []
+    real = preflight.coco_eval_mod.evaluate
+
+    def spy(model, loader, dataset, *args, **kwargs):
+        seen.append(len(dataset.records))
+        return real(model, loader, dataset, *args, **kwargs)
+
+    monkeypatch.setattr(preflight.coco_eval_mod, "evaluate", spy)
+    args = build_parser().parse_args(train_cmd(demo_small, tmp_path / "out")[3:])  # eval batch 8
+    trainer = Trainer(resolve_config(args))
+    try:
+        trainer._preflight()
+    finally:
+        dist.shutdown()
+    assert seen == [2]
+    assert preflight.preflight_images(8, torch.device("cuda")) == 8
+    assert preflight.preflight_images(1, torch.device("cpu")) == 1
 
 
 def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_process_compiled):
@@ -376,7 +406,7 @@ def test_sigterm_on_one_rank_stops_every_rank_and_the_resumed_run_is_exact(demo_
     one, r = one_process
     assert r.returncode == 0, r.stderr
     out = tmp_path / "two"
-    a = two_ranks(demo_small, out, port=29541, env={"FASTDET_FAULT": "1:1:TERM"})
+    a = two_ranks(demo_small, out, port=free_port(), env={"FASTDET_FAULT": "1:1:TERM"})
     assert a.returncode != 0
     assert "exitcode  : 75" in a.stderr or "exitcode: 75" in a.stderr, a.stderr[-3000:]
     assert "SIGTERM received: stopping at the next step boundary" in a.stderr
@@ -384,7 +414,7 @@ def test_sigterm_on_one_rank_stops_every_rank_and_the_resumed_run_is_exact(demo_
     assert "Traceback" not in a.stdout
     ck = load_checkpoint(out / "latest.pth")
     assert (ck["step"], ck["epoch"]) == (2, 0)
-    b = two_ranks(demo_small, out, "--resume", port=29542)
+    b = two_ranks(demo_small, out, "--resume", port=free_port())
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
     assert "resumed from" in b.stdout
     assert_same_training(one, out)
@@ -400,7 +430,7 @@ def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_
     one, r = one_process
     assert r.returncode == 0, r.stderr
     out = tmp_path / "two"
-    a = two_ranks(demo_small, out, "--ckpt-interval-steps", "1", port=29543,
+    a = two_ranks(demo_small, out, "--ckpt-interval-steps", "1", port=free_port(),
                   launcher=("--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5"),
                   env={"FASTDET_FAULT": "1:2:KILL"})
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
@@ -419,7 +449,7 @@ def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
     assert r.returncode == 0, r.stderr
     out = tmp_path / "nodes"
     launcher = ("--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", "127.0.0.1:29545", "--rdzv-id", "fastdet-test")
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "fastdet-test")
     cmd = two_ranks_cmd(demo_small, out, port=None, launcher=launcher)
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
               for _ in range(2)]

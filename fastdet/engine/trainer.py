@@ -34,7 +34,7 @@ from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, mayb
 from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, StepGaps, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
-from fastdet.engine.preflight import PreflightError, check_end_of_run_path
+from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.rundir import free_run_dir
 from fastdet.engine.step import TrainStep, resolve_amp
@@ -480,14 +480,15 @@ class Trainer:
         model = self.ema.averaged() if self.ema is not None else self.model
         build = partial(build_eval_loader, cfg.data, preprocess=recipes.family(cfg.model.arch).preprocess,
                         rank=d.rank, world_size=d.world_size, device=self.device)
+        per_rank = preflight_images(cfg.data.eval_batch_size, self.device)
         try:
             secs = check_end_of_run_path(model, self.val_set, build, self.amp_dtype,
-                                         recipes.predict_kwargs(cfg), cfg.data.eval_batch_size * d.world_size,
+                                         recipes.predict_kwargs(cfg), per_rank * d.world_size,
                                          self._state, self.out, d.is_main)
         except PreflightError as e:
             raise TrainingError(str(e)) from e
-        log.info("checked before training: evaluation (eval loader, predict, pycocotools on %s) "
-                 "and a checkpoint write (%.1f s)", self.val_set.ann_file.name, secs)
+        log.info("checked before training: evaluation of %d val image(s) per rank (eval loader, predict, "
+                 "pycocotools on %s) and a checkpoint write (%.1f s)", per_rank, self.val_set.ann_file.name, secs)
 
     def _warmup(self) -> None:
         cfg = self.cfg
