@@ -116,7 +116,8 @@ RESUMABLE = frozenset({
     "run.profile_steps", "run.sync_debug", "run.progress", "run.tensorboard",
     "data.num_workers", "data.loader", "data.cache_dir", "data.eval_batch_size",
     "compile.compile", "compile.cuda_graphs", "compile.backend", "compile.dynamic",
-    "compile.warmup", "compile.shapes", "run.ckpt_interval_minutes", "run.dist_timeout_minutes",
+    "compile.warmup", "compile.shapes", "compile.workers", "compile.worker_nice", "compile.cache_dir",
+    "run.ckpt_interval_minutes", "run.dist_timeout_minutes",
     "run.auto_resume",
 })
 
@@ -256,6 +257,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"compile.shapes must be 'static' or 'dynamic', got {c.shapes!r}")
     if c.workers < 0:
         raise ConfigError(f"compile.workers must be >= 0 (0: sized to the cores), got {c.workers}")
+    if not 0 <= c.worker_nice <= 19:
+        raise ConfigError(f"compile.worker_nice must be a niceness from 0 to 19, got {c.worker_nice}")
     if o.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {o.epochs}")
     if o.base_lr <= 0:

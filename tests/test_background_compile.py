@@ -75,6 +75,9 @@ def test_bad_compile_settings_are_one_clear_error():
         check_config(apply_overrides(cfg, {"compile.warmup": "later"}))
     with pytest.raises(ConfigError, match="compile.workers"):
         check_config(apply_overrides(cfg, {"compile.workers": -1}))
+    for nice in (-1, 20):
+        with pytest.raises(ConfigError, match="compile.worker_nice must be a niceness from 0 to 19"):
+            check_config(apply_overrides(cfg, {"compile.worker_nice": nice}))
 
 
 def test_log_lines_print_above_the_progress_bar(monkeypatch):
@@ -342,9 +345,13 @@ def test_compile_timeline_reads_a_real_launch_and_a_relaunch_starts_compiled(dem
                         "--max-minutes", "10", "--json", str(out),
                         "--set", "compile.backend=eager", "--set", "data.train_sizes=64",
                         "--set", "data.img_size=64", "--set", "data.num_workers=0",
-                        "--set", "family.static_assigner_epoch=100", "--set", "optim.epochs=50"],
+                        "--set", "family.static_assigner_epoch=100", "--set", "optim.epochs=50",
+                        "--set", "compile.worker_nice=11"],
                        capture_output=True, text=True, env={**ENV, "FASTDET_OPS_BACKEND": "torch"}, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # The worker ran at the niceness asked for, above the trainer's (this process's).
+    (record,) = [json.loads(f.read_text()) for f in (cache / bgc.GRAPHS_DIR).glob("*/*.json")]
+    assert record["nice"] == min(19, os.nice(0) + 11), record
     phases = json.loads(out.read_text())["phases"]
     cold, warm = phases["cold"], phases["warm"]
     for row in (cold, warm):

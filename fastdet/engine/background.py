@@ -169,7 +169,7 @@ _NOT_IN_GRAPH = {
     "model": {"backbone_weights"},
     "optim": {"base_lr", "ref_batch", "epochs", "schedule", "cosine_epochs", "warmup_steps", "warmup_epochs",
               "warmup_start_factor", "min_lr_ratio", "no_aug_epochs", "milestones", "gamma"},
-    "compile": {"warmup", "workers", "cache_dir"},
+    "compile": {"warmup", "workers", "worker_nice", "cache_dir"},
 }
 _DATA_IN_GRAPH = ("batch_size", "max_boxes", "channels_last")
 _SOURCE_HASH: str | None = None
@@ -272,7 +272,7 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
         if parent is not None and os.getppid() != parent:
             break  # the trainer is gone: nothing will read the rest
         t0, c0 = time.perf_counter(), cache_counts()
-        record: dict[str, Any] = {"bucket": b.name, "pid": os.getpid()}
+        record: dict[str, Any] = {"bucket": b.name, "pid": os.getpid(), "nice": os.nice(0)}
         try:
             step.warmup([(b.h, b.w)], cfg.data.batch_size, cfg.data.max_boxes, [b.kwargs],
                         channels_last=cfg.data.channels_last)
@@ -361,7 +361,7 @@ class BackgroundCompile:
                 share = self.buckets[i:: self.workers]
                 p = ctx.Process(target=_worker_entry, name=f"fastdet-compile-{i}",
                                 args=(self.cfg.to_dict(), share, str(self.ready_dir), str(self.device),
-                                      self.ddp, self.threads, 5, os.getpid(), None,
+                                      self.ddp, self.threads, self.cfg.compile.worker_nice, os.getpid(), None,
                                       torch.get_num_threads()))
                 p.start()
                 self.procs.append(p)

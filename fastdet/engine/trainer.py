@@ -551,11 +551,11 @@ class Trainer:
                      "python -m fastdet.compile (%s): each loads at its bucket's first step",
                      len(buckets) - len(todo), len(buckets), bgc.compiled_dir(cache, key))
         log.info("compile: %d graph(s) (%d size bucket(s) x %d loss variant(s)) in %d worker "
-                 "process(es) x %d compile thread(s), backend %s; training starts eager and each "
+                 "process(es) x %d compile thread(s) at nice %d, backend %s; training starts eager and each "
                  "bucket switches to its compiled%s step when its graph is ready; inductor cache %s "
                  "(compile.cache_dir or TORCHINDUCTOR_CACHE_DIR moves it; python -m fastdet.compile "
                  "fills it ahead of time)", len(buckets), len(sizes), len(variants),
-                 bg.workers, bg.threads, cfg.compile.backend,
+                 bg.workers, bg.threads, cfg.compile.worker_nice, cfg.compile.backend,
                  " and captured" if cfg.compile.cuda_graphs else "", cache)
         self.train_step.begin_background(len(buckets))
         for b, k in zip(buckets, known):
