@@ -442,16 +442,21 @@ def test_backbone_weights_flag_reaches_the_model(tmp_path):
             build_model(arch, size, num_classes=2).load_backbone_weights(str(path))
 
 
-def test_bench_adapter_is_torchvisions_fcos():
+def test_bench_adapter_is_torchvisions_fcos(monkeypatch):
     """bench/fcos_torchvision.py trains torchvision's FCOS through fastdet's trainer (the
     side-by-side check of ours): through its adapter the model gives the losses torchvision's
     own ``FCOS.forward`` gives on the same batch, and dense outputs on fastdet's points."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.fcos_torchvision import build_torchvision_fcos
     from fastdet.models import ARCHITECTURES
+
+    # Importing the bench module registers "fcos_tv": a fresh import, and the registry
+    # restored after the test, so later tests in this process see fastdet's families only.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    monkeypatch.delitem(sys.modules, "bench.fcos_torchvision", raising=False)
+    monkeypatch.setitem(ARCHITECTURES, "fcos_tv", None)  # the import replaces it; undone after
+    from bench.fcos_torchvision import build_torchvision_fcos
 
     assert ARCHITECTURES["fcos_tv"].recipe is FAMILY.recipe
     with pytest.raises(ValueError, match="family.from_scratch"):
