@@ -78,6 +78,57 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
     return ck, cfg
 
 
+def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | None = None,
+                        source: str | None = None) -> tuple[dict[str, Any], Config]:
+    """``(checkpoint dict, config)`` of a fastdet checkpoint or, with ``arch``, of the authors'
+    released file converted on load (see :func:`load_detector`)."""
+    if arch is not None:
+        from fastdet.convert import load_any  # convert/ imports models/, api is above both
+
+        ck, converted = load_any(path, arch, size, source)
+        if converted:
+            return ck, recipes.config_from_dict(ck["config"])
+    return read_checkpoint(path)
+
+
+def select_weights(ck: dict[str, Any], ema: bool = True) -> tuple[dict[str, Any], str]:
+    """The state dict to load and which it is (``"ema"`` or ``"model"``): the EMA weights when
+    asked and present (what training evaluates), else the plain ones."""
+    use_ema = ema and isinstance(ck.get("ema"), dict)
+    weights = ck["ema"] if use_ema else ck["model"]
+    if "module" in weights:  # ModelEMA.state_dict() layout
+        weights = weights["module"]
+    return weights, "ema" if use_ema else "model"
+
+
+def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, ema: bool = True,
+                             fuse: bool = True, device: str | torch.device = "cpu") -> Detector:
+    """The family's detector of ``cfg`` with the weights of ``ck`` (:func:`select_weights`), in
+    eval mode, with ``.info``; ``path`` names the file in errors."""
+    arch = cfg.model.arch
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: architecture {arch!r} is not registered here "
+                              f"(available: {', '.join(sorted(ARCHITECTURES))})")
+    model = recipes.build_detector(cfg)
+    weights, which = select_weights(ck, ema)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+        raise CheckpointError(f"{path}: its weights do not fit {arch}-{cfg.model.size} ({first})") from None
+    model.eval()
+    if fuse:
+        model.fuse()
+    n = cfg.model.num_classes
+    cat_ids = tuple(int(c) for c in ck.get("cat_ids") or range(1, n + 1))
+    names = tuple(str(c) for c in ck.get("class_names") or cat_ids)
+    model.info = DetectorInfo(
+        arch=arch, size=cfg.model.size, class_names=names, cat_ids=cat_ids,
+        preprocess=ARCHITECTURES[arch].preprocess, img_size=cfg.data.img_size,
+        predict_kwargs=recipes.predict_kwargs(cfg), weights=which, checkpoint=str(path))
+    return model.to(device)
+
+
 def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
                   device: str | torch.device = "cpu", arch: str | None = None, size: str | None = None,
                   source: str | None = None) -> Detector:
@@ -95,42 +146,8 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
             load as ``python -m fastdet.convert`` does (and logged); ``size`` is inferred
             from the shapes when None.
     """
-    if arch is not None:
-        from fastdet.convert import load_any
-
-        ck, converted = load_any(ckpt_path, arch, size, source)
-        if not converted:
-            ck, cfg = read_checkpoint(ckpt_path)
-        else:
-            cfg = recipes.config_from_dict(ck["config"])
-    else:
-        ck, cfg = read_checkpoint(ckpt_path)
-    arch = cfg.model.arch
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{ckpt_path}: architecture {arch!r} is not registered here "
-                              f"(available: {', '.join(sorted(ARCHITECTURES))})")
-    model = recipes.build_detector(cfg)
-    use_ema = ema and isinstance(ck.get("ema"), dict)
-    weights = ck["ema"] if use_ema else ck["model"]
-    if "module" in weights:  # ModelEMA.state_dict() layout
-        weights = weights["module"]
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
-        raise CheckpointError(f"{ckpt_path}: its weights do not fit {arch}-{cfg.model.size} ({first})") from None
-    model.eval()
-    if fuse:
-        model.fuse()
-    n = cfg.model.num_classes
-    cat_ids = tuple(int(c) for c in ck.get("cat_ids") or range(1, n + 1))
-    names = tuple(str(c) for c in ck.get("class_names") or cat_ids)
-    model.info = DetectorInfo(
-        arch=arch, size=cfg.model.size, class_names=names, cat_ids=cat_ids,
-        preprocess=ARCHITECTURES[arch].preprocess, img_size=cfg.data.img_size,
-        predict_kwargs=recipes.predict_kwargs(cfg), weights="ema" if use_ema else "model",
-        checkpoint=str(ckpt_path))
-    return model.to(device)
+    ck, cfg = read_any_checkpoint(ckpt_path, arch, size, source)
+    return detector_from_checkpoint(ck, cfg, ckpt_path, ema=ema, fuse=fuse, device=device)
 
 
 def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preprocess, img_size: int

@@ -277,3 +277,42 @@ def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp
     torch.testing.assert_close(model.backbone.stem.conv.conv.weight, ref.backbone.backbone.stem.conv.conv.weight)
     with pytest.raises(ConvertError, match="this looks like yolox-nano"):
         load_any(src, "yolox", "s")
+
+
+def test_eval_cli_scores_the_released_file_as_its_conversion(tmp_path, capsys):
+    """``python -m fastdet.eval --ckpt RELEASED --arch yolox`` converts on load (through
+    load_detector's reader) and prints the same AP as the converted checkpoint."""
+    import json
+
+    from PIL import Image
+
+    from fastdet.convert import coco_classes
+    from fastdet.eval.__main__ import main as eval_main
+
+    ref = megvii_yolox("nano")
+    src, out = tmp_path / "yolox_nano.pth", tmp_path / "yolox_nano_fastdet.pth"
+    torch.save({"model": ref.state_dict()}, src)
+    assert subprocess.run([sys.executable, "-m", "fastdet.convert", str(src), "--arch", "yolox", "--output",
+                           str(out)], capture_output=True).returncode == 0
+    names, ids = coco_classes("coco80")
+    images, anns = [], []
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray((rng.random((96, 128, 3)) * 255).astype(np.uint8)).save(tmp_path / f"{i}.jpg")
+        images.append({"id": i + 1, "file_name": f"{i}.jpg", "width": 128, "height": 96})
+        anns.append({"id": i + 1, "image_id": i + 1, "category_id": ids[i], "bbox": [10, 12, 60, 50],
+                     "area": 3000, "iscrowd": 0})
+    ann = tmp_path / "val.json"
+    ann.write_text(json.dumps({"images": images, "annotations": anns,
+                               "categories": [{"id": c, "name": n} for c, n in zip(ids, names)]}))
+    common = ["--val-ann", str(ann), "--val-images", str(tmp_path), "--img-size", "128", "--batch-size", "2",
+              "--device", "cpu", "--loader", "torch"]
+    lines = []
+    for argv in (["--ckpt", str(src), "--arch", "yolox"], ["--ckpt", str(out)]):
+        assert eval_main(argv + common) == 0
+        lines.append([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("COCO AP")])
+    assert len(lines[0]) == 1 and lines[0] == lines[1]
+    # Without --arch the released file is refused in one line naming it.
+    assert eval_main(["--ckpt", str(src)] + common) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(src) in err[0] and "not a fastdet checkpoint" in err[0]

@@ -1,8 +1,11 @@
 """``python -m fastdet.eval --ckpt PATH --data ...``: COCO AP of a checkpoint.
 
-The model is rebuilt from the config stored in the checkpoint; its EMA weights are
-evaluated when present (``--weights model`` picks the raw weights). The val set is
-``--data``'s (or ``--val-ann/--val-images``), defaulting to the one trained on.
+The model is rebuilt from the config stored in the checkpoint, as
+``fastdet.load_detector`` rebuilds it; its EMA weights are evaluated when present
+(``--weights model`` picks the raw weights). With ``--arch`` (and optionally ``--size``,
+``--from``), ``--ckpt`` may be the authors' released file (Megvii, Paddle, torchvision),
+converted on load as ``python -m fastdet.convert`` does. The val set is ``--data``'s
+(or ``--val-ann/--val-images``), defaulting to the one trained on.
 Runs under torchrun too: each rank evaluates its shard, rank 0 scores.
 """
 
@@ -29,26 +32,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=["bf16", "fp16", "off", "auto"], default=None)
     p.add_argument("--loader", choices=["dali", "torch", "auto"], default=None)
     p.add_argument("--weights", choices=["ema", "model"], default="ema")
+    p.add_argument("--arch", default=None, help="for a released file: the family to convert it for")
+    p.add_argument("--size", default=None, help="for a released file: the size (inferred when left out)")
+    p.add_argument("--from", dest="source", choices=["megvii", "paddle", "torchvision"], default=None,
+                   help="for a released file: whose format it is (inferred when left out)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from fastdet import recipes
+    from fastdet.api import detector_from_checkpoint, read_any_checkpoint
     from fastdet.data.coco import DataError
     from fastdet.data.formats import load_split
     from fastdet.data.loader import build_eval_loader
     from fastdet.engine import dist
-    from fastdet.engine.checkpoint import load_checkpoint
     from fastdet.engine.logging import setup_logging
     from fastdet.engine.step import resolve_amp
     from fastdet.eval.coco import evaluate
 
     try:
-        ck = load_checkpoint(args.ckpt)
-        if "config" not in ck:
-            raise ValueError(f"{args.ckpt}: not a fastdet checkpoint (no 'config' entry)")
-        cfg = recipes.config_from_dict(ck["config"])
+        if args.arch is None and (args.size or args.source):
+            raise ValueError("--size and --from describe a released file: give --arch too")
+        ck, cfg = read_any_checkpoint(args.ckpt, args.arch, args.size, args.source)
         over = {"run.device": args.device}
         for key, val in (("data.data", args.data), ("data.val_ann", args.val_ann),
                          ("data.val_images", args.val_images), ("data.img_size", args.img_size),
@@ -69,15 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         if ck.get("cat_ids") and list(ck["cat_ids"]) != list(val.cat_ids):
             raise ValueError(f"{val.ann_file}: categories differ from the checkpoint's "
                              f"({len(val.cat_ids)} vs {len(ck['cat_ids'])})")
-        model = recipes.build_detector(cfg, val.num_classes).to(device)
-        weights = ck["ema"] if args.weights == "ema" and ck.get("ema") else ck["model"]
-        if "module" in weights:  # ModelEMA.state_dict() layout
-            weights = weights["module"]
-        model.load_state_dict(weights)
+        if val.num_classes != cfg.model.num_classes:
+            raise ValueError(f"{val.ann_file}: {val.num_classes} categories, the checkpoint's model has "
+                             f"{cfg.model.num_classes}")
+        # Unfused: evaluation scores the weights as trained (fusing changes only float rounding).
+        model = detector_from_checkpoint(ck, cfg, args.ckpt, ema=args.weights == "ema", fuse=False, device=device)
         loader = build_eval_loader(cfg.data, val, preprocess=recipes.family(cfg.model.arch).preprocess,
                                    rank=info.rank, world_size=info.world_size, device=device)
         stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), recipes.predict_kwargs(cfg))
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:  # CheckpointError, ConvertError too
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1
     finally:
