@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "block_topk.cuh"
 #include "box_math.h"
 #include "cuda_kernels.h"
 
@@ -204,39 +205,13 @@ void multi_tensor_apply(const EmaJob* jobs, int64_t njobs, Launch launch) {
 
 // ----------------------------------------------------------------------------- assigners
 //
-// One block per ground-truth box selects its candidates with a block-wide top-k: every
-// thread keeps its KMAX best keys in registers, then k rounds of a block max pop the
-// winners (k <= KMAX, so no thread can hold more winners than it keeps). A key packs
+// One block per ground-truth box selects its candidates with a block-wide top-k
+// (block_topk.cuh): every thread keeps its KMAX best keys in registers, then k rounds of a
+// block max pop the winners (k <= KMAX, so no thread can hold more winners than it keeps). A key packs
 // (value bits << 32) | (0xFFFFFFFF - anchor): larger is better and ties go to the lower
 // anchor index, as in the CPU kernel. Positive candidates are counted per anchor with
 // atomics; resolve_kernel settles each anchor, scores_kernel writes [B, A, C]. No
 // [B, M, A] tensor is formed.
-
-template <int KMAX>
-struct KeyList {
-  uint64_t v[KMAX];
-  __device__ void init() {
-#pragma unroll
-    for (int i = 0; i < KMAX; ++i) v[i] = 0;
-  }
-  __device__ void push(uint64_t key) {
-    if (key <= v[KMAX - 1]) return;
-    v[KMAX - 1] = key;
-#pragma unroll
-    for (int i = KMAX - 1; i > 0; --i) {
-      if (v[i] > v[i - 1]) {
-        const uint64_t tmp = v[i];
-        v[i] = v[i - 1];
-        v[i - 1] = tmp;
-      }
-    }
-  }
-  __device__ void pop() {
-#pragma unroll
-    for (int i = 0; i < KMAX - 1; ++i) v[i] = v[i + 1];
-    v[KMAX - 1] = 0;
-  }
-};
 
 __device__ __forceinline__ uint64_t make_key(uint32_t hi, int64_t anchor) {
   return (static_cast<uint64_t>(hi) << 32) | static_cast<uint64_t>(0xFFFFFFFFu - static_cast<uint32_t>(anchor));
@@ -244,41 +219,6 @@ __device__ __forceinline__ uint64_t make_key(uint32_t hi, int64_t anchor) {
 
 __device__ __forceinline__ int64_t key_anchor(uint64_t key) {
   return static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(key & 0xFFFFFFFFull));
-}
-
-__device__ uint64_t block_max(uint64_t x, uint64_t* smem) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const uint64_t o = __shfl_xor_sync(0xffffffffu, x, off);
-    x = o > x ? o : x;
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) smem[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    x = lane < (kThreads / 32) ? smem[lane] : 0;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const uint64_t o = __shfl_xor_sync(0xffffffffu, x, off);
-      x = o > x ? o : x;
-    }
-    if (lane == 0) smem[0] = x;
-  }
-  __syncthreads();
-  const uint64_t r = smem[0];
-  __syncthreads();
-  return r;
-}
-
-// k rounds of block max over the per-thread lists; winners[r] receives the r-th best key.
-template <int KMAX>
-__device__ void block_topk(KeyList<KMAX>& list, int k, uint64_t* winners, uint64_t* smem) {
-  for (int r = 0; r < k; ++r) {
-    const uint64_t best = block_max(list.v[0], smem);
-    if (best != 0 && list.v[0] == best) list.pop();
-    if (threadIdx.x == 0) winners[r] = best;
-  }
-  __syncthreads();
 }
 
 __device__ __forceinline__ void claim(int32_t* count, int32_t* owner, int64_t ba, int32_t m) {
@@ -320,7 +260,7 @@ __global__ void tal_candidates_kernel(const float* __restrict__ S, const float* 
     }
     list.push(make_key(__float_as_uint(v), a));
   }
-  block_topk(list, k, winners, smem);
+  block_topk<kThreads>(list, k, winners, smem);
   if (threadIdx.x < k) {
     const int64_t a = key_anchor(winners[threadIdx.x]);
     if (point_inside(pts[2 * a], pts[2 * a + 1], gx1, gy1, gx2, gy2, 1e-9f)) {
@@ -359,7 +299,7 @@ __global__ void atss_candidates_kernel(const float* __restrict__ anchors, const 
       const float d = static_cast<float>(sqrt(dx * dx + dy * dy));
       list.push(make_key(0xFFFFFFFFu - __float_as_uint(d), a));  // nearer is larger
     }
-    block_topk(list, kl, winners, smem);
+    block_topk<kThreads>(list, kl, winners, smem);
     if (threadIdx.x < kl) {
       const int64_t a = key_anchor(winners[threadIdx.x]);
       const float* an = anchors + 4 * a;

@@ -4,7 +4,7 @@
 //  0. simota_point_kernel, one thread per point: candidate flag and sum_c BCE(q_c, 0);
 //  1. simota_gt_kernel, one block per real GT: every thread keeps its KMAX best keys in
 //     registers for the IoUs and for the costs, then k rounds of a block max pop the
-//     winners (as the task-aligned kernel of kernels.cu). Cost keys pack
+//     winners (block_topk.cuh, as the task-aligned kernel of kernels.cu). Cost keys pack
 //     (in box and centre square, cost, point) so that a larger key is a cheaper point:
 //     bit 62 = in both, bits 30..61 = the cost's bits inverted in an order-preserving
 //     map, bits 0..29 = 0x3FFFFFFF - point. That is the CPU kernel's order (float64
@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "block_topk.cuh"
 #include "cuda_kernels.h"
 #include "simota_math.h"
 
@@ -28,66 +29,6 @@ constexpr int kThreads = 256;
 inline unsigned grid_for(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 * 8 ? 65535 * 8 : blocks));
-}
-
-template <int KMAX>
-struct KeyList {
-  uint64_t v[KMAX];
-  __device__ void init() {
-#pragma unroll
-    for (int i = 0; i < KMAX; ++i) v[i] = 0;
-  }
-  __device__ void push(uint64_t key) {
-    if (key <= v[KMAX - 1]) return;
-    v[KMAX - 1] = key;
-#pragma unroll
-    for (int i = KMAX - 1; i > 0; --i) {
-      if (v[i] > v[i - 1]) {
-        const uint64_t tmp = v[i];
-        v[i] = v[i - 1];
-        v[i - 1] = tmp;
-      }
-    }
-  }
-  __device__ void pop() {
-#pragma unroll
-    for (int i = 0; i < KMAX - 1; ++i) v[i] = v[i + 1];
-    v[KMAX - 1] = 0;
-  }
-};
-
-__device__ uint64_t block_max(uint64_t x, uint64_t* smem) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const uint64_t o = __shfl_xor_sync(0xffffffffu, x, off);
-    x = o > x ? o : x;
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) smem[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    x = lane < (kThreads / 32) ? smem[lane] : 0;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const uint64_t o = __shfl_xor_sync(0xffffffffu, x, off);
-      x = o > x ? o : x;
-    }
-    if (lane == 0) smem[0] = x;
-  }
-  __syncthreads();
-  const uint64_t r = smem[0];
-  __syncthreads();
-  return r;
-}
-
-template <int KMAX>
-__device__ void block_topk(KeyList<KMAX>& list, int k, uint64_t* winners, uint64_t* smem) {
-  for (int r = 0; r < k; ++r) {
-    const uint64_t best = block_max(list.v[0], smem);
-    if (best != 0 && list.v[0] == best) list.pop();
-    if (threadIdx.x == 0) winners[r] = best;
-  }
-  __syncthreads();
 }
 
 // IoU keys: (IoU bits << 32) | (0xFFFFFFFF - point); IoUs are >= 0, so the bits order like the values.
@@ -144,8 +85,8 @@ __global__ void simota_gt_kernel(SimotaView<float> v, int k, int32_t* count, int
     ious.push(iou_key(iou, a));
     costs.push(cost_key(simota_cost(v, b, m, a, iou), in_box && in_ctr, a));
   }
-  block_topk(ious, k, iou_win, smem);
-  block_topk(costs, k, cost_win, smem);
+  block_topk<kThreads>(ious, k, iou_win, smem);
+  block_topk<kThreads>(costs, k, cost_win, smem);
   if (threadIdx.x == 0) {
     // Empty slots are 0 keys (IoU 0): they add nothing, like the CPU kernel's shorter list.
     double sum = 0.0;

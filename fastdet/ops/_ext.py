@@ -51,7 +51,7 @@ CUDA_SOURCES = ("ops_cuda.cpp", "kernels.cu", "yolo_targets_cuda.cpp", "yolo_tar
                 "fcos.cu", "simota.cu")
 # ninja tracks the headers through -MMD
 HEADERS = ("ops.h", "box_math.h", "cuda_kernels.h", "yolo_targets.h", "yolo_targets_cuda.h", "fcos.h",
-           "fcos_cuda.h", "simota_math.h")
+           "fcos_cuda.h", "simota_math.h", "block_topk.cuh")
 # Hopper (H100/H200) unless the caller says otherwise; only used when no GPU is visible
 # (with a GPU, torch builds for the GPU it sees).
 DEFAULT_CUDA_ARCH = "9.0"
