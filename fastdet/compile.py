@@ -69,11 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--num-classes must be at least 1, got {args.num_classes}")
             n = args.num_classes
         else:
-            from fastdet.data.coco import load_coco, resolve_data
+            from fastdet.data.formats import train_num_classes
 
-            paths = resolve_data(cfg.data, splits=("train",))
-            n = load_coco(paths.train_ann, paths.train_images, train=True, keep_empty=cfg.data.keep_empty_train,
-                          check_images="none").num_classes
+            n = train_num_classes(cfg.data)
         cfg = apply_overrides(recipes.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
         device = resolve_device(cfg.run.device)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -305,19 +305,12 @@ def check_same_model(path: Path, cfg: Config) -> None:
 def with_dataset_classes(cfg: Config) -> tuple[Config, str]:
     """``cfg`` with ``model.num_classes`` of its training set (as training sets it), and a
     comment line when the set cannot be read."""
-    import json
+    from fastdet.data.coco import DataError
+    from fastdet.data.formats import train_num_classes
 
-    from fastdet.data.coco import DataError, resolve_data
-
-    if cfg.data.data == "demo" and cfg.data.train_ann is None:  # known without generating the set
-        from fastdet.data.demo import CATEGORIES
-
-        return apply_overrides(cfg, {"model.num_classes": len(CATEGORIES)}), ""
     try:
-        ann = resolve_data(cfg.data, splits=("train",)).train_ann
-        with open(ann, "rb") as f:
-            n = len(json.load(f)["categories"])
-    except (DataError, OSError, ValueError, KeyError, TypeError) as e:
+        n = train_num_classes(cfg.data)
+    except (DataError, OSError, ValueError) as e:
         return cfg, f"# model.num_classes: set from the training set when it is read ({e})\n"
     return apply_overrides(cfg, {"model.num_classes": n}), ""
 

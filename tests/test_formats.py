@@ -339,3 +339,42 @@ def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root,
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
     assert "per-class AP" in ev.stdout and "triangle" in ev.stdout  # the table, by class name
     assert "per-class AP at step 2" in r.stdout and (out / "confusion_matrix.png").is_file()
+
+
+def test_every_command_counts_a_sets_classes_as_training_does(demo_small, tmp_path, monkeypatch, caplog, capsys):
+    """``fastdet.compile`` and ``--print-config`` count a YOLO or VOC set's classes with its own
+    reader (they read COCO's JSON only before: a data.yaml reached COCO's error)."""
+    import logging
+
+    from fastdet import compile as compile_cli
+    from fastdet.data.formats import train_num_classes
+    from fastdet.engine import background as bgc
+    from fastdet.train import main as train_main
+
+    data = make_yolo(demo_small, tmp_path / "yolo")
+    spec = yaml.safe_load(data.read_text())
+    spec["names"] = list(spec["names"]) + ["unused"]  # a fifth class: no COCO count gives 5
+    data.write_text(yaml.safe_dump(spec))
+    voc = make_voc(demo_small, tmp_path / "voc")
+    for d, n in ((data, 5), (voc, 4), ("demo", 4)):
+        cfg = DataConfig(data=str(d))
+        assert train_num_classes(cfg) == n == load_split(cfg, "train", check_images="none").num_classes
+    assert train_main(["--arch", "yolox", "--size", "nano", "--data", str(data), "--print-config"]) == 0
+    assert "num_classes: 5" in capsys.readouterr().out
+
+    class NoWorkers:  # the graphs' compilation is not what this checks
+        def __init__(self, *a, **k):
+            self.pending, self.done = [], []
+
+        def start(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bgc, "BackgroundCompile", NoWorkers)
+    with caplog.at_level(logging.INFO, logger="fastdet"):
+        rc = compile_cli.main(["--arch", "yolox", "--size", "nano", "--batch-size", "2", "--device", "cpu",
+                               "--data", str(data), "--set", f"compile.cache_dir={tmp_path / 'cache'}"])
+    assert rc == 0
+    assert re.search(r"yolox-nano, 5 classes", caplog.text), caplog.text[-2000:]

@@ -92,6 +92,21 @@ def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None
                   cache_dir=data_cfg.cache_dir)
 
 
+def train_num_classes(data_cfg: DataConfig) -> int:
+    """The number of classes training on ``--data`` has, whatever its format: what the
+    trainer sets ``model.num_classes`` to, for the commands that build the model before (or
+    without) reading the whole set (``fastdet.compile``, ``--print-config``).
+
+    The demo set's are known without generating it; every other set's come from its own
+    reader (``load_split`` without opening images), so the count cannot differ from training's.
+    """
+    if data_cfg.data == "demo" and data_cfg.train_ann is None:
+        from fastdet.data.demo import CATEGORIES  # demo imports the image writers, needed only here
+
+        return len(CATEGORIES)
+    return load_split(data_cfg, "train", check_images="none").num_classes
+
+
 # --------------------------------------------------------------------------- shared
 
 def _probe_sizes(files: list[Path], check_images: str, cache_dir) -> tuple[list[tuple[int, int] | None],
