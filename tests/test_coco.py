@@ -250,7 +250,9 @@ def test_box_skips_are_counted_and_boxes_clipped(tmp_path):
     rep = ds.report
     assert rep.box_skips == {"crowd": 1, "degenerate": 2, "outside image": 2}
     assert rep.examples["outside image"] == ["annotation id 7", "annotation id 8"]
-    assert rep.summary() == "dropped 5 boxes: 1 crowd, 2 degenerate, 2 outside image"
+    assert rep.box_changes == {"clipped to the image": 1}
+    assert rep.summary() == ("dropped 5 boxes: 1 crowd, 2 degenerate, 2 outside image; "
+                             "changed 1 box: 1 clipped to the image (annotation id 10)")
     assert (rep.boxes_in_file, rep.boxes_kept, rep.images_kept) == (10, 5, 3)
     rec = {r.image_id: r for r in ds.records}
     np.testing.assert_array_equal(rec[30].boxes, np.array([[10, 10, 15, 15], [0, 40, 20, 50]], np.float32))

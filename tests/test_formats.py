@@ -278,7 +278,8 @@ def test_missing_and_corrupt_yolo_images_are_counted_skips(demo_small, tmp_path)
 
 
 @pytest.mark.parametrize("xml, match", [
-    ("<annotation><object><name>circle</name></object></annotation>", r"no <size>"),
+    # No <size> is read from the image; the object's box is what is missing.
+    ("<annotation><object><name>circle</name></object></annotation>", r"object 0: <bndbox> missing"),
     ("<annotation><size><width>64</width></size></annotation>", r"<size><height> missing"),
     ("<annotation><size><width>64</width><height>48</height></size><object><name>dog</name>"
      "<bndbox><xmin>1</xmin><ymin>1</ymin><xmax>9</xmax><ymax>9</ymax></bndbox></object></annotation>",
@@ -378,3 +379,92 @@ def test_every_command_counts_a_sets_classes_as_training_does(demo_small, tmp_pa
                                "--data", str(data), "--set", f"compile.cache_dir={tmp_path / 'cache'}"])
     assert rc == 0
     assert re.search(r"yolox-nano, 5 classes", caplog.text), caplog.text[-2000:]
+
+
+# ----------------------------------------------------------------------------- sets as tools export them
+
+def test_a_roboflow_style_yolo_export_reads_as_ultralytics_reads_it(demo_small, tmp_path):
+    """Roboflow's ``../`` split paths, a data.yaml with a BOM, CRLF and quoted name keys, label
+    files with a BOM and CRLF, a full-width box written 1-based (w = 1.0016), a ``.jfif``
+    JPEG; and what is not read (a label without an image, a file of another type) counted."""
+    data = make_yolo(demo_small, tmp_path / "rf")
+    root = data.parent
+    names = [c["name"] for c in _coco(demo_small, "train")["categories"]]
+    data.write_bytes(("\ufefftrain: ../images/train\r\nval: ../images/val\r\nnc: 4\r\nnames:\r\n"
+                      + "".join(f"  '{i}': {n}\r\n" for i, n in enumerate(names))).encode("utf-8"))
+    labels = sorted((root / "labels" / "val").glob("*.txt"))
+    lbl = labels[0]
+    lines = lbl.read_text().splitlines() + ["0 0.5 0.5 1.0016 0.3"]
+    lbl.write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode("utf-8"))
+    first_image = root / "images" / "val" / f"{lbl.stem}.jpg"
+    (root / "images" / "val" / "phone.jfif").symlink_to(first_image.resolve())
+    (root / "labels" / "val" / "phone.txt").write_text("1 0.5 0.5 0.2 0.2\n")
+    (root / "labels" / "val" / "ghost.txt").write_text("1 0.5 0.5 0.2 0.2\n")
+    (root / "images" / "val" / "README.md").write_text("exported by a tool\n")
+
+    ds = load_split(cfg_for(data), "val")
+    assert ds.class_names == names
+    assert len(ds.records) == 9  # the 8 images and the .jfif
+    rep = ds.report
+    assert rep.files_ignored == {"label file without an image": 1, "not an image file": 1}
+    assert rep.examples["label file without an image"] == [str(root / "labels" / "val" / "ghost.txt")]
+    assert rep.examples["not an image file"] == [str(root / "images" / "val" / "README.md")]
+    assert rep.box_changes == {"clipped to the image": 1}
+    assert rep.examples["clipped to the image"] == [f"{lbl}:{len(lines)}"]
+    summary = rep.summary()
+    assert "ghost.txt" in summary and f"{lbl}:{len(lines)}" in summary and "nothing" not in summary
+    rec = next(r for r in ds.records if Path(r.file).stem == lbl.stem)
+    assert rec.boxes[-1][0] == 0 and rec.boxes[-1][2] == rec.width  # clipped to the full width
+    assert len(rec.boxes) == len(lines)
+
+
+def test_yolo_text_in_gbk_is_read_and_undecodable_text_is_one_line(demo_small, tmp_path):
+    data = make_yolo(demo_small, tmp_path / "y")
+    spec = yaml.safe_load(data.read_text())
+    chinese = ["圆形", "矩形", "三角形", "十字"]
+    data.write_bytes(yaml.safe_dump({**spec, "names": chinese}, allow_unicode=True).encode("gbk"))
+    assert load_split(cfg_for(data), "val").class_names == chinese
+    data.write_bytes(yaml.safe_dump(spec).encode() + b"# \x80\x80\xff\n")
+    msg = _one_line(r"not UTF-8 text \(byte 0x80 at offset \d+\) and not GBK either", cfg_for(data))
+    assert str(data) in msg
+
+
+def test_a_labelimg_style_voc_export_with_gbk_bom_crlf_and_no_size(demo_small, tmp_path, voc_root):
+    """Chinese class names in a GBK label_list.txt and XMLs that declare GBK, an ImageSets
+    list with a BOM and CRLF, an XML without <size> (read from the image): the same records
+    as the plain set; a box's report example names its XML and object."""
+    root = make_voc(demo_small, tmp_path / "v")
+    names = [c["name"] for c in _coco(demo_small, "train")["categories"]]
+    chinese = dict(zip(names, ["圆形", "矩形", "三角形", "十字"]))
+    (root / "label_list.txt").write_bytes("\r\n".join(chinese.values()).encode("gbk"))
+    xmls = sorted((root / "Annotations").glob("*.xml"))
+    for k, xml in enumerate(xmls):
+        text = xml.read_text()
+        for en, zh in chinese.items():
+            text = text.replace(f"<name>{en}</name>", f"<name>{zh}</name>")
+        if k % 2:
+            xml.write_bytes(('<?xml version="1.0" encoding="GBK"?>\r\n' + text).encode("gbk"))
+        else:
+            xml.write_bytes(("\ufeff" + text).encode("utf-8"))
+    lst = root / "ImageSets" / "Main" / "val.txt"
+    ids = lst.read_text().split()
+    lst.write_bytes(("\ufeff" + "\r\n".join(ids) + "\r\n").encode("utf-8"))
+    no_size = root / "Annotations" / f"{ids[0]}.xml"
+    no_size.write_bytes(re.sub(rb"<size>.*?</size>", b"", no_size.read_bytes()))
+
+    ds = load_split(cfg_for(root), "val")
+    ref = load_split(cfg_for(voc_root), "val")
+    assert ds.class_names == list(chinese.values())
+    for a, b in zip(ds.records, ref.records):
+        assert (a.width, a.height) == (b.width, b.height)
+        np.testing.assert_array_equal(a.boxes, b.boxes)
+        np.testing.assert_array_equal(a.labels, b.labels)
+    assert len(ds.records) == len(ref.records) == len(ids)
+    # A degenerate box is named by its XML and object, not by an id that exists only in memory.
+    xml = root / "Annotations" / f"{ids[1]}.xml"
+    raw = xml.read_bytes()
+    objects = raw.count(b"<object>")
+    xml.write_bytes(raw.replace(b"</annotation>", "<object><name>圆形</name><bndbox><xmin>5</xmin><ymin>5</ymin>"
+                                "<xmax>4.5</xmax><ymax>9</ymax></bndbox></object></annotation>".encode("gbk")))
+    ds = load_split(cfg_for(root), "val")
+    assert ds.report.examples["degenerate"] == [f"{xml} object {objects}"]

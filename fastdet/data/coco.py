@@ -140,6 +140,9 @@ CHECK_MODES = ("none", "open", "decode")
 # Reasons in the order the summary lists them.
 BOX_REASONS = ("crowd", "difficult", "degenerate", "outside image")
 IMAGE_REASONS = ("missing file", "corrupt", "size mismatch", "without boxes")
+# Boxes kept but changed, and files of a set's folders that the reader did not take.
+CHANGE_REASONS = ("clipped to the image",)
+FILE_REASONS = ("label file without an image", "not an image file")
 _SHOWN_EXAMPLES = 3  # image paths named per reason in the summary
 
 
@@ -154,8 +157,11 @@ class DataReport:
     """What :func:`load_coco` dropped or skipped, and why.
 
     ``box_skips`` / ``image_skips`` count per reason (``BOX_REASONS`` / ``IMAGE_REASONS``);
-    ``examples`` holds the first few image paths (image reasons) or annotation ids
-    (box reasons) per reason.
+    ``box_changes`` the boxes kept but changed (``CHANGE_REASONS``); ``files_ignored`` the
+    files in a set's image or label folders that the reader did not take (``FILE_REASONS``,
+    YOLO sets). ``examples`` holds the first few image paths (image and file reasons) or
+    annotations (box reasons: ``file:line`` of a YOLO label, the XML and object of a VOC
+    one, the annotation id of a COCO file) per reason.
     """
 
     ann_file: str
@@ -168,9 +174,12 @@ class DataReport:
     image_skips: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
     filled: Counter = field(default_factory=Counter)  # annotation fields filled in (fill_coco_defaults)
+    box_changes: Counter = field(default_factory=Counter)
+    files_ignored: Counter = field(default_factory=Counter)
 
     def count(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
-        """Add ``n`` to ``counter[reason]`` (``box_skips`` or ``image_skips``), keeping a few examples."""
+        """Add ``n`` to ``counter[reason]`` (``box_skips``, ``image_skips``, ``box_changes`` or
+        ``files_ignored``), keeping a few examples."""
         counter[reason] += n
         shown = self.examples.setdefault(reason, [])
         for ex in examples:
@@ -211,7 +220,21 @@ class DataReport:
                 more = f", +{n - len(shown)} more" if shown and n > len(shown) else ""
                 reasons.append(f"{n} {r}" + (f" ({', '.join(shown)}{more})" if shown else ""))
             parts.append(f"skipped {_plural(self.skipped_images, 'image')}: " + ", ".join(reasons))
-        if not (self.dropped_boxes or self.skipped_images):
+        for counter, reasons, verb in ((self.box_changes, CHANGE_REASONS, "changed"),
+                                       (self.files_ignored, FILE_REASONS, "ignored")):
+            total = sum(counter.values())
+            if not total:
+                continue
+            shown_parts = []
+            for r in reasons:
+                n = counter[r]
+                if n:
+                    shown = self.examples.get(r, [])
+                    more = f", +{n - len(shown)} more" if shown and n > len(shown) else ""
+                    shown_parts.append(f"{n} {r}" + (f" ({', '.join(shown)}{more})" if shown else ""))
+            noun = "box" if verb == "changed" else "file"
+            parts.append(f"{verb} {_plural(total, noun)}: " + ", ".join(shown_parts))
+        if not parts:
             parts.append("nothing dropped or skipped")
         return "; ".join(parts)
 
@@ -574,6 +597,8 @@ def load_coco_doc(
     in_memory: bool = False,
     prior_skips: Iterable[tuple[str, str]] = (),
     crowd_reason: str = "crowd",
+    ann_where: Optional[dict[int, str]] = None,
+    ignored_files: Iterable[tuple[str, str]] = (),
 ) -> CocoDataset:
     """:func:`load_coco` on an already-read COCO document.
 
@@ -583,6 +608,9 @@ def load_coco_doc(
     messages). ``prior_skips`` are ``(reason, image path)`` of images the reader already
     found unusable (left out of ``doc``): they are counted in the report like the others.
     ``crowd_reason`` names the ``iscrowd`` boxes in the report (VOC: ``"difficult"``).
+    ``ann_where`` names an annotation id's source for the report's examples (an in-memory
+    id means nothing to the user: ``labels/x.txt:3``); ``ignored_files`` are ``(reason,
+    path)`` of the files the reader did not take (``FILE_REASONS``).
     """
     ann_file = Path(ann_file).expanduser()
     image_dir = Path(image_dir).expanduser().absolute()
@@ -606,6 +634,12 @@ def load_coco_doc(
                         boxes_in_file=len(img), filled=filled)
     for reason, path in prior_skips:
         report.count(report.image_skips, reason, examples=[path])
+    for reason, path in ignored_files:
+        report.count(report.files_ignored, reason, examples=[path])
+    where = ann_where or {}
+
+    def named(ids: np.ndarray) -> Iterable[str]:
+        return (where.get(int(a), f"annotation id {a}") for a in ids[:_SHOWN_EXAMPLES])
     # Image sizes: [I] as decoded (checked) or as declared (check_images="none").
     widths = np.array([im[2] for im in images], np.float64)
     heights = np.array([im[3] for im in images], np.float64)
@@ -637,8 +671,11 @@ def load_coco_doc(
     for reason, m in ((crowd_reason, crowd), ("degenerate", degenerate), ("outside image", outside)):
         n = int(m.sum())
         if n:
-            report.count(report.box_skips, reason, n, (f"annotation id {a}" for a in ann_id[m][:_SHOWN_EXAMPLES]))
+            report.count(report.box_skips, reason, n, named(ann_id[m]))
     kept = ~(crowd | degenerate | outside)
+    clipped = kept & ((cx0 != x0) | (cy0 != y0) | (cx1 != x1) | (cy1 != y1))
+    if clipped.any():
+        report.count(report.box_changes, "clipped to the image", int(clipped.sum()), named(ann_id[clipped]))
     boxes = np.stack([cx0, cy0, cx1, cy1], axis=1)[kept].astype(np.float32)  # [K, 4]
     labels = label[kept]
     owner = img[kept]

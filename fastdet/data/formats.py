@@ -24,15 +24,27 @@ and the same clipping and skip rules; the document is kept on the dataset
 (``CocoDataset.coco_gt``) and the evaluator scores against it. Category ids are the
 contiguous labels (0..C-1, the YOLO class ids); image ids count from 1 in list order.
 
+Sets are read as annotation tools export them: text files with a BOM or CRLF, in UTF-8
+or GBK (:func:`read_text`; an XML in the encoding it declares), ``names`` keyed by
+quoted numbers, Roboflow's ``train: ../train/images`` (retried inside the set's root, as
+ultralytics does), YOLO coordinates up to 0.01 past an edge (clipped), VOC XMLs without
+``<size>`` (the image's header gives it), ``.jfif`` JPEGs. The report counts what was
+changed (boxes clipped to the image) and what was not read (label files without an
+image, files of other types in an image folder), with examples that name the file and
+line (YOLO) or XML and object (VOC).
+
 Bad input is one :class:`~fastdet.data.coco.DataError` line naming the file (and line):
-a label line that is not numbers, a class id not in ``names``, a coordinate outside
-0..1, an XML that does not parse or has no ``<size>``, an object whose name is not a
-class. Images that are missing or do not open are counted skips, as for COCO.
+a label line that is not numbers, a class id not in ``names``, a coordinate further
+outside 0..1, an XML that does not parse, an object whose name is not a class, a text
+file in neither UTF-8 nor GBK. Images that are missing or do not open are counted
+skips, as for COCO.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Optional
@@ -44,12 +56,18 @@ from fastdet.config import DataConfig
 from fastdet.data import coco
 from fastdet.data.coco import CocoDataset, DataError
 
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+# ".jfif" and ".jpe": JPEGs as Windows and some cameras name them.
+IMAGE_EXTS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".tif", ".tiff")
 VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
                "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
                "train", "tvmonitor")
 FORMATS = ("coco", "yolo", "voc")
-_TOL = 1e-6  # YOLO coordinates written with 6 decimals may round a hair past 0 or 1
+# How far past 0..1 a YOLO coordinate may lie and still be read (the box is then clipped to
+# the image and counted): converters that take VOC's 1-based pixels as 0-based write a
+# full-width box as w = 1 + 1/W (1.0016 at 640 px). Further out is an error.
+_TOL = 0.01
+
+log = logging.getLogger(__name__)
 
 
 def data_format(data: str) -> str:
@@ -128,7 +146,7 @@ def _probe_sizes(files: list[Path], check_images: str, cache_dir) -> tuple[list[
 
 
 def _finish(doc: dict, source: Path, files: list[Path], *, train: bool, keep_empty, check_images: str,
-            cache_dir, prior_skips, crowd_reason: str = "crowd") -> CocoDataset:
+            cache_dir, prior_skips, crowd_reason: str = "crowd", ann_where=None, ignored_files=()) -> CocoDataset:
     """Read the in-memory document through the COCO layer (file names relative to the images' common root)."""
     root = Path(os.path.commonpath([str(f.parent) for f in files])) if files else source.parent
     for im in doc["images"]:
@@ -137,7 +155,7 @@ def _finish(doc: dict, source: Path, files: list[Path], *, train: bool, keep_emp
     check = "decode" if check_images == "decode" else "none"
     return coco.load_coco_doc(doc, source, root, train=train, keep_empty=keep_empty, check_images=check,
                               cache_dir=cache_dir, in_memory=True, prior_skips=prior_skips,
-                              crowd_reason=crowd_reason)
+                              crowd_reason=crowd_reason, ann_where=ann_where, ignored_files=ignored_files)
 
 
 def _categories(names: list[str]) -> list[dict]:
@@ -149,6 +167,26 @@ def _annotation(ann_id: int, image_id: int, cat: int, x0: float, y0: float, x1: 
     x0, y0, w, h = float(x0), float(y0), float(x1 - x0), float(y1 - y0)
     return {"id": ann_id, "image_id": image_id, "category_id": cat, "bbox": [x0, y0, w, h],
             "area": max(0.0, w) * max(0.0, h), "iscrowd": crowd}
+
+
+def read_text(path: Path) -> str:
+    """A text file of a set as editors and tools leave them: UTF-8 with or without a BOM
+    (Notepad), UTF-16 with its BOM, or else GB18030 (GBK: Chinese class names saved in a
+    Chinese Windows locale), logged; CRLF is read as LF. Anything else: one line naming the file."""
+    raw = path.read_bytes()
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return raw.decode("utf-16")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        bad = e.start
+    try:
+        text = raw.decode("gb18030")
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{raw[bad]:02x} at offset {bad}) and not GBK either: "
+                        "save it as UTF-8") from None
+    log.warning("%s: not UTF-8; read as GB18030 (GBK)", path)
+    return text
 
 
 # --------------------------------------------------------------------------- YOLO
@@ -164,7 +202,7 @@ def _yolo_yaml(data: str) -> Path:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(read_text(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -177,10 +215,13 @@ def _read_yaml(path: Path) -> dict:
 def yolo_names(path: Path, doc: dict) -> list[str]:
     names = doc.get("names")
     if isinstance(names, dict):
-        keys = sorted(names)
-        if not all(isinstance(k, int) for k in keys) or keys != list(range(len(keys))):
+        # Keys as written by hand or by tools: 0, or '0' (quoted).
+        as_int = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v for k, v in names.items()}
+        keys = sorted(as_int, key=str)
+        if not all(isinstance(k, int) and not isinstance(k, bool) for k in keys) or \
+                sorted(keys) != list(range(len(keys))):
             raise DataError(f"{path}: field 'names' as a mapping must have the keys 0..N-1, got {keys[:5]}")
-        names = [names[k] for k in keys]
+        names = [as_int[k] for k in range(len(keys))]
     if not isinstance(names, list) or not names:
         raise DataError(f"{path}: field 'names' must be a non-empty list or mapping of class names")
     names = [str(n) for n in names]
@@ -209,19 +250,35 @@ def yolo_root(path: Path, doc: dict) -> Path:
     raise DataError(f"{path}: field 'path': no directory {' or '.join(str(c) for c in candidates)}")
 
 
-def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> list[Path]:
-    """The image files of a split entry: a folder, a txt list of images, or a list of those."""
+def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Path], list[tuple[str, str]]]:
+    """The image files of a split entry (a folder, a txt list of images, or a list of those),
+    and ``(reason, path)`` of the files in its folders that are not read: other file types,
+    and label files whose image is not there."""
     entries = entry if isinstance(entry, list) else [entry]
     files: list[Path] = []
+    ignored: list[tuple[str, str]] = []
     for e in entries:
         if not isinstance(e, str):
             raise DataError(f"{path}: field '{split}' must be a path or a list of paths, got {e!r}")
         p = Path(e).expanduser()
         p = p if p.is_absolute() else root / p
+        if not p.exists() and e.startswith("../"):
+            # Roboflow writes `train: ../train/images` beside its data.yaml; ultralytics
+            # retries such a path inside the set's root, and so do we.
+            p = root / e[3:]
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTS)
+            found = sorted(f for f in p.rglob("*") if f.is_file())
+            images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
+            labels = {yolo_label_path(f) for f in images}
+            files += images
+            ignored += [("not an image file", str(f)) for f in found
+                        if f.suffix.lower() not in IMAGE_EXTS and f not in labels]
+            label_dir = yolo_label_path(p / "x.jpg").parent
+            if label_dir != p and label_dir.is_dir():
+                ignored += [("label file without an image", str(t)) for t in sorted(label_dir.rglob("*.txt"))
+                            if t not in labels]
         elif p.is_file() and p.suffix == ".txt":
-            for line in p.read_text().splitlines():
+            for line in read_text(p).splitlines():
                 line = line.strip()
                 if line:
                     q = Path(line)
@@ -230,7 +287,7 @@ def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> list[Path]:
             raise DataError(f"{path}: field '{split}': {p} is neither an image folder nor a .txt list")
     if not files:
         raise DataError(f"{path}: field '{split}': no images ({', '.join(map(str, entries))})")
-    return [f.absolute() for f in files]
+    return [f.absolute() for f in files], ignored
 
 
 def yolo_label_path(image: Path) -> Path:
@@ -242,14 +299,10 @@ def yolo_label_path(image: Path) -> Path:
     return Path(s).with_suffix(".txt")
 
 
-def _yolo_boxes(label: Path, num_classes: int) -> list[tuple[int, float, float, float, float]]:
-    """``(class, cx, cy, w, h)`` per line of one label file (normalised)."""
+def _yolo_boxes(label: Path, num_classes: int) -> list[tuple[int, int, float, float, float, float]]:
+    """``(line, class, cx, cy, w, h)`` per box line of one label file (normalised)."""
     out = []
-    try:
-        text = label.read_text()
-    except UnicodeDecodeError:
-        raise DataError(f"{label}: not a text file") from None
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(read_text(label).splitlines(), 1):
         parts = line.split()
         if not parts:
             continue
@@ -265,13 +318,14 @@ def _yolo_boxes(label: Path, num_classes: int) -> list[tuple[int, float, float, 
             raise DataError(f"{label}:{n}: class {parts[0]} is not in names (0..{num_classes - 1})")
         coords = np.array(vals[1:], np.float64)
         if not np.isfinite(coords).all() or (coords < -_TOL).any() or (coords > 1 + _TOL).any():
-            raise DataError(f"{label}:{n}: coordinates must be normalised to 0..1, got {' '.join(parts[1:])}")
+            raise DataError(f"{label}:{n}: coordinates must be normalised to 0..1 (up to {_TOL:g} past an edge "
+                            f"is clipped), got {' '.join(parts[1:])}")
         if len(vals) > 5:  # polygon: its bounding box
             xs, ys = coords[0::2], coords[1::2]
             x0, x1, y0, y1 = xs.min(), xs.max(), ys.min(), ys.max()
-            out.append((int(cls), (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0))
+            out.append((n, int(cls), (x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0))
         else:
-            out.append((int(cls), *coords.tolist()))
+            out.append((n, int(cls), *coords.tolist()))
     return out
 
 
@@ -284,9 +338,10 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
     root = yolo_root(path, doc)
     if split not in doc or doc[split] is None:
         raise DataError(f"{path}: no '{split}' entry (the {split} images)")
-    files = _yolo_images(path, root, split, doc[split])
+    files, ignored = _yolo_images(path, root, split, doc[split])
     sizes, skips = _probe_sizes(files, check_images, cache_dir)
     images, anns, kept = [], [], []
+    where: dict[int, str] = {}
     for i, (f, size) in enumerate(zip(files, sizes)):
         if size is None:
             continue
@@ -297,12 +352,13 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
         label = yolo_label_path(f)
         if not label.is_file():
             continue
-        for c, cx, cy, bw, bh in _yolo_boxes(label, len(names)):
+        for line, c, cx, cy, bw, bh in _yolo_boxes(label, len(names)):
             anns.append(_annotation(len(anns) + 1, image_id, c, (cx - bw / 2) * w, (cy - bh / 2) * h,
                                     (cx + bw / 2) * w, (cy + bh / 2) * h))
+            where[len(anns)] = f"{label}:{line}"
     coco_doc = {"images": images, "annotations": anns, "categories": _categories(names)}
     return _finish(coco_doc, path, kept or files, train=train, keep_empty=keep_empty, check_images=check_images,
-                   cache_dir=cache_dir, prior_skips=skips)
+                   cache_dir=cache_dir, prior_skips=skips, ann_where=where, ignored_files=ignored)
 
 
 # --------------------------------------------------------------------------- VOC
@@ -311,7 +367,7 @@ def _voc_ids(root: Path, split: str) -> tuple[Path, list[str]]:
     lst = root / "ImageSets" / "Main" / f"{split}.txt"
     if not lst.is_file():
         raise DataError(f"--data {root}: {lst} not found (the {split} image ids of a VOC set)")
-    ids = [line.split()[0] for line in lst.read_text().splitlines() if line.strip()]
+    ids = [line.split()[0] for line in read_text(lst).splitlines() if line.strip()]
     if not ids:
         raise DataError(f"{lst}: no image ids")
     return lst, ids
@@ -335,21 +391,48 @@ def _xml_number(xml: Path, node: ET.Element, tag: str, where: str) -> float:
     return v
 
 
+_XML_ENCODING = re.compile(rb"^\s*<\?xml[^>]*encoding=[\"']([A-Za-z0-9_.-]+)[\"']")
+
+
+def _parse_xml(xml: Path) -> ET.Element:
+    """The root of an annotation XML. expat reads UTF-8/16 and Latin-1 itself (a BOM is
+    fine); an XML in another encoding (labelImg on a Chinese Windows saves GBK) is decoded
+    here, by its declaration or, without one, as :func:`read_text` decodes text."""
+    raw = xml.read_bytes()
+    m = _XML_ENCODING.match(raw.lstrip(b"\xef\xbb\xbf"))
+    declared = m.group(1).decode().lower() if m else None
+    try:
+        if declared in ("utf-8", "utf8", "utf-16", "iso-8859-1", "latin-1", "us-ascii", "ascii"):
+            return ET.fromstring(raw)
+        if declared is None:
+            text = read_text(xml)
+        else:
+            try:
+                text = raw.decode(declared)
+            except LookupError:
+                raise DataError(f"{xml}: declares encoding {declared!r}, which Python does not know") from None
+            except UnicodeDecodeError as e:
+                raise DataError(f"{xml}: not valid {declared} (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+        # Parsed as text, without its declaration (ElementTree refuses a str that declares one).
+        return ET.fromstring(re.sub(r"^\s*<\?xml[^>]*\?>", "", text.lstrip("\ufeff"), count=1))
+    except ET.ParseError as e:
+        line, col = e.position
+        raise DataError(f"{xml}: invalid XML at line {line} column {col}") from None
+
+
 def _parse_voc_xml(xml: Path) -> tuple[int, int, list[tuple[str, float, float, float, float, int]], Optional[str]]:
     """``(width, height, [(name, xmin, ymin, xmax, ymax, difficult)], filename)`` of one XML."""
     if not xml.is_file():
         raise DataError(f"{xml}: annotation file not found")
-    try:
-        top = ET.parse(xml).getroot()
-    except ET.ParseError as e:
-        line, col = e.position
-        raise DataError(f"{xml}: invalid XML at line {line} column {col}") from None
+    top = _parse_xml(xml)
     size = top.find("size")
-    if size is None:
-        raise DataError(f"{xml}: no <size> (the image's width and height)")
-    w, h = (_xml_number(xml, size, t, "<size>") for t in ("width", "height"))
-    if w <= 0 or h <= 0 or w != int(w) or h != int(h):
-        raise DataError(f"{xml}: <size> must be positive integers, got {w:g}x{h:g}")
+    w = h = 0.0  # no <size>, an empty one or 0 x 0: the image's own header says (load_voc)
+    given = [size is not None and (size.findtext(t) or "").strip() != "" for t in ("width", "height")]
+    if any(given):  # one of the two alone is a broken file, named below
+        w, h = (_xml_number(xml, size, t, "<size>") for t in ("width", "height"))
+    if (w, h) != (0, 0) and (w <= 0 or h <= 0 or w != int(w) or h != int(h)):
+        raise DataError(f"{xml}: <size> must be positive integers (or 0, or absent: read from the image), "
+                        f"got {w:g}x{h:g}")
     objects = []
     for k, obj in enumerate(top.findall("object")):
         where = f"object {k}: "
@@ -373,13 +456,19 @@ def voc_class_names(root: Path, found: set[str]) -> list[str]:
     """``label_list.txt`` if present; else the 20 VOC classes if they cover ``found``; else sorted ``found``."""
     lst = root / "label_list.txt"
     if lst.is_file():
-        names = [line.strip() for line in lst.read_text().splitlines() if line.strip()]
+        names = [line.strip() for line in read_text(lst).splitlines() if line.strip()]
         if not names:
             raise DataError(f"{lst}: no class names")
         return names
     if found <= set(VOC_CLASSES):
         return list(VOC_CLASSES)
     return sorted(found)
+
+
+def _voc_image(root: Path, image_id: str, fname: Optional[str]) -> Path:
+    """``JPEGImages/<id>.jpg``, or the XML's ``<filename>`` where that is not there."""
+    f = root / "JPEGImages" / f"{image_id}.jpg"
+    return root / "JPEGImages" / fname if not f.is_file() and fname else f
 
 
 def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_images: str = "open",
@@ -400,14 +489,21 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
     label = {n: i for i, n in enumerate(names)}
     images, anns, files = [], [], []
     skips = []
-    for n, (image_id_str, (w, h, objects, fname)) in enumerate(zip(ids, parsed)):
+    where: dict[int, str] = {}
+    image_files = [_voc_image(root, i, p[3]) for i, p in zip(ids, parsed)]
+    # Images whose XML gives no size: their headers, read in one pass.
+    unsized = [f for f, p in zip(image_files, parsed) if p[:2] == (0, 0) and f.is_file()]
+    probed = dict(zip(unsized, _probe_sizes(unsized, "open", cache_dir)[0]))
+    for n, (image_id_str, f, (w, h, objects, _)) in enumerate(zip(ids, image_files, parsed)):
         xml = root / "Annotations" / f"{image_id_str}.xml"
-        f = root / "JPEGImages" / f"{image_id_str}.jpg"
-        if not f.is_file() and fname:
-            f = root / "JPEGImages" / fname
         if not f.is_file():
             skips.append(("missing file", str(f)))
             continue
+        if (w, h) == (0, 0):
+            if probed.get(f) is None:
+                skips.append(("corrupt", str(f)))
+                continue
+            w, h = probed[f]
         image_id = n + 1
         images.append({"id": image_id, "file_name": str(f), "width": w, "height": h})
         files.append(f)
@@ -415,6 +511,7 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
             if name not in label:
                 raise DataError(f"{xml}: object {k}: class {name!r} is not in {root / 'label_list.txt'}")
             anns.append(_annotation(len(anns) + 1, image_id, label[name], x0 - 1, y0 - 1, x1, y1, difficult))
+            where[len(anns)] = f"{xml} object {k}"
     doc = {"images": images, "annotations": anns, "categories": _categories(names)}
     if not files:
         raise DataError(f"{lst}: none of the listed images is in {root / 'JPEGImages'}")
@@ -423,4 +520,5 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
     for im in doc["images"]:
         im["file_name"] = str(Path(im["file_name"]).relative_to(root_dir))
     return coco.load_coco_doc(doc, lst, root_dir, train=train, keep_empty=keep_empty, check_images=check_images,
-                              cache_dir=cache_dir, in_memory=True, prior_skips=skips, crowd_reason="difficult")
+                              cache_dir=cache_dir, in_memory=True, prior_skips=skips, crowd_reason="difficult",
+                              ann_where=where)
