@@ -318,7 +318,7 @@ def test_check_command_prints_the_dataset_report(yolo_yaml, voc_root, tmp_path):
 # ----------------------------------------------------------------------------- training
 
 @pytest.mark.parametrize("fmt, loader", [("yolo", "torch"), ("voc", "dali")])
-def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root, tmp_path):
+def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root, demo_small, tmp_path):
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
     data = yolo_yaml if fmt == "yolo" else voc_root
@@ -340,6 +340,37 @@ def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root,
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
     assert "per-class AP" in ev.stdout and "triangle" in ev.stdout  # the table, by class name
     assert "per-class AP at step 2" in r.stdout and (out / "confusion_matrix.png").is_file()
+    # The same val images in the other two forms: classes matched by name, the same AP.
+    other = {"yolo": voc_root, "voc": yolo_yaml}[fmt]
+    for form in (demo_small, other):
+        ev2 = subprocess.run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "latest.pth"),
+                              "--data", str(form), "--device", "cpu", "--loader", loader],
+                             capture_output=True, text=True, env=ENV, timeout=300)
+        assert ev2.returncode == 0, ev2.stderr
+        line = next(l for l in ev2.stdout.splitlines() if l.startswith("COCO AP"))
+        assert float(line.split()[2]) == pytest.approx(trained["AP"], abs=1e-3), form
+
+
+def test_eval_matches_a_checkpoints_classes_to_a_set_by_name(yolo_yaml, demo_small):
+    """COCO ids (1, 3, 7, 12) and YOLO ids (0..3) of the same names map label for label; a set
+    listing them in another order is mapped by name; a real mismatch names both sides."""
+    from fastdet.eval.__main__ import category_ids_by_name
+
+    coco = load_coco(demo_small / "annotations" / "instances_val2017.json", demo_small / "val2017", train=False)
+    yolo = load_split(cfg_for(yolo_yaml), "val", check_images="none")
+    ck = {"class_names": list(coco.class_names), "cat_ids": list(coco.cat_ids)}
+    assert coco.cat_ids != yolo.cat_ids and coco.class_names == yolo.class_names
+    assert category_ids_by_name(ck, 4, yolo) == [0, 1, 2, 3]
+    assert category_ids_by_name(ck, 4, coco) == list(coco.cat_ids)
+    shuffled = replace(yolo, class_names=yolo.class_names[::-1])
+    assert category_ids_by_name(ck, 4, shuffled) == [3, 2, 1, 0]
+    renamed = replace(yolo, class_names=["circle", "square", "triangle", "cross"])
+    with pytest.raises(ValueError, match=r"only in the checkpoint \['rectangle'\], only in this set \['square'\]"):
+        category_ids_by_name(ck, 4, renamed)
+    # A checkpoint without names is matched by id, and a different id is refused.
+    assert category_ids_by_name({"cat_ids": list(coco.cat_ids)}, 4, coco) == list(coco.cat_ids)
+    with pytest.raises(ValueError, match="keeps no class names"):
+        category_ids_by_name({"cat_ids": list(coco.cat_ids)}, 4, yolo)
 
 
 def test_every_command_counts_a_sets_classes_as_training_does(demo_small, tmp_path, monkeypatch, caplog, capsys):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
+
 import torch
 
 from fastdet.config import ConfigError, apply_overrides
@@ -37,6 +39,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", choices=["megvii", "paddle", "torchvision"], default=None,
                    help="for a released file: whose format it is (inferred when left out)")
     return p
+
+
+def category_ids_by_name(ck: dict, num_classes: int, val) -> list[int]:
+    """The val set's category id for each of the model's labels, matched by class name.
+
+    The same classes keep their names across a set's COCO, YOLO and VOC forms while their
+    ids differ (COCO's 1..90 against YOLO's 0..79), so a checkpoint scores any form; a
+    checkpoint without names (written before they were kept) is matched by id. A real
+    mismatch is refused naming the classes that differ on each side.
+    """
+    ours = [str(n) for n in ck.get("class_names") or []]
+    theirs = [str(n) for n in val.class_names]
+    if not ours:
+        ids = list(ck.get("cat_ids") or val.cat_ids)
+        if ids != list(val.cat_ids) or len(ids) != num_classes:
+            raise ValueError(f"{val.ann_file}: category ids {list(val.cat_ids)[:8]} differ from the checkpoint's "
+                             f"{ids[:8]} (it keeps no class names to match them by)")
+        return list(val.cat_ids)
+    if len(ours) != num_classes:
+        raise ValueError(f"the checkpoint names {len(ours)} classes but its model has {num_classes}")
+    if sorted(ours) != sorted(theirs) or len(set(theirs)) != len(theirs):
+        only_ck = [n for n in ours if n not in theirs]
+        only_val = [n for n in theirs if n not in ours]
+        raise ValueError(f"{val.ann_file}: classes differ from the checkpoint's: only in the checkpoint "
+                         f"{only_ck[:10] or 'none'}, only in this set {only_val[:10] or 'none'}")
+    index = {n: i for i, n in enumerate(theirs)}
+    return [int(val.cat_ids[index[n]]) for n in ours]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", info.local_rank)
         setup_logging(None, info.is_main)
         val = load_split(cfg.data, "val", check_images="open")
-        if ck.get("cat_ids") and list(ck["cat_ids"]) != list(val.cat_ids):
-            raise ValueError(f"{val.ann_file}: categories differ from the checkpoint's "
-                             f"({len(val.cat_ids)} vs {len(ck['cat_ids'])})")
-        if val.num_classes != cfg.model.num_classes:
-            raise ValueError(f"{val.ann_file}: {val.num_classes} categories, the checkpoint's model has "
-                             f"{cfg.model.num_classes}")
+        val = replace(val, cat_ids=category_ids_by_name(ck, cfg.model.num_classes, val))
         # Unfused: evaluation scores the weights as trained (fusing changes only float rounding).
         model = detector_from_checkpoint(ck, cfg, args.ckpt, ema=args.weights == "ema", fuse=False, device=device)
         loader = build_eval_loader(cfg.data, val, preprocess=recipes.family(cfg.model.arch).preprocess,
