@@ -57,7 +57,7 @@ def verified_records(dataset: Any, data) -> tuple[list[ImageRecord], int]:
     for d, items in by_dir.items():
         idx = [i for i, _ in items]
         checks = coco._check_images(d, [name for _, name in items], "decode", data.cache_dir)
-        for i, (status, w, h, _) in zip(idx, checks):
+        for i, (status, w, h, *_) in zip(idx, checks):
             if status == "ok" and (w, h) != (records[i].width, records[i].height):
                 status = "size mismatch"
             if status != "ok":

@@ -38,12 +38,13 @@ def _maybe(p: float, value, neutral: float):
 
 
 def decode(encoded, device: str):
-    """JPEG/PNG bytes → uint8 HWC RGB; nvJPEG (mixed) on a GPU. EXIF is ignored, as the JSON sizes."""
+    """JPEG/PNG bytes → uint8 HWC RGB, upright (EXIF orientation applied, as the data layer's
+    sizes and the torch back end); nvJPEG (mixed) on a GPU."""
     return fn.decoders.image(
         encoded,
         device="mixed" if device == "gpu" else "cpu",
         output_type=types.RGB,
-        adjust_orientation=False,
+        adjust_orientation=True,
     )
 
 

@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageOps
 
 from fastdet.data import geometry as G
 from fastdet.data import stages as S
@@ -90,10 +90,11 @@ class ImageDecodeError(RuntimeError):
 
 
 def decode_image(path: str) -> np.ndarray:
-    """RGB uint8 [H, W, 3] of an image file, in stored orientation (EXIF ignored, as the JSON sizes)."""
+    """RGB uint8 [H, W, 3] of an image file, upright: its EXIF orientation applied, as the
+    sizes the data layer reads (``fastdet.data.coco._probe``), OpenCV's imread and viewers do."""
     try:
         with Image.open(path) as im:
-            return np.array(im.convert("RGB"))
+            return np.array(ImageOps.exif_transpose(im).convert("RGB"))
     except (OSError, ValueError, SyntaxError) as e:
         raise ImageDecodeError(f"{path}: cannot decode image ({e})") from None
 

@@ -142,6 +142,8 @@ BOX_REASONS = ("crowd", "difficult", "degenerate", "outside image")
 IMAGE_REASONS = ("missing file", "corrupt", "size mismatch", "without boxes")
 # Boxes kept but changed, and files of a set's folders that the reader did not take.
 CHANGE_REASONS = ("clipped to the image",)
+UPRIGHT = "turned upright by their EXIF orientation"
+IMAGE_CHANGE_REASONS = (UPRIGHT,)
 FILE_REASONS = ("label file without an image", "not an image file")
 _SHOWN_EXAMPLES = 3  # image paths named per reason in the summary
 
@@ -157,7 +159,8 @@ class DataReport:
     """What :func:`load_coco` dropped or skipped, and why.
 
     ``box_skips`` / ``image_skips`` count per reason (``BOX_REASONS`` / ``IMAGE_REASONS``);
-    ``box_changes`` the boxes kept but changed (``CHANGE_REASONS``); ``files_ignored`` the
+    ``box_changes`` the boxes kept but changed (``CHANGE_REASONS``), ``image_changes`` the
+    images read otherwise than stored (``IMAGE_CHANGE_REASONS``); ``files_ignored`` the
     files in a set's image or label folders that the reader did not take (``FILE_REASONS``,
     YOLO sets). ``examples`` holds the first few image paths (image and file reasons) or
     annotations (box reasons: ``file:line`` of a YOLO label, the XML and object of a VOC
@@ -175,6 +178,7 @@ class DataReport:
     examples: dict[str, list[str]] = field(default_factory=dict)
     filled: Counter = field(default_factory=Counter)  # annotation fields filled in (fill_coco_defaults)
     box_changes: Counter = field(default_factory=Counter)
+    image_changes: Counter = field(default_factory=Counter)
     files_ignored: Counter = field(default_factory=Counter)
 
     def count(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
@@ -220,8 +224,9 @@ class DataReport:
                 more = f", +{n - len(shown)} more" if shown and n > len(shown) else ""
                 reasons.append(f"{n} {r}" + (f" ({', '.join(shown)}{more})" if shown else ""))
             parts.append(f"skipped {_plural(self.skipped_images, 'image')}: " + ", ".join(reasons))
-        for counter, reasons, verb in ((self.box_changes, CHANGE_REASONS, "changed"),
-                                       (self.files_ignored, FILE_REASONS, "ignored")):
+        for counter, reasons, verb, noun in ((self.box_changes, CHANGE_REASONS, "changed", "box"),
+                                             (self.image_changes, IMAGE_CHANGE_REASONS, "read", "image"),
+                                             (self.files_ignored, FILE_REASONS, "ignored", "file")):
             total = sum(counter.values())
             if not total:
                 continue
@@ -232,7 +237,6 @@ class DataReport:
                     shown = self.examples.get(r, [])
                     more = f", +{n - len(shown)} more" if shown and n > len(shown) else ""
                     shown_parts.append(f"{n} {r}" + (f" ({', '.join(shown)}{more})" if shown else ""))
-            noun = "box" if verb == "changed" else "file"
             parts.append(f"{verb} {_plural(total, noun)}: " + ", ".join(shown_parts))
         if not parts:
             parts.append("nothing dropped or skipped")
@@ -465,24 +469,36 @@ class _Invalid(Exception):
 _LEVEL = {"open": 1, "decode": 2}
 
 
-def _probe(path: Path, level: int) -> tuple[str, int, int, int, int, str]:
-    """Check one file: ``(status, size, mtime_ns, width, height, detail)``.
+# EXIF orientations that turn the picture a quarter: its upright width and height swap.
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def _probe(path: Path, level: int) -> tuple[str, int, int, int, int, str, int]:
+    """Check one file: ``(status, size, mtime_ns, width, height, detail, orientation)``.
 
     ``status`` is ``"ok"``, ``"missing file"`` or ``"corrupt"``; level 1 reads the header,
-    level 2 decodes all pixels.
+    level 2 decodes all pixels. ``width, height`` are the upright picture's, after its EXIF
+    orientation (1..8, 1 = as stored), which every decoder here applies (as OpenCV's
+    imread, ultralytics and a photo viewer do): a phone's sideways-stored photo is labelled
+    upright.
     """
     try:
         st = path.stat()
     except OSError:
-        return "missing file", -1, -1, 0, 0, ""
+        return "missing file", -1, -1, 0, 0, "", 1
     try:
         with Image.open(path) as im:
             w, h = im.size
+            orientation = int(im.getexif().get(0x0112, 1) or 1)
             if level >= 2:
                 im.load()
     except Exception as e:  # noqa: BLE001 - any failure to read the file means it does not decode
-        return "corrupt", st.st_size, st.st_mtime_ns, 0, 0, f"{type(e).__name__}: {e}"[:200]
-    return "ok", st.st_size, st.st_mtime_ns, w, h, ""
+        return "corrupt", st.st_size, st.st_mtime_ns, 0, 0, f"{type(e).__name__}: {e}"[:200], 1
+    if orientation not in range(1, 9):
+        orientation = 1  # out of range: viewers and PIL's exif_transpose leave the picture as stored
+    if orientation in _QUARTER_TURNS:
+        w, h = h, w
+    return "ok", st.st_size, st.st_mtime_ns, w, h, "", orientation
 
 
 def _cache_file(cache_dir: str | Path, image_dir: Path) -> Path:
@@ -515,23 +531,25 @@ def _save_cache(path: Path, image_dir: Path, entries: dict[str, list]) -> None:
 
 def _check_images(
     image_dir: Path, file_names: list[str], mode: str, cache_dir: str | Path | None
-) -> list[tuple[str, int, int, str]]:
-    """``(status, width, height, detail)`` per file, reusing cached results when valid."""
+) -> list[tuple[str, int, int, str, int]]:
+    """``(status, width, height, detail, orientation)`` per file (upright sizes, see
+    :func:`_probe`), reusing cached results when valid."""
     level = _LEVEL[mode]
     cache_path = _cache_file(cache_dir, image_dir) if cache_dir is not None else None
     cache = _load_cache(cache_path, image_dir) if cache_path is not None else {}
-    results: list[tuple[str, int, int, str] | None] = [None] * len(file_names)
+    results: list[tuple[str, int, int, str, int] | None] = [None] * len(file_names)
     todo = []
     for i, name in enumerate(file_names):
         entry = cache.get(name)
-        if entry is not None and len(entry) == 7 and entry[2] >= level:
-            size, mtime, _, w, h, status, detail = entry
+        # 8 fields: a cache written before orientations were kept holds stored sizes, re-probed.
+        if entry is not None and len(entry) == 8 and entry[2] >= level:
+            size, mtime, _, w, h, status, detail, orientation = entry
             try:
                 st = (image_dir / name).stat()
             except OSError:
                 st = None
             if st is not None and st.st_size == size and st.st_mtime_ns == mtime:
-                results[i] = (status, w, h, detail)
+                results[i] = (status, w, h, detail, orientation)
                 continue
         todo.append(i)
     if todo:
@@ -543,10 +561,10 @@ def _check_images(
                 probed = list(ex.map(lambda p: _probe(p, level), paths, chunksize=64))
         else:
             probed = [_probe(p, level) for p in paths]
-        for i, (status, size, mtime, w, h, detail) in zip(todo, probed):
-            results[i] = (status, w, h, detail)
+        for i, (status, size, mtime, w, h, detail, orientation) in zip(todo, probed):
+            results[i] = (status, w, h, detail, orientation)
             if status != "missing file":
-                cache[file_names[i]] = [size, mtime, level, w, h, status, detail]
+                cache[file_names[i]] = [size, mtime, level, w, h, status, detail, orientation]
         if cache_path is not None:
             _save_cache(cache_path, image_dir, cache)
     return results  # type: ignore[return-value]
@@ -599,6 +617,7 @@ def load_coco_doc(
     crowd_reason: str = "crowd",
     ann_where: Optional[dict[int, str]] = None,
     ignored_files: Iterable[tuple[str, str]] = (),
+    turned_upright: Iterable[str] = (),
 ) -> CocoDataset:
     """:func:`load_coco` on an already-read COCO document.
 
@@ -610,7 +629,8 @@ def load_coco_doc(
     ``crowd_reason`` names the ``iscrowd`` boxes in the report (VOC: ``"difficult"``).
     ``ann_where`` names an annotation id's source for the report's examples (an in-memory
     id means nothing to the user: ``labels/x.txt:3``); ``ignored_files`` are ``(reason,
-    path)`` of the files the reader did not take (``FILE_REASONS``).
+    path)`` of the files the reader did not take (``FILE_REASONS``); ``turned_upright`` the
+    images whose EXIF orientation the reader's size check already applied.
     """
     ann_file = Path(ann_file).expanduser()
     image_dir = Path(image_dir).expanduser().absolute()
@@ -636,6 +656,8 @@ def load_coco_doc(
         report.count(report.image_skips, reason, examples=[path])
     for reason, path in ignored_files:
         report.count(report.files_ignored, reason, examples=[path])
+    for path in turned_upright:
+        report.count(report.image_changes, UPRIGHT, examples=[path])
     where = ann_where or {}
 
     def named(ids: np.ndarray) -> Iterable[str]:
@@ -646,10 +668,13 @@ def load_coco_doc(
     usable = np.ones(len(images), bool)
     if check_images != "none":
         checks = _check_images(image_dir, [im[1] for im in images], check_images, cache_dir)
-        for i, ((_, name, w, h), (status, fw, fh, detail)) in enumerate(zip(images, checks)):
+        for i, ((_, name, w, h), (status, fw, fh, detail, orientation)) in enumerate(zip(images, checks)):
             path = str(image_dir / name)
             if status == "ok" and (fw, fh) != (w, h):
-                status, detail = "size mismatch", f"{path}: file is {fw}x{fh}, JSON says {w}x{h}"
+                turned = " upright (EXIF orientation {})".format(orientation) if orientation != 1 else ""
+                status, detail = "size mismatch", f"{path}: file is {fw}x{fh}{turned}, JSON says {w}x{h}"
+            if status == "ok" and orientation != 1:
+                report.count(report.image_changes, UPRIGHT, examples=[path])
             if status != "ok":
                 usable[i] = False
                 report.count(report.image_skips, status, examples=[path])

@@ -127,26 +127,30 @@ def train_num_classes(data_cfg: DataConfig) -> int:
 
 # --------------------------------------------------------------------------- shared
 
-def _probe_sizes(files: list[Path], check_images: str, cache_dir) -> tuple[list[tuple[int, int] | None],
-                                                                          list[tuple[str, str]]]:
-    """Each image's (width, height) read from its header, or None; and ``(reason, path)`` skips."""
+def _probe_sizes(files: list[Path], check_images: str, cache_dir
+                 ) -> tuple[list[tuple[int, int] | None], list[tuple[str, str]], list[str]]:
+    """Each image's upright (width, height) read from its header (EXIF orientation applied),
+    or None; ``(reason, path)`` skips; and the paths of the images stored sideways or flipped."""
     root = Path(os.path.commonpath([str(f.parent) for f in files])) if files else Path("/")
     names = [str(f.relative_to(root)) for f in files]
     level = "decode" if check_images == "decode" else "open"
     checks = coco._check_images(root, names, level, cache_dir)
     sizes: list[tuple[int, int] | None] = []
-    skips = []
-    for f, (status, w, h, _) in zip(files, checks):
+    skips, turned = [], []
+    for f, (status, w, h, _, orientation) in zip(files, checks):
         if status == "ok":
             sizes.append((w, h))
+            if orientation != 1:
+                turned.append(str(f))
         else:
             sizes.append(None)
             skips.append((status, str(f)))
-    return sizes, skips
+    return sizes, skips, turned
 
 
 def _finish(doc: dict, source: Path, files: list[Path], *, train: bool, keep_empty, check_images: str,
-            cache_dir, prior_skips, crowd_reason: str = "crowd", ann_where=None, ignored_files=()) -> CocoDataset:
+            cache_dir, prior_skips, crowd_reason: str = "crowd", ann_where=None, ignored_files=(),
+            turned_upright=()) -> CocoDataset:
     """Read the in-memory document through the COCO layer (file names relative to the images' common root)."""
     root = Path(os.path.commonpath([str(f.parent) for f in files])) if files else source.parent
     for im in doc["images"]:
@@ -155,7 +159,8 @@ def _finish(doc: dict, source: Path, files: list[Path], *, train: bool, keep_emp
     check = "decode" if check_images == "decode" else "none"
     return coco.load_coco_doc(doc, source, root, train=train, keep_empty=keep_empty, check_images=check,
                               cache_dir=cache_dir, in_memory=True, prior_skips=prior_skips,
-                              crowd_reason=crowd_reason, ann_where=ann_where, ignored_files=ignored_files)
+                              crowd_reason=crowd_reason, ann_where=ann_where, ignored_files=ignored_files,
+                              turned_upright=turned_upright)
 
 
 def _categories(names: list[str]) -> list[dict]:
@@ -339,7 +344,7 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
     if split not in doc or doc[split] is None:
         raise DataError(f"{path}: no '{split}' entry (the {split} images)")
     files, ignored = _yolo_images(path, root, split, doc[split])
-    sizes, skips = _probe_sizes(files, check_images, cache_dir)
+    sizes, skips, turned = _probe_sizes(files, check_images, cache_dir)
     images, anns, kept = [], [], []
     where: dict[int, str] = {}
     for i, (f, size) in enumerate(zip(files, sizes)):
@@ -358,7 +363,8 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
             where[len(anns)] = f"{label}:{line}"
     coco_doc = {"images": images, "annotations": anns, "categories": _categories(names)}
     return _finish(coco_doc, path, kept or files, train=train, keep_empty=keep_empty, check_images=check_images,
-                   cache_dir=cache_dir, prior_skips=skips, ann_where=where, ignored_files=ignored)
+                   cache_dir=cache_dir, prior_skips=skips, ann_where=where, ignored_files=ignored,
+                   turned_upright=turned)
 
 
 # --------------------------------------------------------------------------- VOC
@@ -493,7 +499,7 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
     image_files = [_voc_image(root, i, p[3]) for i, p in zip(ids, parsed)]
     # Images whose XML gives no size: their headers, read in one pass.
     unsized = [f for f, p in zip(image_files, parsed) if p[:2] == (0, 0) and f.is_file()]
-    probed = dict(zip(unsized, _probe_sizes(unsized, "open", cache_dir)[0]))
+    probed = dict(zip(unsized, _probe_sizes(unsized, "open", cache_dir)[0]))  # upright, as load_coco_doc checks
     for n, (image_id_str, f, (w, h, objects, _)) in enumerate(zip(ids, image_files, parsed)):
         xml = root / "Annotations" / f"{image_id_str}.xml"
         if not f.is_file():
