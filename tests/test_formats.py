@@ -548,3 +548,51 @@ def test_a_sideways_stored_photo_is_read_upright_under_its_labels(tmp_path, load
         inside = images[b, :, y0 + 1:y1 - 1, x0 + 1:x1 - 1].mean()
         outside = images[b].sum() - images[b, :, y0:y1, x0:x1].sum()
         assert inside > 200 and outside / images[b].numel() < 30, (b, float(inside))
+
+
+@pytest.mark.parametrize("tool", ["cvat", "labelstudio"])
+def test_coco_exports_of_cvat_and_label_studio_check_without_a_coco_root(demo_small, tmp_path, capsys, tool):
+    """CVAT's COCO 1.0 (annotations/instances_default.json, attributes, empty segmentations,
+    licence fields) and Label Studio's COCO (result JSON beside images/, file names with
+    that folder, category ids from 0, no area): ``fastdet.data check`` names the four
+    files without a ``--data`` root and reads every image and box."""
+    import shutil
+
+    from fastdet.data.__main__ import main as data_main
+
+    args, counts = [], []
+    for split in ("train", "val"):
+        doc = _coco(demo_small, split)
+        counts.append((len(doc["images"]), len(doc["annotations"])))
+        root = tmp_path / tool / split
+        (root / "images").mkdir(parents=True)
+        for im in doc["images"]:
+            shutil.copy(demo_small / f"{split}2017" / im["file_name"], root / "images" / im["file_name"])
+        if tool == "cvat":
+            for a in doc["annotations"]:
+                a.update(attributes={"occluded": False}, segmentation=[])
+            for im in doc["images"]:
+                im.update(license=0, flickr_url="", coco_url="", date_captured=0)
+            ann, images = root / "annotations" / "instances_default.json", root / "images"
+        else:
+            remap = {c["id"]: i for i, c in enumerate(doc["categories"])}
+            for c in doc["categories"]:
+                c["id"] = remap[c["id"]]
+            for a in doc["annotations"]:
+                a["category_id"] = remap[a["category_id"]]
+                a.pop("area")
+            for im in doc["images"]:
+                im["file_name"] = f"images/{im['file_name']}"
+            ann, images = root / "result.json", root
+        ann.parent.mkdir(parents=True, exist_ok=True)
+        ann.write_text(json.dumps(doc))
+        args += [f"--{split}-ann", str(ann), f"--{split}-images", str(images)]
+    assert data_main(["check", *args]) == 0
+    out = capsys.readouterr().out
+    for n_images, n_boxes in counts:
+        assert re.search(rf"\n  {n_images} images( \(\d+ without boxes\))?, {n_boxes} boxes, 4 classes", out), out[:2000]
+    # Label Studio writes no area: filled in as COCO defines it, and said so.
+    problems = "nothing dropped or skipped" if tool == "cvat" else "filled in \\d+ missing 'area'"
+    assert len(re.findall(rf"problems: {problems}", out)) == 2, out[:2000]
+    assert data_main(["check", *args[:4]]) == 1  # train alone, no --data: one line saying what is missing
+    assert "give --data, or COCO files with --val-ann and --val-images" in capsys.readouterr().err

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("check", help="print the dataset report (images, boxes per class, box sizes, problems)")
-    c.add_argument("--data", required=True, metavar="demo|COCO_ROOT|data.yaml|VOC_ROOT")
+    c.add_argument("--data", default=None, metavar="demo|COCO_ROOT|data.yaml|VOC_ROOT",
+                   help="the set; or leave it out and name COCO files with --train-ann ... --val-images")
     c.add_argument("--train-ann", default=None, metavar="JSON")
     c.add_argument("--train-images", default=None, metavar="DIR")
     c.add_argument("--val-ann", default=None, metavar="JSON")
@@ -82,15 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     from fastdet.data.formats import data_format, load_split
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    cfg = replace(DataConfig(), data=args.data, train_ann=args.train_ann, train_images=args.train_images,
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    named = {s: getattr(args, f"{s}_ann") is not None and getattr(args, f"{s}_images") is not None for s in splits}
+    if args.data is None and not all(named.values()):
+        missing = [f"--{s}-ann and --{s}-images" for s, ok in named.items() if not ok]
+        print(f"fastdet.data: error: give --data, or COCO files with {' and '.join(missing)}", file=sys.stderr)
+        return 1
+    data = args.data if args.data is not None else DataConfig().data  # every path named by the flags
+    cfg = replace(DataConfig(), data=data, train_ann=args.train_ann, train_images=args.train_images,
                   val_ann=args.val_ann, val_images=args.val_images, check_images=args.check_images,
                   **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
-    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     bad = set(splits) - {"train", "val"}
     if bad:
         print(f"fastdet.data: error: --splits takes train and val, got {sorted(bad)[0]}", file=sys.stderr)
         return 1
-    print(f"{args.data}: {data_format(args.data).upper()} format")
+    print(f"{args.data}: {data_format(args.data).upper()} format" if args.data is not None else "COCO files")
     try:
         for split in splits:
             ds = load_split(cfg, split, train=False)
