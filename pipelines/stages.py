@@ -103,7 +103,7 @@ def expand_crop(images, boxes, labels, wh, spec: S.ExpandCrop, scores=None):
         output_bbox_indices=True,
     )
     if scores is not None:
-        scores = fn.python_function(scores, kept, function=_gather, num_outputs=1)
+        scores = fn.python_function(scores, kept, function=_gather, num_outputs=1, batch_processing=True)
     # An image without boxes is not cropped (PaddleDetection RandomCrop returns early).
     has = fn.cast(boxes.shape()[0] > 0, dtype=types.FLOAT)
     ax, ay = anchor[0] * has, anchor[1] * has
@@ -111,8 +111,9 @@ def expand_crop(images, boxes, labels, wh, spec: S.ExpandCrop, scores=None):
     return (*_cut(images, win_boxes, win_labels, ax, ay, aw, ah, cw, ch, ox, oy), scores)
 
 
-def _gather(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values[idx.astype(np.int64)])
+def _gather(values: list[np.ndarray], idx: list[np.ndarray]) -> list[np.ndarray]:
+    """The kept boxes' scores, a whole batch in one call (B lists of [N_i] and [K_i])."""
+    return [np.ascontiguousarray(v[i.astype(np.int64)]) for v, i in zip(values, idx)]
 
 
 def _cut(images, win_boxes, labels, ax, ay, aw, ah, cw, ch, ox, oy):
@@ -198,23 +199,23 @@ def normalize(images, mirror, channels_last: bool, st: S.Normalize):
     )
 
 
-def _finalize(boxes: np.ndarray, labels: np.ndarray, box_scale: np.ndarray, *scores, max_boxes: int):
-    # boxes are xyxy relative to the image entering the resize; box_scale is (x, y) px.
-    scale = np.array([box_scale[0], box_scale[1]] * 2, np.float32)
-    b = boxes.reshape(-1, 4) * scale
-    s = scores[0] if scores else np.ones(len(b), np.float32)
-    t = A.finalize(b, labels, s, max_boxes)
-    return t["gt_boxes"], t["gt_labels"], t["gt_mask"], t["gt_scores"], np.array(t["overflow"], np.int64)
+def _finalize(boxes: list, labels: list, box_scale: list, *scores, max_boxes: int):
+    # B samples: boxes [N_i, 4] xyxy relative to the image entering the resize, box_scale [2] (x, y) px.
+    t = A.finalize_batch(boxes, labels, box_scale, scores[0] if scores else None, max_boxes)
+    return (list(t["gt_boxes"]), list(t["gt_labels"]), list(t["gt_mask"]), list(t["gt_scores"]),
+            [np.array(o) for o in t["overflow"]])
 
 
 def targets(boxes, labels, box_scale, max_boxes: int, scores=None):
     """Pixels of the input, < 1 px dropped, the M largest kept and padded (``fastdet.data.augment.finalize``).
 
+    One Python call per batch (``fastdet.data.augment.finalize_batch``, vectorised over the batch).
     Returns ``(gt_boxes [M, 4] f32, gt_labels [M] i64, gt_mask [M] bool, gt_scores [M] f32,
     overflow [] i64)`` per sample, CPU.
     """
     ins = (boxes, labels, box_scale) + ((scores,) if scores is not None else ())
-    return fn.python_function(*ins, function=partial(_finalize, max_boxes=max_boxes), num_outputs=5)
+    return fn.python_function(*ins, function=partial(_finalize, max_boxes=max_boxes), num_outputs=5,
+                              batch_processing=True)
 
 
 # --------------------------------------------------------------------------- planned stages
