@@ -166,20 +166,24 @@ def resize(images, size, interp, st: S.Resize, evaluation: bool = False):
     H, W = size[0], size[1]
     if st.mode == "stretch":
         return fn.resize(images, size=size, **kw), fn.stack(W, H)
-    hw = fn.cast(images.shape(), dtype=types.FLOAT)
+    # float64, in resize_scale's order of operations: in float32, 159 · (128 / 159) floors to
+    # 127 where the torch back end (and YOLOX's preproc) get 128.
+    hw = fn.cast(images.shape(), dtype=types.FLOAT64)
     h, w = hw[0], hw[1]
+    H, W = fn.cast(H, dtype=types.FLOAT64), fn.cast(W, dtype=types.FLOAT64)
     r = dmath.min(H / h, W / w)
     if st.mode == "keep_ratio":
         short = dmath.min(H, W)
-        r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * (st.max_long / st.short) / dmath.max(h, w)))
+        r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * float(st.max_long) / float(st.short)
+                                   / dmath.max(h, w)))
     rnd = 0.5 if evaluation else 0.0
-    ch = dmath.clamp(dmath.floor(h * r + rnd), 1.0, H)
-    cw = dmath.clamp(dmath.floor(w * r + rnd), 1.0, W)
+    ch = fn.cast(dmath.clamp(dmath.floor(h * r + rnd), 1.0, H), dtype=types.FLOAT)
+    cw = fn.cast(dmath.clamp(dmath.floor(w * r + rnd), 1.0, W), dtype=types.FLOAT)
     content = fn.resize(images, size=fn.stack(ch, cw), **kw)
     zero = fn.cast(H * 0.0, dtype=types.INT32)
     canvas = fn.slice(content, fn.stack(zero, zero), fn.cast(fn.stack(W, H), dtype=types.INT32), axis_names="WH",
                       out_of_bounds_policy="pad", fill_values=[float(st.pad_value)] * 3)
-    return canvas, (fn.stack(cw, ch) if evaluation else fn.stack(w * r, h * r))
+    return canvas, fn.cast(fn.stack(cw, ch) if evaluation else fn.stack(w * r, h * r), dtype=types.FLOAT)
 
 
 _DALI_INTERP = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC}
