@@ -233,6 +233,10 @@ def _f32(x):
     return fn.cast(x, dtype=types.FLOAT)
 
 
+def _u16(x):
+    return fn.cast(x, dtype=types.UINT16)
+
+
 def _place(images, anchor, shape_wh, fill: float):
     """``images`` with its top-left at ``-anchor`` (x, y) on a ``shape_wh`` canvas of ``fill`` (int32 args)."""
     return fn.slice(images, anchor, shape_wh, axis_names="WH", out_of_bounds_policy="pad", fill_values=[fill] * 3)
@@ -242,18 +246,18 @@ def _linear(images, hw):
     return fn.resize(images, size=hw, interp_type=types.INTERP_LINEAR, antialias=False, dtype=types.UINT8)
 
 
-def mosaic(images, partners, rsz, anchor, canvas, pad_value: float):
-    """YOLOX mosaic: 4 tiles resized (linear) and pasted on the (2 S_h, 2 S_w) canvas.
+def mosaic(images, partners, rsz, anchor, quad, pad_value: float):
+    """YOLOX mosaic: 4 tiles resized (linear) around the centre (xc, yc) of the (2 S_h, 2 S_w) canvas, uint8.
 
-    The tiles never overlap, so the canvas is ``tile0 + Σ (tile_k − fill)`` with each
-    tile placed alone on a ``fill`` canvas: slices and adds, no scatter.
+    The tiles never overlap: tile k owns quadrant k (top-left, top-right, bottom-left,
+    bottom-right of the centre), so quadrant k is a ``pad_value``-padded slice of tile k
+    (``anchor[k]`` int32 [2] its origin in tile px, ``quad[k]`` int32 [2] its (w, h); empty
+    quadrants are 0 wide or high), and the canvas is their concatenation: no arithmetic,
+    no float canvas.
     """
     tiles = [images] + list(partners)
-    acc = None
-    for k, t in enumerate(tiles):
-        placed = _f32(_place(_linear(t, rsz[k]), anchor[k], canvas, pad_value))
-        acc = placed if acc is None else acc + (placed - pad_value)
-    return fn.cast(acc, dtype=types.UINT8)
+    q = [_place(_linear(t, rsz[k]), anchor[k], quad[k], pad_value) for k, t in enumerate(tiles)]
+    return fn.cat(fn.cat(q[0], q[1], axis=1), fn.cat(q[2], q[3], axis=1), axis=0)  # [2 S_h, 2 S_w, 3]
 
 
 def affine(images, matrix, size, pad_value: float):
@@ -264,13 +268,18 @@ def affine(images, matrix, size, pad_value: float):
 
 def mixup_yolox(images, partner, letter, input_wh, jit, flip_coin, anchor, target_wh, weights):
     """YOLOX mixup: the partner letterboxed (114), jittered, flipped, cropped at ``anchor``
-    onto the target's size (0 beyond it), then ``w0·image + w1·partner`` truncated to uint8."""
-    zero = fn.cast(weights[0] * 0.0, dtype=types.INT32)
+    onto the target's size (0 beyond it), then ``floor(0.5·image + 0.5·partner)``.
+
+    In integers, exactly: ``(w0·image + w1·partner) // 2`` in uint16 with ``weights`` uint8 [2]
+    (1, 1), or (2, 0) where the sample drew no mixup.
+    """
+    zero = fn.cast(weights[0], dtype=types.INT32) * 0
     letter_canvas = _place(_linear(partner, letter), fn.stack(zero, zero), input_wh, 114.0)
     jittered = fn.flip(_linear(letter_canvas, jit), horizontal=flip_coin)
     other = _place(jittered, anchor, target_wh, 0.0)
-    mixed = weights[0] * _f32(images) + weights[1] * _f32(other)
-    return fn.cast(dmath.floor(mixed), dtype=types.UINT8)
+    two = types.Constant(2, dtype=types.UINT16)
+    mixed = (weights[0] * _u16(images) + weights[1] * _u16(other)) // two
+    return fn.cast(mixed, dtype=types.UINT8)
 
 
 def mixup_ppyolo(images, partner, lam, canvas_wh):
