@@ -271,6 +271,23 @@ def test_planned_stages_agree_exactly(rects, stages):
         assert diff.max() <= 1.0 and diff.mean() < 0.05
 
 
+def test_spawned_source_workers_give_the_forked_batches(rects, monkeypatch):
+    """A GPU run starts the source's workers with spawn (DALI refuses fork once CUDA is up):
+    the pickled source gives the same batches as the forked one (CPU run)."""
+    import fastdet.pipelines.adapter as adapter
+
+    forked = batches(loader_for("dali", rects, YOLOX_GEOMETRY, seed=4), 1)
+    real = adapter.detection_pipeline
+
+    def spawned(*args, **kw):
+        assert kw["py_start_method"] == "fork"
+        return real(*args, **{**kw, "py_start_method": "spawn"})
+
+    monkeypatch.setattr(adapter, "detection_pipeline", spawned)
+    got = batches(loader_for("dali", rects, YOLOX_GEOMETRY, seed=4), 1)
+    assert len(got) == len(forked) and all(torch.equal(a[k], b[k]) for a, b in zip(got, forked) for k in a)
+
+
 def _box_stats(bs: list[dict]) -> dict[str, float]:
     n = torch.cat([b["gt_mask"].sum(1).float() for b in bs])
     box = torch.cat([b["gt_boxes"][b["gt_mask"]] for b in bs])
