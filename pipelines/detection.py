@@ -29,14 +29,13 @@ OUTPUTS = BATCH_KEYS + ("overflow",)
 def read(source, prefetch: int):
     """The records' external source (batch mode, keyed by iteration; see ``sources``).
 
-    ``prefetch`` > 0: parallel, in the pipeline's ``py_num_workers`` processes, each
-    computing a whole batch, ``prefetch`` batches ahead (at least one per worker keeps
-    them all busy); 0: in this process, inside ``run()``.
+    Parallel: in the pipeline's ``py_num_workers`` processes, each computing a whole batch,
+    ``prefetch`` batches ahead (at least one per worker keeps them all busy).
     """
     names = source.outputs
-    kw = dict(parallel=True, prefetch_queue_depth=prefetch) if prefetch else {}
     nodes = fn.external_source(
-        source=source, num_outputs=len(names), batch=True, batch_info=True, layout=[""] * len(names), **kw
+        source=source, num_outputs=len(names), batch=True, batch_info=True, layout=[""] * len(names),
+        parallel=True, prefetch_queue_depth=prefetch,
     )
     return dict(zip(names, nodes))
 
@@ -53,11 +52,12 @@ def unused_outputs(stage_list: tuple) -> tuple[str, ...]:
 
 @pipeline_def
 def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int, channels_last: bool,
-                       evaluation: bool = False, source_prefetch: int = 0):
+                       source_prefetch: int, evaluation: bool = False):
     """Build-time args: ``device`` "gpu" | "cpu" (pipeline ``device_id=None``), ``stage_list``
     (``fastdet.data.stages``, validated), ``max_boxes`` (M), ``channels_last`` (HWC images),
-    ``evaluation`` (the resize rounds as ``Preprocess.__call__``), ``source_prefetch``
-    (batches the parallel source runs ahead; 0: not parallel, see :func:`read`)."""
+    ``source_prefetch`` (batches the source's worker processes run ahead, see :func:`read`),
+    ``evaluation`` (the resize rounds as ``Preprocess.__call__``). Pipeline kwargs
+    ``py_num_workers`` and ``py_start_method`` set the source's workers."""
     s = read(source, source_prefetch)
     images = stages.decode(s["encoded"], device)
     boxes, labels, scores, mirror = s["boxes"], s["labels"], s.get("scores"), None

@@ -9,8 +9,10 @@ corrupt images skipped), so the pipelines read exactly those.
 
 The callbacks run in batch mode with ``batch_info=True``, in DALI's worker processes
 (parallel external source: the file reads and each sample's planning happen there, never
-on the training thread), and are pure functions of the iteration number, so the main
-process can name the files of any iteration again (:meth:`files_of`, for error messages): batch ``g`` of the stream is step ``g % steps`` of epoch
+on the training thread; a worker reads its batch's files one after another, and the
+workers' batches overlap a cold disk's latency). They are pure functions of the iteration
+number, so the main process can name the files of any iteration again (``files_of``, for
+error messages): batch ``g`` of the stream is step ``g % steps`` of epoch
 ``start_epoch + g // steps`` of the shared :class:`~fastdet.data.schedule.TrainSchedule`
 (the same record indices, size and interpolation as the torch back end). They never
 raise ``StopIteration``, so DALI's prefetching runs on across epoch boundaries
