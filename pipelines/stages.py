@@ -284,7 +284,12 @@ def mixup_yolox(images, partner, letter, input_wh, jit, flip_coin, anchor, targe
 
 def mixup_ppyolo(images, partner, lam, canvas_wh):
     """PaddleDetection Mixup: both at the top-left of a max(h) x max(w) canvas of 0,
-    ``λ·a + (1 − λ)·b`` truncated to uint8."""
+    ``λ·a + (1 − λ)·b`` truncated to uint8.
+
+    In float32, as the torch back end: a beta-drawn λ is not exact in fp16 (a level off
+    after the truncation), and DALI's CPU arithmetic has no fp16. The canvas is the
+    images' size (before the resize), not YOLOX's 2S mosaic.
+    """
     zero = fn.cast(lam * 0.0, dtype=types.INT32)
     origin = fn.stack(zero, zero)
     a = _f32(_place(images, origin, canvas_wh, 0.0))
