@@ -33,6 +33,8 @@ from fastdet.pipelines.detection import OUTPUTS, detection_pipeline, unused_outp
 from fastdet.pipelines.sources import EvalSource, TrainSource, _RecordSource
 
 log = logging.getLogger(__name__)
+_PIPE_PREFETCH = 2  # batches the pipeline runs ahead of the trainer
+_SOURCE_PREFETCH = 1  # batches the parallel source runs ahead, beyond one per worker
 
 
 def verified_records(dataset: Any, data) -> tuple[list[ImageRecord], int]:
@@ -88,6 +90,9 @@ class _DaliLoader:
         self.channels_last = d.channels_last
         self.stages: Optional[tuple] = None  # the stage list the pipeline is built from
         self.num_threads = max(1, int(d.num_workers))
+        # Worker processes of the parallel source (reads + per-sample plans): light work
+        # next to the pixels' num_threads, so a quarter of them.
+        self.py_workers = max(1, -(-self.num_threads // 4))
         self.boxes_truncated = 0  # boxes beyond max_boxes (the smallest ones)
         self.left_out = 0  # records that failed the decode check (set by the builder)
         if device.type == "cuda":
@@ -97,6 +102,7 @@ class _DaliLoader:
             self._pixels, self._device_id = "cpu", None
         self._pipe = None
         self._source: _RecordSource | None = None
+        self._served = 0  # batches taken from the pipeline since it was built
 
     def _build(self, source: _RecordSource, batch_size: int, seed: int) -> None:
         self.close()
@@ -108,13 +114,19 @@ class _DaliLoader:
             evaluation=isinstance(self, DaliEvalLoader),
             max_boxes=self.max_boxes,
             channels_last=self.channels_last,
+            source_prefetch=_SOURCE_PREFETCH + self.py_workers,
             batch_size=batch_size,
             num_threads=self.num_threads,
             device_id=self._device_id,
             seed=seed,
-            prefetch_queue_depth=2,
+            prefetch_queue_depth=_PIPE_PREFETCH,
+            py_num_workers=self.py_workers,
+            # fork is cheap, but DALI refuses it once CUDA is initialised in this process (a
+            # GPU run always has it); spawn pickles the source (records and schedule, no handles).
+            py_start_method="spawn" if self._pixels == "gpu" else "fork",
         )
         self._pipe.build()
+        self._served = 0
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         try:
@@ -124,6 +136,7 @@ class _DaliLoader:
                 outs = self._pipe.run()
         except RuntimeError as e:
             raise self._explain(e) from None
+        self._served += 1
         named = dict(zip(OUTPUTS, outs))
         batch = {}
         for k in BATCH_KEYS:
@@ -140,7 +153,11 @@ class _DaliLoader:
     def _explain(self, err: RuntimeError) -> LoaderError:
         """A one-line error naming the file when DALI failed to decode one."""
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        files = [f for fs in (self._source.recent.values() if self._source else []) for f in fs]
+        # The failing batch is the next one or one already prefetched; the source is a pure
+        # function of the iteration, so its files are known here without the workers.
+        ahead = _PIPE_PREFETCH + _SOURCE_PREFETCH + self.py_workers + 1
+        files = [f for g in range(self._served, self._served + ahead) for f in self._source.files_of(g)] \
+            if self._source is not None else []
         for f in dict.fromkeys(files):
             try:
                 decode_image(f)
@@ -161,9 +178,7 @@ class _DaliLoader:
         return "; ".join(parts) if parts else "nothing skipped"
 
     def close(self) -> None:
-        """Release the pipeline (and its device memory)."""
-        if self._source is not None:
-            self._source.close()
+        """Release the pipeline (its worker processes and device memory)."""
         self._pipe, self._source = None, None
 
 
@@ -219,7 +234,6 @@ class DaliTrainLoader(_DaliLoader):
             self.records,
             self.schedule,
             epoch,
-            reader_threads=self.num_threads,
             unused=unused_outputs(self.stages),
             head=self._head,
         )
@@ -264,7 +278,7 @@ class DaliEvalLoader(_DaliLoader):
         s = self.schedule
         if s.nonempty_steps:
             if self._pipe is None or self._next != 0:
-                source = EvalSource(self.records, s, reader_threads=self.num_threads, unused=unused_outputs(self.stages))
+                source = EvalSource(self.records, s, unused=unused_outputs(self.stages))
                 self._build(source, s.batch_size, seed=0)
                 self._next = 0
             for step in range(s.nonempty_steps):

@@ -26,11 +26,16 @@ from fastdet.pipelines import stages
 OUTPUTS = BATCH_KEYS + ("overflow",)
 
 
-def read(source):
-    """The records' external source (batch mode, keyed by iteration; see ``sources``)."""
+def read(source, prefetch: int):
+    """The records' external source (batch mode, keyed by iteration; see ``sources``).
+
+    Parallel: in the pipeline's ``py_num_workers`` processes, each computing a whole batch,
+    ``prefetch`` batches ahead (at least one per worker keeps them all busy).
+    """
     names = source.outputs
     nodes = fn.external_source(
-        source=source, num_outputs=len(names), batch=True, batch_info=True, layout=[""] * len(names)
+        source=source, num_outputs=len(names), batch=True, batch_info=True, layout=[""] * len(names),
+        parallel=True, prefetch_queue_depth=prefetch,
     )
     return dict(zip(names, nodes))
 
@@ -47,18 +52,20 @@ def unused_outputs(stage_list: tuple) -> tuple[str, ...]:
 
 @pipeline_def
 def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int, channels_last: bool,
-                       evaluation: bool = False):
+                       source_prefetch: int, evaluation: bool = False):
     """Build-time args: ``device`` "gpu" | "cpu" (pipeline ``device_id=None``), ``stage_list``
     (``fastdet.data.stages``, validated), ``max_boxes`` (M), ``channels_last`` (HWC images),
-    ``evaluation`` (the resize rounds as ``Preprocess.__call__``)."""
-    s = read(source)
+    ``source_prefetch`` (batches the source's worker processes run ahead, see :func:`read`),
+    ``evaluation`` (the resize rounds as ``Preprocess.__call__``). Pipeline kwargs
+    ``py_num_workers`` and ``py_start_method`` set the source's workers."""
+    s = read(source, source_prefetch)
     images = stages.decode(s["encoded"], device)
     boxes, labels, scores, mirror = s["boxes"], s["labels"], s.get("scores"), None
     k = 0  # the next partner's encoded output
     for st in stage_list:
         if isinstance(st, S.Mosaic):
             partners = [stages.decode(s[f"enc_p{k + j}"], device) for j in range(3)]
-            images = stages.mosaic(images, partners, s["mos_rsz"], s["mos_anchor"], s["mos_canvas"], st.pad_value)
+            images = stages.mosaic(images, partners, s["mos_rsz"], s["mos_anchor"], s["mos_quad"], st.pad_value)
             k += 3
         elif isinstance(st, S.RandomAffine):
             images = stages.affine(images, s["aff_m"], s["aff_size"], st.pad_value)

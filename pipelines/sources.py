@@ -7,8 +7,12 @@ and epoch or rotated shards to match the torch back end. The records from
 ``fastdet.data.coco.load_coco`` are already validated (crowd dropped, boxes clipped,
 corrupt images skipped), so the pipelines read exactly those.
 
-The callbacks run in batch mode with ``batch_info=True`` and are pure functions of
-the iteration number: batch ``g`` of the stream is step ``g % steps`` of epoch
+The callbacks run in batch mode with ``batch_info=True``, in DALI's worker processes
+(parallel external source: the file reads and each sample's planning happen there, never
+on the training thread; a worker reads its batch's files one after another, and the
+workers' batches overlap a cold disk's latency). They are pure functions of the iteration
+number, so the main process can name the files of any iteration again (``files_of``, for
+error messages): batch ``g`` of the stream is step ``g % steps`` of epoch
 ``start_epoch + g // steps`` of the shared :class:`~fastdet.data.schedule.TrainSchedule`
 (the same record indices, size and interpolation as the torch back end). They never
 raise ``StopIteration``, so DALI's prefetching runs on across epoch boundaries
@@ -31,8 +35,6 @@ Per sample the callbacks emit (CPU):
 from __future__ import annotations
 
 import io
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from PIL import Image
@@ -46,7 +48,6 @@ SOURCE_OUTPUTS = ("encoded", "boxes", "labels", "wh", "image_id", "orig_hw", "si
 
 # INTERPS index → DALIInterpType value (INTERP_NN, INTERP_LINEAR, INTERP_CUBIC).
 _DALI_INTERP = {"nearest": 0, "linear": 1, "cubic": 2}
-_RECENT = 8  # batches remembered for error messages (the prefetch queue is shorter)
 
 
 def _read(path: str) -> np.ndarray:
@@ -54,9 +55,9 @@ def _read(path: str) -> np.ndarray:
 
 
 class _RecordSource:
-    """Shared part: per-record arrays prepared once, threaded file reads."""
+    """Shared part: per-record arrays prepared once. Picklable (a "spawn" worker receives it)."""
 
-    def __init__(self, records: list[ImageRecord], reader_threads: int, unused: tuple[str, ...]) -> None:
+    def __init__(self, records: list[ImageRecord], unused: tuple[str, ...]) -> None:
         # An output the graph does not consume makes DALI warn: `wh` only feeds expand/crop,
         # `interp` only a Resize with a random interpolation.
         self.outputs = tuple(n for n in SOURCE_OUTPUTS if n not in unused)
@@ -69,21 +70,14 @@ class _RecordSource:
         self.wh = [np.array([r.width, r.height], np.float32) for r in records]
         self.ids = [np.array(r.image_id, np.int64) for r in records]
         self.hw = [np.array([r.height, r.width], np.int64) for r in records]
-        # File reads release the GIL: a few threads hide the latency of a cold disk.
-        self._pool = ThreadPoolExecutor(max(1, reader_threads), thread_name_prefix="fastdet-read")
-        self.recent: OrderedDict[int, list[str]] = OrderedDict()  # iteration -> files, for error messages
 
-    def emit(self, iteration: int, indices: np.ndarray, hw: tuple[int, int], interp: int) -> dict[str, list]:
+    def emit(self, indices: np.ndarray, hw: tuple[int, int], interp: int) -> dict[str, list]:
         idx = [int(i) for i in indices]
-        files = [self.files[i] for i in idx]
-        self.recent[iteration] = files
-        while len(self.recent) > _RECENT:
-            self.recent.popitem(last=False)
         n = len(idx)
         size_arr = np.array(hw, np.float32)
         interp_arr = np.array(_DALI_INTERP[INTERPS[interp]], np.int32)
-        out = {
-            "encoded": list(self._pool.map(_read, files)),
+        return {
+            "encoded": [_read(self.files[i]) for i in idx],
             "boxes": [self.boxes[i] for i in idx],
             "labels": [self.labels[i] for i in idx],
             "wh": [self.wh[i] for i in idx],
@@ -92,10 +86,6 @@ class _RecordSource:
             "size": [size_arr] * n,
             "interp": [interp_arr] * n,
         }
-        return out
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class TrainSource(_RecordSource):
@@ -107,11 +97,10 @@ class TrainSource(_RecordSource):
         schedule: TrainSchedule,
         start_epoch: int,
         *,
-        reader_threads: int = 4,
         unused: tuple[str, ...] = (),
         head: tuple = (),
     ) -> None:
-        super().__init__(records, reader_threads, unused)
+        super().__init__(records, unused)
         self.schedule = schedule
         self.start_epoch = int(start_epoch)
         # Planned stages (Mosaic, RandomAffine, MixUp) at the head of the list: their draws
@@ -123,15 +112,25 @@ class TrainSource(_RecordSource):
         self.h = [r.height for r in records]
         self.px_boxes = [r.boxes.reshape(-1, 4).astype(np.float32) for r in records]
 
-    def __call__(self, info) -> tuple[list[np.ndarray], ...]:
-        g = info.iteration  # never reset: this source never ends an epoch for DALI
+    def _at(self, g: int) -> tuple[int, int]:
         steps = self.schedule.steps_per_epoch
-        epoch, step = self.start_epoch + g // steps, g % steps
+        return self.start_epoch + g // steps, g % steps
+
+    def __call__(self, info) -> tuple[list[np.ndarray], ...]:
+        epoch, step = self._at(info.iteration)  # never reset: this source never ends an epoch for DALI
         plan = self.schedule.batch(epoch, step)
-        out = self.emit(g, plan.indices, plan.hw, plan.interp)
+        out = self.emit(plan.indices, plan.hw, plan.interp)
         if self.head:
             self._plan(out, plan, epoch, step)
         return tuple(out[k] for k in self.outputs)
+
+    def files_of(self, g: int) -> list[str]:
+        """The files batch ``g`` may read: its records', then every partner its plans may draw."""
+        epoch, step = self._at(g)
+        idx = [int(i) for i in self.schedule.batch(epoch, step).indices]
+        if self.partners:
+            idx += [int(q) for j in range(len(idx)) for q in self.schedule.partners(epoch, step, j, self.partners)]
+        return [self.files[i] for i in idx]
 
     def _plan(self, out: dict[str, list], plan, epoch: int, step: int) -> None:
         """The planned stages' draws for each sample: the torch back end's, from the same keys."""
@@ -157,16 +156,19 @@ class TrainSource(_RecordSource):
 class EvalSource(_RecordSource):
     """Batch ``g`` = this rank's non-empty evaluation batch ``g % nonempty_steps``; endless."""
 
-    def __init__(self, records: list[ImageRecord], schedule: EvalSchedule, *, reader_threads: int = 4,
+    def __init__(self, records: list[ImageRecord], schedule: EvalSchedule, *,
                  unused: tuple[str, ...] = ("wh",)) -> None:
-        super().__init__(records, reader_threads, unused)
+        super().__init__(records, unused)
         self.schedule = schedule
 
     def __call__(self, info) -> tuple[list[np.ndarray], ...]:
-        g = info.iteration
-        plan = self.schedule.batch(g % self.schedule.nonempty_steps)
-        out = self.emit(g, plan.indices, plan.hw, plan.interp)
+        plan = self.schedule.batch(info.iteration % self.schedule.nonempty_steps)
+        out = self.emit(plan.indices, plan.hw, plan.interp)
         return tuple(out[k] for k in self.outputs)
+
+    def files_of(self, g: int) -> list[str]:
+        """The files batch ``g`` reads."""
+        return [self.files[int(i)] for i in self.schedule.batch(g % self.schedule.nonempty_steps).indices]
 
 
 # --------------------------------------------------------------------------- planned stages
@@ -189,7 +191,7 @@ def plan_outputs(head: tuple) -> tuple[str, ...]:
     names, k = ["scores"], 0
     for st in head:
         if isinstance(st, S.Mosaic):
-            names += [f"enc_p{k}", f"enc_p{k + 1}", f"enc_p{k + 2}", "mos_rsz", "mos_anchor", "mos_canvas"]
+            names += [f"enc_p{k}", f"enc_p{k + 1}", f"enc_p{k + 2}", "mos_rsz", "mos_anchor", "mos_quad"]
             k += 3
         elif isinstance(st, S.RandomAffine):
             names += ["aff_m", "aff_size"]
@@ -223,12 +225,17 @@ def plan_arrays(head: tuple, p: augment.Prefix, partner_files: list[str], read) 
                 out[f"enc_p{k + j}"] = read(partner_files[k + j]) if m is not None else DUMMY
             if m is not None:
                 out["mos_rsz"] = np.array([t.hw for t in m.tiles], np.float32)
-                out["mos_anchor"] = np.array([(-t.xy[0], -t.xy[1]) for t in m.tiles], np.int32)
-                out["mos_canvas"] = np.array([m.canvas_hw[1], m.canvas_hw[0]], np.int32)
-            else:  # the sample alone on a canvas of its own size; the dummies fall outside it
+                (ch, cw), t0 = m.canvas_hw, m.tiles[0]
+                # The centre: tile 0 ends there (YOLOX get_mosaic_coordinate), clipped to the canvas.
+                xc, yc = min(max(t0.xy[0] + t0.hw[1], 0), cw), min(max(t0.xy[1] + t0.hw[0], 0), ch)
+                origin = [(0, 0), (xc, 0), (0, yc), (xc, yc)]
+                out["mos_anchor"] = np.array([(ox - t.xy[0], oy - t.xy[1]) for (ox, oy), t in zip(origin, m.tiles)],
+                                             np.int32)
+                out["mos_quad"] = np.array([(xc, yc), (cw - xc, yc), (xc, ch - yc), (cw - xc, ch - yc)], np.int32)
+            else:  # the sample alone on a canvas of its own size: quadrant 0 is all of it, the others empty
                 out["mos_rsz"] = np.array([(h0, w0)] + [(8, 8)] * 3, np.float32)
-                out["mos_anchor"] = np.stack([np.zeros(2, np.int32)] + [_FAR] * 3)
-                out["mos_canvas"] = np.array([w0, h0], np.int32)
+                out["mos_anchor"] = np.zeros((4, 2), np.int32)
+                out["mos_quad"] = np.array([(w0, h0), (0, h0), (w0, 0), (0, 0)], np.int32)
             k += 3
         elif isinstance(st, S.RandomAffine):
             if p.affine is not None:
@@ -246,14 +253,14 @@ def plan_arrays(head: tuple, p: augment.Prefix, partner_files: list[str], read) 
                 out["mix_jit"] = np.array(m.jitter_hw, np.float32)
                 out["mix_flip"] = np.array(int(m.flip), np.int32)
                 out["mix_anchor"] = np.array(m.offset, np.int32)
-                out["mix_w"] = np.array([0.5, 0.5], np.float32)
+                out["mix_w"] = np.array([1, 1], np.uint8)
             else:
                 out[f"enc_p{k}"] = DUMMY
                 out["mix_letter"] = out["mix_jit"] = np.array([8, 8], np.float32)
                 out["mix_input"] = np.array([8, 8], np.int32)
                 out["mix_flip"] = np.array(0, np.int32)
                 out["mix_anchor"] = _FAR
-                out["mix_w"] = np.array([1.0, 0.0], np.float32)
+                out["mix_w"] = np.array([2, 0], np.uint8)
             out["mix_target"] = np.array([w0, h0], np.int32)
             k += 1
         elif isinstance(st, S.MixUp):

@@ -104,7 +104,7 @@ def expand_crop(images, boxes, labels, wh, spec: S.ExpandCrop, scores=None):
         output_bbox_indices=True,
     )
     if scores is not None:
-        scores = fn.python_function(scores, kept, function=_gather, num_outputs=1)
+        scores = fn.python_function(scores, kept, function=_gather, num_outputs=1, batch_processing=True)
     # An image without boxes is not cropped (PaddleDetection RandomCrop returns early).
     has = fn.cast(boxes.shape()[0] > 0, dtype=types.FLOAT)
     ax, ay = anchor[0] * has, anchor[1] * has
@@ -112,8 +112,9 @@ def expand_crop(images, boxes, labels, wh, spec: S.ExpandCrop, scores=None):
     return (*_cut(images, win_boxes, win_labels, ax, ay, aw, ah, cw, ch, ox, oy), scores)
 
 
-def _gather(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values[idx.astype(np.int64)])
+def _gather(values: list[np.ndarray], idx: list[np.ndarray]) -> list[np.ndarray]:
+    """The kept boxes' scores, a whole batch in one call (B lists of [N_i] and [K_i])."""
+    return [np.ascontiguousarray(v[i.astype(np.int64)]) for v, i in zip(values, idx)]
 
 
 def _cut(images, win_boxes, labels, ax, ay, aw, ah, cw, ch, ox, oy):
@@ -166,20 +167,24 @@ def resize(images, size, interp, st: S.Resize, evaluation: bool = False):
     H, W = size[0], size[1]
     if st.mode == "stretch":
         return fn.resize(images, size=size, **kw), fn.stack(W, H)
-    hw = fn.cast(images.shape(), dtype=types.FLOAT)
+    # float64, in resize_scale's order of operations: in float32, 159 · (128 / 159) floors to
+    # 127 where the torch back end (and YOLOX's preproc) get 128.
+    hw = fn.cast(images.shape(), dtype=types.FLOAT64)
     h, w = hw[0], hw[1]
+    H, W = fn.cast(H, dtype=types.FLOAT64), fn.cast(W, dtype=types.FLOAT64)
     r = dmath.min(H / h, W / w)
     if st.mode == "keep_ratio":
         short = dmath.min(H, W)
-        r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * (st.max_long / st.short) / dmath.max(h, w)))
+        r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * float(st.max_long) / float(st.short)
+                                   / dmath.max(h, w)))
     rnd = 0.5 if evaluation else 0.0
-    ch = dmath.clamp(dmath.floor(h * r + rnd), 1.0, H)
-    cw = dmath.clamp(dmath.floor(w * r + rnd), 1.0, W)
+    ch = fn.cast(dmath.clamp(dmath.floor(h * r + rnd), 1.0, H), dtype=types.FLOAT)
+    cw = fn.cast(dmath.clamp(dmath.floor(w * r + rnd), 1.0, W), dtype=types.FLOAT)
     content = fn.resize(images, size=fn.stack(ch, cw), **kw)
     zero = fn.cast(H * 0.0, dtype=types.INT32)
     canvas = fn.slice(content, fn.stack(zero, zero), fn.cast(fn.stack(W, H), dtype=types.INT32), axis_names="WH",
                       out_of_bounds_policy="pad", fill_values=[float(st.pad_value)] * 3)
-    return canvas, (fn.stack(cw, ch) if evaluation else fn.stack(w * r, h * r))
+    return canvas, fn.cast(fn.stack(cw, ch) if evaluation else fn.stack(w * r, h * r), dtype=types.FLOAT)
 
 
 _DALI_INTERP = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC}
@@ -199,23 +204,23 @@ def normalize(images, mirror, channels_last: bool, st: S.Normalize):
     )
 
 
-def _finalize(boxes: np.ndarray, labels: np.ndarray, box_scale: np.ndarray, *scores, max_boxes: int):
-    # boxes are xyxy relative to the image entering the resize; box_scale is (x, y) px.
-    scale = np.array([box_scale[0], box_scale[1]] * 2, np.float32)
-    b = boxes.reshape(-1, 4) * scale
-    s = scores[0] if scores else np.ones(len(b), np.float32)
-    t = A.finalize(b, labels, s, max_boxes)
-    return t["gt_boxes"], t["gt_labels"], t["gt_mask"], t["gt_scores"], np.array(t["overflow"], np.int64)
+def _finalize(boxes: list, labels: list, box_scale: list, *scores, max_boxes: int):
+    # B samples: boxes [N_i, 4] xyxy relative to the image entering the resize, box_scale [2] (x, y) px.
+    t = A.finalize_batch(boxes, labels, box_scale, scores[0] if scores else None, max_boxes)
+    return (list(t["gt_boxes"]), list(t["gt_labels"]), list(t["gt_mask"]), list(t["gt_scores"]),
+            [np.array(o) for o in t["overflow"]])
 
 
 def targets(boxes, labels, box_scale, max_boxes: int, scores=None):
     """Pixels of the input, < 1 px dropped, the M largest kept and padded (``fastdet.data.augment.finalize``).
 
+    One Python call per batch (``fastdet.data.augment.finalize_batch``, vectorised over the batch).
     Returns ``(gt_boxes [M, 4] f32, gt_labels [M] i64, gt_mask [M] bool, gt_scores [M] f32,
     overflow [] i64)`` per sample, CPU.
     """
     ins = (boxes, labels, box_scale) + ((scores,) if scores is not None else ())
-    return fn.python_function(*ins, function=partial(_finalize, max_boxes=max_boxes), num_outputs=5)
+    return fn.python_function(*ins, function=partial(_finalize, max_boxes=max_boxes), num_outputs=5,
+                              batch_processing=True)
 
 
 # --------------------------------------------------------------------------- planned stages
@@ -229,6 +234,10 @@ def _f32(x):
     return fn.cast(x, dtype=types.FLOAT)
 
 
+def _u16(x):
+    return fn.cast(x, dtype=types.UINT16)
+
+
 def _place(images, anchor, shape_wh, fill: float):
     """``images`` with its top-left at ``-anchor`` (x, y) on a ``shape_wh`` canvas of ``fill`` (int32 args)."""
     return fn.slice(images, anchor, shape_wh, axis_names="WH", out_of_bounds_policy="pad", fill_values=[fill] * 3)
@@ -238,18 +247,18 @@ def _linear(images, hw):
     return fn.resize(images, size=hw, interp_type=types.INTERP_LINEAR, antialias=False, dtype=types.UINT8)
 
 
-def mosaic(images, partners, rsz, anchor, canvas, pad_value: float):
-    """YOLOX mosaic: 4 tiles resized (linear) and pasted on the (2 S_h, 2 S_w) canvas.
+def mosaic(images, partners, rsz, anchor, quad, pad_value: float):
+    """YOLOX mosaic: 4 tiles resized (linear) around the centre (xc, yc) of the (2 S_h, 2 S_w) canvas, uint8.
 
-    The tiles never overlap, so the canvas is ``tile0 + Σ (tile_k − fill)`` with each
-    tile placed alone on a ``fill`` canvas: slices and adds, no scatter.
+    The tiles never overlap: tile k owns quadrant k (top-left, top-right, bottom-left,
+    bottom-right of the centre), so quadrant k is a ``pad_value``-padded slice of tile k
+    (``anchor[k]`` int32 [2] its origin in tile px, ``quad[k]`` int32 [2] its (w, h); empty
+    quadrants are 0 wide or high), and the canvas is their concatenation: no arithmetic,
+    no float canvas.
     """
     tiles = [images] + list(partners)
-    acc = None
-    for k, t in enumerate(tiles):
-        placed = _f32(_place(_linear(t, rsz[k]), anchor[k], canvas, pad_value))
-        acc = placed if acc is None else acc + (placed - pad_value)
-    return fn.cast(acc, dtype=types.UINT8)
+    q = [_place(_linear(t, rsz[k]), anchor[k], quad[k], pad_value) for k, t in enumerate(tiles)]
+    return fn.cat(fn.cat(q[0], q[1], axis=1), fn.cat(q[2], q[3], axis=1), axis=0)  # [2 S_h, 2 S_w, 3]
 
 
 def affine(images, matrix, size, pad_value: float):
@@ -260,18 +269,28 @@ def affine(images, matrix, size, pad_value: float):
 
 def mixup_yolox(images, partner, letter, input_wh, jit, flip_coin, anchor, target_wh, weights):
     """YOLOX mixup: the partner letterboxed (114), jittered, flipped, cropped at ``anchor``
-    onto the target's size (0 beyond it), then ``w0·image + w1·partner`` truncated to uint8."""
-    zero = fn.cast(weights[0] * 0.0, dtype=types.INT32)
+    onto the target's size (0 beyond it), then ``floor(0.5·image + 0.5·partner)``.
+
+    In integers, exactly: ``(w0·image + w1·partner) // 2`` in uint16 with ``weights`` uint8 [2]
+    (1, 1), or (2, 0) where the sample drew no mixup.
+    """
+    zero = fn.cast(weights[0], dtype=types.INT32) * 0
     letter_canvas = _place(_linear(partner, letter), fn.stack(zero, zero), input_wh, 114.0)
     jittered = fn.flip(_linear(letter_canvas, jit), horizontal=flip_coin)
     other = _place(jittered, anchor, target_wh, 0.0)
-    mixed = weights[0] * _f32(images) + weights[1] * _f32(other)
-    return fn.cast(dmath.floor(mixed), dtype=types.UINT8)
+    two = types.Constant(2, dtype=types.UINT16)
+    mixed = (weights[0] * _u16(images) + weights[1] * _u16(other)) // two
+    return fn.cast(mixed, dtype=types.UINT8)
 
 
 def mixup_ppyolo(images, partner, lam, canvas_wh):
     """PaddleDetection Mixup: both at the top-left of a max(h) x max(w) canvas of 0,
-    ``λ·a + (1 − λ)·b`` truncated to uint8."""
+    ``λ·a + (1 − λ)·b`` truncated to uint8.
+
+    In float32, as the torch back end: a beta-drawn λ is not exact in fp16 (a level off
+    after the truncation), and DALI's CPU arithmetic has no fp16. The canvas is the
+    images' size (before the resize), not YOLOX's 2S mosaic.
+    """
     zero = fn.cast(lam * 0.0, dtype=types.INT32)
     origin = fn.stack(zero, zero)
     a = _f32(_place(images, origin, canvas_wh, 0.0))

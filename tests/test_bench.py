@@ -193,3 +193,37 @@ def test_noise_is_not_met_and_a_wide_spread_is_flagged():
     assert v(9.0, 1.5, 1.0, False)["met"] is None
     assert throughput.reliability({"status": "ok", "spread_pct": 70.0}).startswith("UNRELIABLE: spread 70%")
     assert throughput.reliability({"status": "ok", "spread_pct": 3.0}) == ""
+
+
+# --------------------------------------------------------------------------- bench/dali_check.py
+
+def test_dali_check_watches_the_whole_process_tree():
+    """A row's peaks cover its worker processes: a parent holding 60 MB whose child holds
+    another 60 MB reads as at least 100 MB over 2 processes."""
+    import time
+
+    from bench import dali_check
+
+    code = ("import os, time, numpy as np; a = np.ones(60 * 2**20 // 8); pid = os.fork()\n"
+            "b = np.ones(60 * 2**20 // 8) if pid == 0 else None; time.sleep(1.5)\n"
+            "os._exit(0) if pid == 0 else os.waitpid(pid, 0)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    mon = dali_check.TreeMonitor(proc.pid, period=0.05)
+    proc.wait()
+    time.sleep(0.1)
+    peaks = mon.stop()
+    assert peaks["peak_processes"] >= 2 and peaks["peak_host_pss_mb"] >= 100, peaks
+
+
+def test_dali_check_summary_takes_medians_and_ratios():
+    from bench import dali_check
+
+    rows = [{"family": "yolox", "label": lab, "images_per_s": v, "peak_host_pss_mb": m, "peak_host_threads": 4}
+            for lab, v, m in (("torch", 10.0, 900), ("dali", 30.0, 500), ("dali@before", 20.0, 800),
+                              ("torch", 12.0, 950), ("dali", 24.0, 520), ("dali@before", 16.0, 780),
+                              ("dali", 27.0, 510))]
+    rows.append({"family": "yolox", "label": "torch", "error": "exit 1"})
+    s = dali_check._summary(rows, ["yolox"])["yolox"]
+    assert s["dali"]["images_per_s"] == 27.0 and s["dali"]["repeats"] == [30.0, 24.0, 27.0]
+    assert s["torch"]["images_per_s"] == 11.0 and s["dali@before"]["peak_host_pss_mb"] == 790
+    assert s["ratios"] == pytest.approx({"dali_over_torch": 27 / 11, "dali_over_dali@before": 27 / 18})

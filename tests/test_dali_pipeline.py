@@ -100,7 +100,7 @@ def test_train_source_is_keyed_by_iteration_across_epochs(monkeypatch):
     monkeypatch.setattr("fastdet.pipelines.sources._read", lambda path: np.frombuffer(path.encode(), np.uint8))
     recs = _records(10)
     sched = TrainSchedule(10, 3, rank=0, world_size=1, seed=4, sizes=(64, 96, 128), random_interp=True)
-    src = TrainSource(recs, sched, start_epoch=2, reader_threads=2)
+    src = TrainSource(recs, sched, start_epoch=2)
     names = src.outputs
     for g in (0, 2, 3, 7):  # 3 steps per epoch: g = 3 is epoch 3, step 0
         out = dict(zip(names, src(SimpleNamespace(iteration=g, epoch_idx=0))))
@@ -110,17 +110,43 @@ def test_train_source_is_keyed_by_iteration_across_epochs(monkeypatch):
         assert len({int(i) for i in out["interp"]}) == 1
         np.testing.assert_allclose(out["boxes"][0], [[0.1, 0.1, 0.6, 0.9]], rtol=1e-6)
         assert out["orig_hw"][0].tolist() == [50, 100] and out["wh"][0].tolist() == [100, 50]
-    src.close()
 
 
 def test_eval_source_cycles_and_omits_unused_outputs(monkeypatch):
     monkeypatch.setattr("fastdet.pipelines.sources._read", lambda path: np.zeros(1, np.uint8))
     sched = EvalSchedule(5, 2, rank=0, world_size=1, size=96)
-    src = EvalSource(_records(5), sched, reader_threads=1)
+    src = EvalSource(_records(5), sched)
     assert "wh" not in src.outputs
     sizes = [len(src(SimpleNamespace(iteration=g, epoch_idx=0))[0]) for g in range(6)]
     assert sizes == [2, 2, 1, 2, 2, 1]  # the last batch is shorter; nothing padded or repeated
-    src.close()
+
+
+def test_sources_run_in_worker_processes(demo_train, tmp_path, monkeypatch):
+    """No Python per sample on the training thread: file reads and plans run in DALI's
+    worker processes, so the loader's own process never calls the source; closing the
+    loader ends the workers."""
+    import os
+
+    calls = []
+    call = TrainSource.__call__
+
+    def counted(self, info):
+        calls.append(os.getpid())
+        return call(self, info)
+
+    monkeypatch.setattr(TrainSource, "__call__", counted)
+    loader = train_loader(cfg_for(tmp_path, num_workers=2), demo_train, rank=0, world_size=1, device="cpu", seed=0)
+    n = sum(b["images"].shape[0] for b in loader)
+    assert n == len(loader) * 2 and os.getpid() not in calls
+    pids = loader._pipe._py_pool.pids()
+    assert pids
+    loader.close()
+
+    def running(pid: int) -> bool:  # a zombie has ended
+        stat = Path(f"/proc/{pid}/stat")
+        return stat.exists() and stat.read_text().split()[2] != "Z"
+
+    assert not [pid for pid in pids if running(pid)]
 
 
 # --------------------------------------------------------------------------- undecodable images
@@ -154,6 +180,18 @@ def test_dali_names_the_file_it_cannot_decode(set_with_corrupt, tmp_path):
     loader = eval_loader(cfg, ds, rank=0, world_size=1, device="cpu")
     with pytest.raises(LoaderError) as e:
         list(loader)
+    msg = str(e.value)
+    assert bad.file in msg and "check_images=decode" in msg and "\n" not in msg
+
+
+def test_dali_names_the_file_a_worker_read(set_with_corrupt, tmp_path):
+    """Training reads in worker processes: the error still names the file (from the schedule)."""
+    ds, bad = set_with_corrupt
+    loader = train_loader(cfg_for(tmp_path, check_images="decode"), ds, rank=0, world_size=1, device="cpu", seed=0)
+    with pytest.raises(LoaderError) as e:
+        for epoch in range(6):  # 2 of the 5 records per epoch: the truncated one comes within a few
+            loader.set_epoch(epoch)
+            list(loader)
     msg = str(e.value)
     assert bad.file in msg and "check_images=decode" in msg and "\n" not in msg
 

@@ -453,6 +453,23 @@ def test_channels_last_layout(backend, demo_train, tmp_path):
     assert torch.equal(a["images"], b["images"])
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batches_have_the_step_inputs_dtype_and_strides(backend, channels_last, demo_train, tmp_path):
+    """A captured step copies a batch once, into its static inputs (clones of the warm-up's
+    synthetic batch): every input the loader yields has that batch's dtype, shape and
+    strides, so the copy is a plain one (no conversion, no relayout)."""
+    from fastdet.engine.step import INPUT_KEYS, synthetic_batch
+
+    cfg = make_cfg(backend, tmp_path, channels_last=channels_last)
+    batch = next(iter(train_loader(cfg, demo_train, rank=0, world_size=1, device="cpu", seed=0)))
+    b, _, h, w = batch["images"].shape
+    static = synthetic_batch(b, h, w, cfg.data.max_boxes, torch.device("cpu"), channels_last=channels_last)
+    for k in INPUT_KEYS:
+        x, y = batch[k], static[k]
+        assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride()), k
+
+
 def test_eval_schedule_counts():
     s = EvalSchedule(7, 3, rank=2, world_size=3, size=160)
     assert s.indices.tolist() == [2, 5] and s.steps == 1 and s.nonempty_steps == 1

@@ -252,15 +252,40 @@ def test_deterministic_given_seed_epoch_step(backend, rects):
 
 # --------------------------------------------------------------------------- DALI against torch
 
-def test_planned_stages_agree_exactly(rects):
+@pytest.mark.parametrize("stages", [
+    YOLOX_GEOMETRY,
+    # DALI builds the canvas from quadrants: centres near the edges clip tiles.
+    (S.Mosaic(center_range=(0.02, 1.98)), LETTERBOX, RAW),
+    # Samples without a mosaic keep their own canvas (three empty quadrants), and the letterbox
+    # of an odd-sized image rounds its content as the torch back end does (128 / 159 · 159).
+    (S.Mosaic(prob=0.5), LETTERBOX, RAW),
+], ids=["yolox", "mosaic-edges", "mosaic-half"])
+def test_planned_stages_agree_exactly(rects, stages):
     """Mosaic + RandomAffine + MixUp: the same boxes, pixels within one level."""
-    t = batches(loader_for("torch", rects, YOLOX_GEOMETRY, seed=4), 2)
-    d = batches(loader_for("dali", rects, YOLOX_GEOMETRY, seed=4), 2)
+    t = batches(loader_for("torch", rects, stages, seed=4), 2)
+    d = batches(loader_for("dali", rects, stages, seed=4), 2)
     for x, y in zip(t, d):
         for k in ("gt_boxes", "gt_labels", "gt_mask", "gt_scores", "scale_factors", "image_ids"):
             assert torch.allclose(x[k].float(), y[k].float(), atol=1e-4), k
         diff = (x["images"] - y["images"]).abs()
         assert diff.max() <= 1.0 and diff.mean() < 0.05
+
+
+def test_spawned_source_workers_give_the_forked_batches(rects, monkeypatch):
+    """A GPU run starts the source's workers with spawn (DALI refuses fork once CUDA is up):
+    the pickled source gives the same batches as the forked one (CPU run)."""
+    import fastdet.pipelines.adapter as adapter
+
+    forked = batches(loader_for("dali", rects, YOLOX_GEOMETRY, seed=4), 1)
+    real = adapter.detection_pipeline
+
+    def spawned(*args, **kw):
+        assert kw["py_start_method"] == "fork"
+        return real(*args, **{**kw, "py_start_method": "spawn"})
+
+    monkeypatch.setattr(adapter, "detection_pipeline", spawned)
+    got = batches(loader_for("dali", rects, YOLOX_GEOMETRY, seed=4), 1)
+    assert len(got) == len(forked) and all(torch.equal(a[k], b[k]) for a, b in zip(got, forked) for k in a)
 
 
 def _box_stats(bs: list[dict]) -> dict[str, float]:

@@ -106,6 +106,31 @@ def test_finalize_drops_small_boxes_and_pads():
     np.testing.assert_array_equal(t["gt_boxes"][0], [0, 0, 5, 5])
 
 
+def test_finalize_batch_is_finalize_per_sample():
+    """The DALI pipeline's batch-level targets equal the torch back end's per-sample ones, bit for bit:
+    scaling, the 1 px filter, the M largest (ties by position), order, scores, overflow."""
+    rng = np.random.default_rng(3)
+    m = 5
+    counts = [0, 3, 5, 9, 14, 1]
+    boxes, labels, scales, scores = [], [], [], []
+    for n in counts:
+        xy = rng.uniform(0, 0.8, (n, 2)).astype(np.float32)
+        wh = rng.choice([0.0, 0.001, 0.05, 0.1, 0.2], (n, 2)).astype(np.float32)  # ties and sub-pixel boxes
+        boxes.append(np.concatenate([xy, xy + wh], 1))
+        labels.append(rng.integers(0, 80, n).astype(np.int32))
+        scales.append(rng.uniform(50, 700, 2).astype(np.float32))
+        scores.append(rng.uniform(0, 1, n).astype(np.float32))
+    for sc in (scores, None):
+        got = A.finalize_batch(boxes, labels, scales, sc, m)
+        for i in range(len(counts)):
+            px = boxes[i] * np.array([scales[i][0], scales[i][1]] * 2, np.float32)
+            ref = A.finalize(px, labels[i], sc[i] if sc else np.ones(counts[i], np.float32), m)
+            for k in ("gt_boxes", "gt_labels", "gt_mask", "gt_scores"):
+                assert got[k][i].dtype == ref[k].dtype and np.array_equal(got[k][i], ref[k]), (i, k)
+            assert got["overflow"][i] == ref["overflow"], i
+    assert got["overflow"].max() > 0 and got["gt_mask"].sum(1).min() == 0
+
+
 # --------------------------------------------------------------------------- workers
 
 def test_workers_give_the_same_batches(demo_train):

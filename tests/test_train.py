@@ -392,6 +392,35 @@ def test_tf32_and_sync_debug_flags():
     assert parse().run.sync_debug is False and parse("--sync-debug").run.sync_debug is True
 
 
+def test_sync_debug_covers_the_loader_call(monkeypatch):
+    """--sync-debug: the loader's next() runs in "error" mode, as the step does (a loader
+    that blocks the host on the device is caught too). set_sync_debug_mode is recorded,
+    not called: this machine has no CUDA."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from fastdet.config import Config
+    from fastdet.engine.logging import Nvtx
+    from fastdet.engine.trainer import Trainer
+
+    mode = ["default"]
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+    seen = []
+
+    def loader():
+        for i in range(2):
+            seen.append(mode[0])
+            yield {"step": i}
+
+    trainer = Trainer.__new__(Trainer)
+    cfg = Config()
+    trainer.cfg = replace(cfg, run=replace(cfg.run, sync_debug=True))
+    trainer.train_step = SimpleNamespace(nvtx=Nvtx(False))
+    it = loader()
+    assert [trainer._next_batch(it) for _ in range(3)] == [{"step": 0}, {"step": 1}, None]
+    assert seen == ["error", "error"] and mode == ["default"]
+
+
 # --------------------------------------------------------------------------- faults
 # Each compares with the one-process run of SAME_RUN (3 steps), as the DDP tests do.
 

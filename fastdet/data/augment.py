@@ -553,6 +553,48 @@ def finalize(boxes: np.ndarray, labels: np.ndarray, scores: np.ndarray, max_boxe
     return {"gt_boxes": out_b, "gt_labels": out_l, "gt_mask": out_m, "gt_scores": out_s, "overflow": overflow}
 
 
+def finalize_batch(boxes: Sequence[np.ndarray], labels: Sequence[np.ndarray], box_scale: Sequence[np.ndarray],
+                   scores: Optional[Sequence[np.ndarray]], max_boxes: int) -> dict[str, np.ndarray]:
+    """:func:`finalize` of a whole batch at once, bit for bit (the DALI pipeline's targets).
+
+    Args:
+        boxes: B arrays [N_i, 4] xyxy, each scaled by its ``box_scale`` [2] (x, y) to pixels.
+        labels: B arrays [N_i]; scores: B arrays [N_i] or None (all ones).
+
+    Returns ``gt_boxes [B, M, 4]``, ``gt_labels [B, M]``, ``gt_mask [B, M]``, ``gt_scores [B, M]``
+    and ``overflow [B]`` (int64): per sample the M largest of the boxes of at least
+    ``MIN_BOX_SIZE`` px, in their original order (ties: the earlier box), as :func:`finalize`.
+    """
+    n_img, m = len(boxes), max_boxes
+    b = [np.asarray(x, np.float32).reshape(-1, 4) for x in boxes]
+    seg = np.repeat(np.arange(n_img), [len(x) for x in b])  # [N] sample of each box
+    scale = np.tile(np.stack([np.asarray(s, np.float32).reshape(2) for s in box_scale]), (1, 2))  # [B, 4]
+    b = np.concatenate(b) * scale[seg]  # [N, 4] px
+    lab = np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in labels])
+    s = (np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in scores]) if scores is not None
+         else np.ones(len(b), np.float32))
+    keep = ((b[:, 2] - b[:, 0]) >= MIN_BOX_SIZE) & ((b[:, 3] - b[:, 1]) >= MIN_BOX_SIZE)
+    b, lab, s, seg = b[keep], lab[keep], s[keep], seg[keep]
+    n = np.bincount(seg, minlength=n_img)  # [B] boxes over the size
+    # Rank by area within each sample (largest first, then position: keep_largest's stable sort).
+    area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    order = np.lexsort((np.arange(len(b)), -area, seg))
+    rank = np.arange(len(b)) - (np.cumsum(n) - n)[seg[order]]
+    chosen = np.zeros(len(b), bool)
+    chosen[order[rank < m]] = True
+    idx = np.flatnonzero(chosen)  # in original order
+    k = np.bincount(seg[idx], minlength=n_img)
+    row, slot = seg[idx], np.arange(len(idx)) - (np.cumsum(k) - k)[seg[idx]]
+    out = {"gt_boxes": np.zeros((n_img, m, 4), np.float32), "gt_labels": np.zeros((n_img, m), np.int64),
+           "gt_mask": np.zeros((n_img, m), bool), "gt_scores": np.zeros((n_img, m), np.float32)}
+    out["gt_boxes"][row, slot] = b[idx]
+    out["gt_labels"][row, slot] = lab[idx]
+    out["gt_mask"][row, slot] = True
+    out["gt_scores"][row, slot] = s[idx]
+    out["overflow"] = (n - k).astype(np.int64)
+    return out
+
+
 # --------------------------------------------------------------------------- plans for the DALI source
 
 PLANNED = (S.Mosaic, S.RandomAffine, S.MixUp)

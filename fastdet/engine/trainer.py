@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -468,6 +468,13 @@ class Trainer:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+    def _next_batch(self, it: Iterator) -> dict[str, torch.Tensor] | None:
+        """The loader's next batch (None at the epoch's end), inside --sync-debug's check as
+        the step is: a loader that blocks the host on the device (a synchronous copy, a read
+        of a device value) raises there instead of slowing every step unseen."""
+        with self._sync_check(), self.train_step.nvtx("data"):
+            return next(it, None)
+
     def _train_mode(self) -> None:
         self.model.train()
         if self.cfg.model.freeze_bn:
@@ -636,11 +643,9 @@ class Trainer:
         skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
         kw = recipes.phase(cfg, self.epoch).loss_kwargs
         timer, data_time, n_images = Timer(), 0.0, 0
-        nvtx = self.train_step.nvtx
         it = iter(self.train_loader)
         while True:
-            with nvtx("data"):
-                batch = next(it, None)
+            batch = self._next_batch(it)
             if batch is None:
                 return False
             if skip > 0:
