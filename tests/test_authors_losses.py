@@ -3,13 +3,22 @@ and the same batch (train mode: BatchNorm on batch statistics; the authors' targ
 
 - YOLOX: Megvii ``yolox`` 0.3.0 (a test dependency), run live: ``YOLOX.forward(x, labels)``
   (``YOLOXHead.get_losses`` with its SimOTA), with and without the L1 loss, in float64.
+- PaddleDetection 2.6: fixtures recorded by tools/record_loss_fixtures.py from its own
+  heads, losses and batch target builders (``tests/fixtures/paddle/loss_*.npz``): FCOS r50
+  with centre sampling (``FCOSLoss`` on ``Gt2FCOSTarget``).
 
-Each comparison also runs with a planted change (the IoU loss not squared, the normaliser
-off by one) and must then fail: the references discriminate.
+Each comparison also runs with planted changes (the IoU loss not squared or not smoothed,
+a normaliser off by one, another centre-sampling radius) and must then fail: the
+references discriminate.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -117,3 +126,114 @@ def test_yolox_comparison_catches_a_planted_change(yolox_models, monkeypatch, pl
         monkeypatch.setattr(yolox_mod, "all_reduce_mean", lambda x: x + 1)
     diffs = yolox_differences(ref, ours, names, use_l1=True)
     assert diffs["total_loss"] > 1e-3 and diffs["grad"] > 1e-3, diffs
+
+
+# --------------------------------------------------------------------------- PaddleDetection fixtures
+
+FIXTURES = Path(__file__).parent / "fixtures" / "paddle"
+_spec = importlib.util.spec_from_file_location("record_paddle_fixtures",
+                                               Path(__file__).parents[1] / "tools" / "record_paddle_fixtures.py")
+record = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(record)
+
+
+class PaddleCase:
+    """A recorded case of tools/record_loss_fixtures.py: the batch, the authors' losses and
+    gradients, and the weights rebuilt from the recorded names, shapes and seed, converted to
+    fastdet's names by the family's Paddle converter (``ours_name`` maps the recorded
+    gradients' Paddle names to fastdet's)."""
+
+    def __init__(self, fixture: str, arch: str):
+        from fastdet.convert import unwrap
+        from fastdet.models import ARCHITECTURES
+
+        f = np.load(FIXTURES / f"loss_{fixture}.npz")
+        self.options = json.loads(str(f["options"]))
+        self.x = torch.from_numpy(f["x"]).double() / 255
+        self.losses = {k[len("loss/"):]: float(f[k]) for k in f.files if k.startswith("loss/")}
+        self.grads = {k[len("grad/"):]: torch.from_numpy(f[k]) for k in f.files if k.startswith("grad/")}
+        self.extra = {k: f[k] for k in f.files if "/" not in k}
+        names = [str(n) for n in f["names"]]
+        weights = record.fill(names, [tuple(s) for s in json.loads(str(f["shapes"]))], int(f["seed"]))
+        torch_weights = unwrap(weights, Path(fixture))
+        self.state, self.num_classes = ARCHITECTURES[arch].weight_sources["paddle"].convert(torch_weights)
+        self.ours_name = {}
+        for name in self.grads:
+            hits = [k for k, v in self.state.items()
+                    if v.shape == torch_weights[name].shape and torch.equal(v, torch_weights[name])]
+            if len(hits) == 1:
+                self.ours_name[name] = hits[0]
+
+    def load(self, model: torch.nn.Module) -> torch.nn.Module:
+        result = model.load_state_dict(self.state, strict=False)
+        assert not result.unexpected_keys and all(k.endswith("num_batches_tracked") for k in result.missing_keys)
+        return model.double().train()
+
+    def grad_differences(self, model: torch.nn.Module, special=None) -> dict[str, float]:
+        """Per recorded gradient, the largest difference relative to its largest element."""
+        params = dict(model.named_parameters())
+        out = {}
+        for name, want in self.grads.items():
+            got = special(name, params) if special and name not in self.ours_name else params[self.ours_name[name]].grad
+            out[name] = max_rel(got.reshape(want.shape), want)
+        return out
+
+
+def loss_differences(got: dict, want: dict, pairs: dict[str, str]) -> dict[str, float]:
+    return {ours: abs(float(got[ours].detach()) - want[theirs]) / abs(want[theirs]) for ours, theirs in pairs.items()}
+
+
+# FCOS -----------------------------------------------------------------------------------------
+
+
+def fcos_run(case: PaddleCase, box_loss: str = "paddle"):
+    from fastdet.models.fcos import build_fcos
+
+    o = case.options
+    model = case.load(build_fcos("r50", case.num_classes, from_scratch=True, box_loss=box_loss))
+    bounds = [0.0] + [float(b) for b in o["boundaries"]] + [float("inf")]
+    model.head.size_ranges = tuple(zip(bounds[:-1], bounds[1:]))
+    model.head.radius = o["radius"]
+    classes = torch.tensor(o["classes"])
+    targets = dict(gt_boxes=torch.tensor(o["boxes"], dtype=torch.float64), gt_labels=classes.clamp(min=0),
+                   gt_mask=classes >= 0)
+    out = model(case.x, targets)
+    out["total_loss"].backward()
+    losses = loss_differences(out, case.losses, {"loss_cls": "loss_cls", "loss_box": "loss_box",
+                                                 "loss_ctr": "loss_quality", "total_loss": "total"})
+
+    def scales(name, params):  # fcos_head.p{3..7}_feat.scale_reg -> head.scales[0..4]
+        return params["head.scales"].grad[int(name.split(".")[1][1]) - 3]
+
+    return losses, case.grad_differences(model, scales)
+
+
+@pytest.fixture(scope="module")
+def fcos_case():
+    return PaddleCase("fcos_r50", "fcos")
+
+
+def test_fcos_loss_and_gradients_are_paddles(fcos_case):
+    """FCOS r50 (4 classes, trainable BatchNorm) on a 2 x 64 x 96 batch with centre sampling,
+    against FCOSHead + FCOSLoss + Gt2FCOSTarget: each loss component and the gradients of
+    the regression, classification and centerness outputs' biases, the five per-level scales, the
+    towers, the FPN and the backbone's last and first BatchNorm. Both in float64, but
+    Gt2FCOSTarget rounds the centerness targets to float32 (the box loss's weights and the
+    centerness BCE's targets): 3.5e-9 on loss_ctr, 2e-8 on the gradients."""
+    assert len(fcos_case.ours_name) == len(fcos_case.grads) - 5 == 9  # all but the five scales
+    losses, grads = fcos_run(fcos_case)
+    assert max(losses.values()) < 1e-7, losses
+    assert max(grads.values()) < 1e-6, grads
+
+
+@pytest.mark.parametrize("plant", ["plain_giou", "radius_1", "normaliser_off_by_one"])
+def test_fcos_comparison_catches_a_planted_change(fcos_case, monkeypatch, plant):
+    import fastdet.models.fcos as fcos_mod
+
+    box_loss = "giou" if plant == "plain_giou" else "paddle"
+    if plant == "radius_1":
+        monkeypatch.setitem(fcos_case.options, "radius", 1.0)
+    elif plant == "normaliser_off_by_one":
+        monkeypatch.setattr(fcos_mod, "all_reduce_mean", lambda x: x + 1)
+    losses, grads = fcos_run(fcos_case, box_loss)
+    assert max(losses.values()) > 1e-3 and max(grads.values()) > 1e-3, (losses, grads)

@@ -1,0 +1,218 @@
+"""Record PaddleDetection's training losses for tests/test_authors_losses.py (so `make test`
+needs no paddle; Megvii's YOLOX is compared live there).
+
+Runs PaddleDetection 2.6's own model, loss, assigner and target-builder files (its source
+tree, given with --ppdet; ppdet/__init__ and the package __init__ files are not run) under
+paddlepaddle, in train mode (BatchNorm on batch statistics), on a small fixed batch, and
+writes ``tests/fixtures/paddle/loss_<case>.npz`` holding:
+
+- the model's key order and shapes and the seed that fills its weights
+  (``record_paddle_fixtures.fill``, which the test repeats), and the case's options;
+- the batch: images (stored as uint8, used as ``u8 / 255``), ground-truth boxes (xyxy px),
+  classes, and per case its extras (mixup scores);
+- each loss component the authors' code returns, and the gradients of a few parameters
+  from head to stem (``grad/<paddle name>``), in float64 where the authors' code runs in
+  float64.
+
+Cases: FCOS r50 with centre sampling (``Gt2FCOSTarget``, ``FCOSLoss``; float64, its one-hot
+labels cast to float64 for paddle's focal loss).
+
+Regenerate (CPU is enough):
+
+    pip install paddlepaddle==3.3.1 'numpy<2' pyyaml six scipy opencv-python-headless Pillow typeguard
+    # numpy < 2: Gt2FCOSTarget calls np.reshape(..., newshape=...)
+    git clone --branch v2.6.0 https://github.com/PaddlePaddle/PaddleDetection /tmp/PaddleDetection
+    python tools/record_loss_fixtures.py --ppdet /tmp/PaddleDetection
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record_paddle_fixtures import fill  # noqa: E402  (the weights the test rebuilds)
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "paddle"
+
+
+def import_ppdet_training(root: Path) -> None:
+    """Make PaddleDetection's model, loss, assigner and batch-target files importable without
+    the package __init__ files (which import every model and data source): the packages
+    are empty shells over their folders, and the names the heads import from
+    ``ppdet.modeling.losses`` / ``assigners`` are set from the few files needed."""
+    assert (root / "ppdet").is_dir(), f"--ppdet {root}: no ppdet/ folder"
+    for name in ("ppdet", "ppdet.modeling", "ppdet.modeling.backbones", "ppdet.modeling.necks",
+                 "ppdet.modeling.heads", "ppdet.modeling.assigners", "ppdet.modeling.losses", "ppdet.data",
+                 "ppdet.data.transform"):
+        m = types.ModuleType(name)
+        m.__path__ = [str(root / name.replace(".", "/"))]
+        sys.modules[name] = m
+    reader = types.ModuleType("ppdet.data.reader")  # operators.py imports its Compose; unused here
+    reader.Compose = object
+    sys.modules["ppdet.data.reader"] = reader
+    for package, files in (("losses", ("iou_loss", "fcos_loss", "yolo_loss", "iou_aware_loss")),
+                           ("assigners", ("utils", "atss_assigner", "task_aligned_assigner"))):
+        shell = sys.modules[f"ppdet.modeling.{package}"]
+        for file in files:
+            mod = importlib.import_module(f"ppdet.modeling.{package}.{file}")
+            for k in getattr(mod, "__all__", []):
+                setattr(shell, k, getattr(mod, k))
+
+
+def images(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """uint8 images; the models see ``u8 / 255`` (float64 exactly representable in float32)."""
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def run(model, dtype: str, weights: dict, x: np.ndarray, loss_fn, grad_names: list[str]):
+    """Fill ``model`` with ``weights`` in ``dtype``, train mode; ``loss_fn(model, x)`` -> dict of
+    loss tensors (with a ``total`` key that is backpropagated) -> ({name: value}, {grad name: array})."""
+    import paddle
+
+    model.to(dtype=dtype)
+    model.set_state_dict({k: paddle.to_tensor(v.astype(dtype)) for k, v in weights.items()})
+    model.train()
+    losses = loss_fn(model, paddle.to_tensor((x / 255.0).astype(dtype)))
+    losses["total"].backward()
+    params = dict(model.named_parameters())
+    grads = {k: params[k].grad.numpy().astype(np.float64) for k in grad_names}
+    return {k: float(v) for k, v in losses.items()}, grads
+
+
+def save(name: str, model, seed: int, options: dict, batch: dict, losses: dict, grads: dict, dtype: str) -> None:
+    sd = model.state_dict()
+    out = dict(names=np.array(list(sd)), shapes=np.array(json.dumps([list(v.shape) for v in sd.values()])),
+               seed=seed, options=np.array(json.dumps(options)), dtype=np.array(dtype), **batch)
+    out.update({f"loss/{k}": np.float64(v) for k, v in losses.items()})
+    out.update({f"grad/{k}": v.astype(np.float64 if dtype == "float64" else np.float32) for k, v in grads.items()})
+    path = OUT / f"loss_{name}.npz"
+    np.savez_compressed(path, **out)
+    print(f"{name} ({dtype}): {', '.join(f'{k} {v:.6g}' for k, v in losses.items())}; "
+          f"{len(grads)} gradients; {path.stat().st_size / 1024:.0f} KB")
+
+
+@contextlib.contextmanager
+def float64_focal_labels():
+    """FCOSLoss builds its one-hot labels in float32 (``F.one_hot``), which paddle's
+    ``sigmoid_focal_loss`` refuses beside float64 logits: cast them to the logits' dtype (a
+    dtype shim, the same values) for the float64 run."""
+    import paddle.nn.functional as F
+    from ppdet.modeling.losses import fcos_loss
+
+    focal = F.sigmoid_focal_loss
+    shim = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("_")})
+    shim.sigmoid_focal_loss = lambda logit, label, *a, **k: focal(logit, label.astype(logit.dtype), *a, **k)
+    fcos_loss.F = shim
+    try:
+        yield
+    finally:
+        fcos_loss.F = F
+
+
+# --------------------------------------------------------------------------- FCOS
+
+# A 96 x 128 batch with size boundaries [24, 32, 40, 48] (PaddleDetection's [64, 128, 256,
+# 512] do not fit a small image), whose boxes give positives on every level (P3 .. P7:
+# 12 x 16, 6 x 8, 3 x 4, 2 x 2, 1 x 1 points): 11, 1, 2, 1, 1 in the first image, 1, 2,
+# 3, 1, 1 in the second. P3's range reaches 3 strides, so that centre sampling decides
+# there: radius 1.0 instead of 1.5 leaves 3 of its 11 positives. The second image's last
+# slot is padding (class -1).
+FCOS = dict(hw=[96, 128], num_classes=4, boundaries=[24, 32, 40, 48], radius=1.5,
+            boxes=[[[2, 2, 126, 94], [35, 39, 43, 59], [76, 2, 124, 52], [43, 9, 119, 60], [10, 20, 75, 35],
+                    [8, 8, 32, 32]],
+                   [[0, 0, 128, 96], [15, 6, 23, 51], [48, 30, 92, 78], [43, 43, 100, 86], [20, 18, 47, 78],
+                    [0, 0, 0, 0]]],
+            classes=[[0, 1, 2, 3, 0, 1], [2, 0, 1, 3, 2, -1]])
+FCOS_GRADS = ["fcos_head.fcos_head_reg.bias", "fcos_head.fcos_head_cls.bias",
+              "fcos_head.fcos_head_centerness.bias"] + [f"fcos_head.p{i}_feat.scale_reg" for i in range(3, 8)] + [
+              "fcos_head.fcos_feat.fcos_head_reg_tower_conv_0.norm.weight",
+              "fcos_head.fcos_feat.fcos_head_cls_tower_conv_0.conv.bias",
+              "neck.fpn_inner_res5_sum.bias", "neck.fpn_6.bias",
+              "backbone.res5.res5c.branch2c.norm.weight", "backbone.conv1.conv1.norm.weight"]
+
+
+def fcos_model():
+    """configs/fcos/_base_/fcos_r50_fpn.yml with a 4-class head and a trainable backbone
+    (freeze_at -1, BatchNorm not frozen: fastdet's ``from_scratch`` form)."""
+    from ppdet.modeling.backbones.resnet import ResNet
+    from ppdet.modeling.heads.fcos_head import FCOSFeat, FCOSHead
+    from ppdet.modeling.losses.fcos_loss import FCOSLoss
+    from ppdet.modeling.necks.fpn import FPN
+    import paddle
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.backbone = ResNet(depth=50, variant="b", norm_type="bn", freeze_at=-1, freeze_norm=False,
+                                   return_idx=[1, 2, 3], num_stages=4)
+            self.neck = FPN(in_channels=[s.channels for s in self.backbone.out_shape], out_channel=256,
+                            spatial_scales=[0.125, 0.0625, 0.03125], has_extra_convs=True, extra_stage=2,
+                            use_c5=False, relu_before_extra_convs=True)
+            self.fcos_head = FCOSHead(
+                fcos_feat=FCOSFeat(feat_in=256, feat_out=256, num_convs=4, norm_type="gn", use_dcn=False),
+                num_classes=FCOS["num_classes"], fpn_stride=[8, 16, 32, 64, 128], prior_prob=0.01,
+                norm_reg_targets=True, centerness_on_reg=True, num_shift=0.5,
+                fcos_loss=FCOSLoss(loss_alpha=0.25, loss_gamma=2.0, iou_loss_type="giou", reg_weights=1.0), nms=None)
+
+        def forward(self, x, targets):
+            return self.fcos_head(self.neck(self.backbone({"image": x})), targets)
+
+    return Model()
+
+
+def record_fcos(seed: int = 46) -> None:
+    """FCOSHead's training forward (loss_cls, loss_box, loss_quality, loss) on targets from
+    ``Gt2FCOSTarget`` (the TrainReader's batch transform) with centre sampling. Seed 46: its
+    weights leave a positive distance (past the ReLU) at some positive of every level, so
+    each per-level scale gets a gradient (seeds 41-45 leave one or two levels at zero)."""
+    from ppdet.data.transform.batch_operators import Gt2FCOSTarget
+    import paddle
+
+    h, w = FCOS["hw"]
+    x = images(seed + 1, (2, 3, h, w))
+    boxes, classes = np.array(FCOS["boxes"]), np.array(FCOS["classes"])
+    target = Gt2FCOSTarget(object_sizes_boundary=FCOS["boundaries"], center_sampling_radius=FCOS["radius"],
+                           downsample_ratios=[8, 16, 32, 64, 128], norm_reg_targets=True)
+
+    def loss_fn(model, xt):
+        samples = [{"image": np.zeros((3, h, w), np.float32), "gt_bbox": boxes[i][classes[i] >= 0].astype(np.float32),
+                    "gt_class": classes[i][classes[i] >= 0, None].astype(np.int32)} for i in range(2)]
+        samples = target(samples)
+        dtype = str(xt.numpy().dtype)  # reg_target / centerness in the model's dtype, labels int32
+        targets = {k: paddle.to_tensor(np.stack([s[k] for s in samples]).astype(
+            np.int32 if k.startswith("labels") else dtype)) for k in samples[0] if k != "image"}
+        out = model(xt, targets)
+        return {"loss_cls": out["loss_cls"], "loss_box": out["loss_box"], "loss_quality": out["loss_quality"],
+                "total": out["loss"]}
+
+    model = fcos_model()
+    sd = model.state_dict()
+    weights = fill(list(sd), [tuple(v.shape) for v in sd.values()], seed)
+    with float64_focal_labels():
+        losses, grads = run(model, "float64", weights, x, loss_fn, FCOS_GRADS)
+    save("fcos_r50", model, seed, FCOS, {"x": x}, losses, grads, "float64")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ppdet", required=True, type=Path, help="a PaddleDetection v2.6 source tree")
+    ap.add_argument("--only", nargs="*", default=None, help="cases to record (default: all)")
+    args = ap.parse_args()
+    import_ppdet_training(args.ppdet)
+    OUT.mkdir(parents=True, exist_ok=True)
+    cases = {"fcos_r50": record_fcos}
+    for name, record in cases.items():
+        if args.only is None or name in args.only:
+            record()
+
+
+if __name__ == "__main__":
+    main()
