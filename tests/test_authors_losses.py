@@ -5,7 +5,8 @@ and the same batch (train mode: BatchNorm on batch statistics; the authors' targ
   (``YOLOXHead.get_losses`` with its SimOTA), with and without the L1 loss, in float64.
 - PaddleDetection 2.6: fixtures recorded by tools/record_loss_fixtures.py from its own
   heads, losses and batch target builders (``tests/fixtures/paddle/loss_*.npz``): FCOS r50
-  with centre sampling (``FCOSLoss`` on ``Gt2FCOSTarget``).
+  with centre sampling (``FCOSLoss`` on ``Gt2FCOSTarget``); PP-YOLOE in both assigner phases
+  (``PPYOLOEHead.get_loss`` with ``ATSSAssigner`` and ``TaskAlignedAssigner``).
 
 Each comparison also runs with planted changes (the IoU loss not squared or not smoothed,
 a normaliser off by one, another centre-sampling radius) and must then fail: the
@@ -236,4 +237,57 @@ def test_fcos_comparison_catches_a_planted_change(fcos_case, monkeypatch, plant)
     elif plant == "normaliser_off_by_one":
         monkeypatch.setattr(fcos_mod, "all_reduce_mean", lambda x: x + 1)
     losses, grads = fcos_run(fcos_case, box_loss)
+    assert max(losses.values()) > 1e-3 and max(grads.values()) > 1e-3, (losses, grads)
+
+
+# PP-YOLOE ---------------------------------------------------------------------------------------
+
+
+def ppyoloe_run(case: PaddleCase, static_assigner: bool, loss_weights: dict | None = None):
+    from fastdet.models import build_model
+
+    o = case.options
+    model = case.load(build_model("ppyoloe", "s", case.num_classes, width_mult=o["width"], depth_mult=o["depth"]))
+    model.head.loss_weights.update(loss_weights or {})
+    classes = torch.tensor(o["classes"])
+    targets = dict(gt_boxes=torch.tensor(o["boxes"], dtype=torch.float64), gt_labels=classes.clamp(min=0),
+                   gt_mask=classes >= 0)
+    out = model(case.x, targets, static_assigner=static_assigner)
+    out["total_loss"].backward()
+    pairs = {"loss_cls": "loss_cls", "loss_iou": "loss_iou", "loss_dfl": "loss_dfl", "total_loss": "total"}
+    return loss_differences(out, case.losses, pairs), case.grad_differences(model)
+
+
+@pytest.fixture(scope="module")
+def ppyoloe_cases():
+    return {phase: PaddleCase(f"ppyoloe_{phase}", "ppyoloe") for phase in ("atss", "tal")}
+
+
+@pytest.mark.parametrize("phase", ["atss", "tal"])
+def test_ppyoloe_loss_and_gradients_are_paddles(ppyoloe_cases, phase):
+    """PP-YOLOE-s at width 0.125, 4 classes, on a 2 x 96 x 128 batch with a padded slot,
+    against PPYOLOEHead.get_loss with its ATSSAssigner (epoch 0) and TaskAlignedAssigner
+    (epoch 100), float64: each loss component, and the gradients of the class and distance
+    outputs' biases, the ESE attention and head stems, the neck, the backbone's last stage
+    and its stem. Both assigners build their soft targets on a float32 one-hot in place
+    (``F.one_hot(...) * ious``), so Paddle's loss weights are float32: 1.4e-7 on the class
+    loss, 3e-6 on the gradients."""
+    case = ppyoloe_cases[phase]
+    assert len(case.ours_name) == len(case.grads)
+    losses, grads = ppyoloe_run(case, static_assigner=phase == "atss")
+    assert max(losses.values()) < 1e-6, losses
+    assert max(grads.values()) < 1e-5, grads
+
+
+@pytest.mark.parametrize("plant", ["other_assigner", "normaliser_off_by_one", "dfl_weight"])
+@pytest.mark.parametrize("phase", ["atss", "tal"])
+def test_ppyoloe_comparison_catches_a_planted_change(ppyoloe_cases, monkeypatch, phase, plant):
+    import fastdet.models.ppyoloe as ppyoloe_mod
+
+    static = phase == "atss"
+    if plant == "other_assigner":
+        static = not static
+    elif plant == "normaliser_off_by_one":
+        monkeypatch.setattr(ppyoloe_mod, "all_reduce_mean", lambda x: x + 1)
+    losses, grads = ppyoloe_run(ppyoloe_cases[phase], static, {"dfl": 0.25} if plant == "dfl_weight" else None)
     assert max(losses.values()) > 1e-3 and max(grads.values()) > 1e-3, (losses, grads)

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record_paddle_fixtures import fill  # noqa: E402  (the weights the test rebuilds)
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "paddle"
+DTYPE = "float64"
 
 
 def import_ppdet_training(root: Path) -> None:
@@ -201,6 +202,86 @@ def record_fcos(seed: int = 46) -> None:
     save("fcos_r50", model, seed, FCOS, {"x": x}, losses, grads, "float64")
 
 
+# --------------------------------------------------------------------------- PP-YOLOE
+
+# PP-YOLOE-s at width 0.125 (tiny channels, s depth) with a 4-class head on a 2 x 96 x 128
+# batch (strides 32, 16, 8: 3 x 4, 6 x 8, 12 x 16 anchors; ATSS takes 9 per level, so the
+# coarsest needs 9); the second image's last slot is padding, as PadGT leaves it (zeros,
+# pad_gt_mask 0). Box corners off the integer grid: ATSS ranks anchors by centre distance,
+# and a box centred on a grid line ties two anchors, which paddle.topk and torch.topk break
+# alike (by their partial-sort order) and fastdet's C++ kernel by the lower index.
+PPYOLOE = dict(hw=[96, 128], num_classes=4, width=0.125, depth=0.33,
+               boxes=[[[8.3, 10.6, 60.2, 70.9], [50.7, 20.2, 120.4, 90.1], [20.1, 60.4, 44.8, 86.3],
+                       [90.6, 4.2, 110.3, 30.7], [2.5, 3.1, 125.7, 93.4]],
+                      [[4.4, 4.9, 100.2, 80.6], [64.2, 40.3, 96.9, 72.4], [10.8, 50.1, 30.5, 70.2],
+                       [1.2, 0.7, 127.1, 95.8], [0, 0, 0, 0]]],
+               classes=[[0, 3, 1, 2, 3], [2, 0, 1, 3, -1]])
+PPYOLOE_GRADS = ["yolo_head.pred_cls.0.bias", "yolo_head.pred_cls.2.bias",
+                 "yolo_head.pred_reg.1.bias", "yolo_head.pred_reg.2.bias",
+                 "yolo_head.stem_cls.2.fc.bias", "yolo_head.stem_reg.2.conv.bn.weight",
+                 "neck.fpn_stages.0.0.convs.0.conv1.bn.weight", "backbone.stages.3.conv3.bn.weight",
+                 "backbone.stem.conv1.bn.weight", "backbone.stem.conv1.conv.weight"]
+
+
+def ppyoloe_model():
+    """configs/ppyoloe/_base_/ppyoloe_crn.yml (ATSSAssigner topk 9, TaskAlignedAssigner topk
+    13, alpha 1, beta 6; static_assigner_epoch 100 of the 300e config) at PPYOLOE's width."""
+    from ppdet.modeling.assigners.atss_assigner import ATSSAssigner
+    from ppdet.modeling.assigners.task_aligned_assigner import TaskAlignedAssigner
+    from ppdet.modeling.backbones.cspresnet import CSPResNet
+    from ppdet.modeling.heads.ppyoloe_head import PPYOLOEHead
+    from ppdet.modeling.necks.custom_pan import CustomCSPPAN
+    import paddle
+
+    w, d, C = PPYOLOE["width"], PPYOLOE["depth"], PPYOLOE["num_classes"]
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.backbone = CSPResNet(layers=[3, 6, 6, 3], channels=[64, 128, 256, 512, 1024], return_idx=[1, 2, 3],
+                                      use_large_stem=True, width_mult=w, depth_mult=d, act="swish")
+            self.neck = CustomCSPPAN(in_channels=[s.channels for s in self.backbone.out_shape],
+                                     out_channels=[768, 384, 192], stage_num=1, block_num=3, act="swish", spp=True,
+                                     width_mult=w, depth_mult=d)
+            self.yolo_head = PPYOLOEHead(in_channels=[s.channels for s in self.neck.out_shape], num_classes=C,
+                                         fpn_strides=[32, 16, 8], grid_cell_scale=5.0, grid_cell_offset=0.5,
+                                         static_assigner_epoch=100, use_varifocal_loss=True,
+                                         loss_weight={"class": 1.0, "iou": 2.5, "dfl": 0.5},
+                                         static_assigner=ATSSAssigner(topk=9, num_classes=C),
+                                         assigner=TaskAlignedAssigner(topk=13, alpha=1.0, beta=6.0), nms=None)
+
+        def forward(self, x, targets):
+            return self.yolo_head(self.neck(self.backbone({"image": x})), targets)
+
+    return Model()
+
+
+def record_ppyoloe(seed: int = 51) -> None:
+    """PPYOLOEHead.get_loss (loss, loss_cls, loss_iou, loss_dfl) in both assigner phases:
+    ``epoch_id`` 0 (ATSS, before static_assigner_epoch) and 100 (task-aligned), on PadGT's
+    padded ground truth (gt_class [B, M, 1], gt_bbox [B, M, 4] px, pad_gt_mask [B, M, 1])."""
+    import paddle
+
+    h, w = PPYOLOE["hw"]
+    x = images(seed + 1, (2, 3, h, w))
+    boxes, classes = np.array(PPYOLOE["boxes"], np.float64), np.array(PPYOLOE["classes"])
+    for phase, epoch in (("atss", 0), ("tal", 100)):
+        def loss_fn(model, xt):
+            dtype = str(xt.numpy().dtype)
+            targets = {"gt_class": paddle.to_tensor(np.maximum(classes, 0)[..., None].astype(np.int64)),
+                       "gt_bbox": paddle.to_tensor(boxes.astype(dtype)),
+                       "pad_gt_mask": paddle.to_tensor((classes >= 0)[..., None].astype(dtype)), "epoch_id": epoch}
+            out = model(xt, targets)
+            return {"loss_cls": out["loss_cls"], "loss_iou": out["loss_iou"], "loss_dfl": out["loss_dfl"],
+                    "total": out["loss"]}
+
+        model = ppyoloe_model()
+        sd = model.state_dict()
+        weights = fill(list(sd), [tuple(v.shape) for v in sd.values()], seed)
+        losses, grads = run(model, DTYPE, weights, x, loss_fn, PPYOLOE_GRADS)
+        save(f"ppyoloe_{phase}", model, seed, PPYOLOE, {"x": x}, losses, grads, DTYPE)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ppdet", required=True, type=Path, help="a PaddleDetection v2.6 source tree")
@@ -208,7 +289,7 @@ def main() -> None:
     args = ap.parse_args()
     import_ppdet_training(args.ppdet)
     OUT.mkdir(parents=True, exist_ok=True)
-    cases = {"fcos_r50": record_fcos}
+    cases = {"fcos_r50": record_fcos, "ppyoloe": record_ppyoloe}
     for name, record in cases.items():
         if args.only is None or name in args.only:
             record()
