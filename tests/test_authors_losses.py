@@ -6,7 +6,9 @@ and the same batch (train mode: BatchNorm on batch statistics; the authors' targ
 - PaddleDetection 2.6: fixtures recorded by tools/record_loss_fixtures.py from its own
   heads, losses and batch target builders (``tests/fixtures/paddle/loss_*.npz``): FCOS r50
   with centre sampling (``FCOSLoss`` on ``Gt2FCOSTarget``); PP-YOLOE in both assigner phases
-  (``PPYOLOEHead.get_loss`` with ``ATSSAssigner`` and ``TaskAlignedAssigner``).
+  (``PPYOLOEHead.get_loss`` with ``ATSSAssigner`` and ``TaskAlignedAssigner``); PP-YOLO
+  r18vd with mixup weights, DropBlock at keep_prob 1 (``YOLOv3Loss`` + ``IouLoss`` on
+  ``Gt2YoloTarget``).
 
 Each comparison also runs with planted changes (the IoU loss not squared or not smoothed,
 a normaliser off by one, another centre-sampling radius) and must then fail: the
@@ -290,4 +292,58 @@ def test_ppyoloe_comparison_catches_a_planted_change(ppyoloe_cases, monkeypatch,
     elif plant == "normaliser_off_by_one":
         monkeypatch.setattr(ppyoloe_mod, "all_reduce_mean", lambda x: x + 1)
     losses, grads = ppyoloe_run(ppyoloe_cases[phase], static, {"dfl": 0.25} if plant == "dfl_weight" else None)
+    assert max(losses.values()) > 1e-3 and max(grads.values()) > 1e-3, (losses, grads)
+
+
+# PP-YOLO ----------------------------------------------------------------------------------------
+
+
+def ppyolo_run(case: PaddleCase, tweak=None):
+    from fastdet.models.ppyolo import DropBlock, build_ppyolo
+
+    o = case.options
+    model = case.load(build_ppyolo(o["size"], case.num_classes))
+    for m in model.modules():
+        if isinstance(m, DropBlock):
+            m.keep_prob = 1.0  # as recorded: no draw, the input passes through
+    if tweak:
+        tweak(model)
+    classes = torch.tensor(o["classes"])
+    targets = dict(gt_boxes=torch.tensor(o["boxes"], dtype=torch.float64), gt_labels=classes.clamp(min=0),
+                   gt_mask=classes >= 0, gt_scores=torch.tensor(o["scores"], dtype=torch.float64))
+    out = model(case.x, targets)
+    out["total_loss"].backward()
+    pairs = {k: k for k in ("loss_xy", "loss_wh", "loss_iou", "loss_obj", "loss_cls")} | {"total_loss": "total"}
+    return loss_differences(out, case.losses, pairs), case.grad_differences(model)
+
+
+@pytest.fixture(scope="module")
+def ppyolo_case():
+    return PaddleCase("ppyolo_r18vd", "ppyolo")
+
+
+def test_ppyolo_loss_and_gradients_are_paddles(ppyolo_case):
+    """PP-YOLO r18vd, 4 classes, on a 2 x 96 x 128 batch with mixup weights and a padded
+    slot, against YOLOv3Head + YOLOv3Loss + IouLoss on Gt2YoloTarget's grid targets,
+    float64: each loss component, and the gradients of both output convs' biases, the neck's
+    BatchNorm, res5 and the stem. Gt2YoloTarget writes its targets into float32 arrays, which
+    bounds the agreement."""
+    assert len(ppyolo_case.ours_name) == len(ppyolo_case.grads)
+    losses, grads = ppyolo_run(ppyolo_case)
+    assert max(losses.values()) < 1e-6, losses
+    assert max(grads.values()) < 1e-5, grads
+
+
+@pytest.mark.parametrize("plant", ["iou_not_squared", "no_mixup_weights", "ignore_thresh"])
+def test_ppyolo_comparison_catches_a_planted_change(ppyolo_case, monkeypatch, plant):
+    import fastdet.models.ppyolo as ppyolo_mod
+
+    case = ppyolo_case
+    if plant == "no_mixup_weights":
+        monkeypatch.setitem(case.options, "scores", [[1.0] * 4, [1.0] * 3 + [0.0]])
+    if plant == "iou_not_squared":
+        paired = ppyolo_mod._iou_paired
+        monkeypatch.setattr(ppyolo_mod, "_iou_paired", lambda a, b: paired(a, b).sqrt())
+    tweak = (lambda m: setattr(m.head, "ignore_thresh", 0.5)) if plant == "ignore_thresh" else None
+    losses, grads = ppyolo_run(case, tweak)
     assert max(losses.values()) > 1e-3 and max(grads.values()) > 1e-3, (losses, grads)

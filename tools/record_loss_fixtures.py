@@ -282,6 +282,92 @@ def record_ppyoloe(seed: int = 51) -> None:
         save(f"ppyoloe_{phase}", model, seed, PPYOLOE, {"x": x}, losses, grads, DTYPE)
 
 
+# --------------------------------------------------------------------------- PP-YOLO
+
+# PP-YOLO r18vd (configs/ppyolo/_base_/ppyolo_r18vd.yml) with a 4-class head on a 2 x 96 x 128
+# batch (strides 32, 16: 3 x 4 and 6 x 8 cells); mixup weights (gt_score) below 1 on some
+# boxes; the second image's last slot is padding (PadBox: zeros). DropBlock stays in the
+# model at keep_prob 1, where Paddle's (and fastdet's) pass the input through: the train-mode
+# draw is the only random step, and it has no weights.
+PPYOLO = dict(hw=[96, 128], num_classes=4, size="r18vd",
+              boxes=[[[6.3, 8.7, 70.2, 80.9], [60.4, 20.1, 110.6, 60.3], [20.2, 50.8, 36.7, 66.1],
+                      [84.9, 5.3, 122.1, 90.6]],
+                     [[3.6, 2.2, 124.8, 93.3], [70.1, 40.7, 93.2, 70.4], [10.6, 60.2, 30.3, 74.9], [0, 0, 0, 0]]],
+              classes=[[0, 3, 1, 2], [2, 0, 1, -1]],
+              scores=[[1.0, 0.7, 0.7, 1.0], [0.4, 0.6, 0.6, 0.0]])
+PPYOLO_GRADS = ["yolo_head.yolo_output.0.bias", "yolo_head.yolo_output.1.bias",
+                "neck.yolo_block.0.tip.batch_norm.weight", "neck.yolo_block.1.conv_module.route.batch_norm.weight",
+                "backbone.res5.res5a.branch2b.norm.weight",
+                "backbone.conv1.conv1_1.norm.weight", "backbone.conv1.conv1_1.conv.weight"]
+
+
+def ppyolo_model():
+    from ppdet.modeling.backbones.resnet import ResNet
+    from ppdet.modeling.heads.yolo_head import YOLOv3Head
+    from ppdet.modeling.losses.iou_loss import IouLoss
+    from ppdet.modeling.losses.yolo_loss import YOLOv3Loss
+    from ppdet.modeling.necks.yolo_fpn import PPYOLOFPN
+    import paddle
+
+    C = PPYOLO["num_classes"]
+
+    class Model(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.backbone = ResNet(depth=18, variant="d", return_idx=[2, 3], freeze_at=-1, freeze_norm=False,
+                                   norm_decay=0.0)
+            self.neck = PPYOLOFPN(in_channels=[s.channels for s in self.backbone.out_shape], coord_conv=False,
+                                  drop_block=True, block_size=3, keep_prob=1.0, spp=False, conv_block_num=0)
+            loss = YOLOv3Loss(num_classes=C, ignore_thresh=0.7, label_smooth=False, downsample=[32, 16],
+                              scale_x_y=1.05, iou_loss=IouLoss(loss_weight=2.5, loss_square=True))
+            self.yolo_head = YOLOv3Head(in_channels=[s.channels for s in self.neck.out_shape],
+                                        anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
+                                        anchor_masks=[[3, 4, 5], [0, 1, 2]], num_classes=C, loss=loss,
+                                        iou_aware=False)
+
+        def forward(self, x, targets):
+            return self.yolo_head(self.neck(self.backbone({"image": x})), targets)
+
+    return Model()
+
+
+def record_ppyolo(seed: int = 61) -> None:
+    """YOLOv3Head's training forward (YOLOv3Loss with IouLoss: loss_xy, loss_wh, loss_iou,
+    loss_obj, loss_cls) on ``Gt2YoloTarget``'s grid targets, built as the TrainReader's
+    batch transforms leave the boxes (NormalizeBox, PadBox, BboxXYXY2XYWH: normalised cx,
+    cy, w, h) with per-box gt_score."""
+    from ppdet.data.transform.batch_operators import Gt2YoloTarget
+    import paddle
+
+    h, w = PPYOLO["hw"]
+    x = images(seed + 1, (2, 3, h, w))
+    boxes = np.array(PPYOLO["boxes"], np.float64)
+    classes, scores = np.array(PPYOLO["classes"]), np.array(PPYOLO["scores"], np.float64)
+    norm = boxes / np.array([w, h, w, h])
+    cxcywh = np.concatenate([(norm[..., :2] + norm[..., 2:]) / 2, norm[..., 2:] - norm[..., :2]], -1)
+    target = Gt2YoloTarget(anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
+                           anchor_masks=[[3, 4, 5], [0, 1, 2]], downsample_ratios=[32, 16],
+                           num_classes=PPYOLO["num_classes"])
+
+    def loss_fn(model, xt):
+        dtype = str(xt.numpy().dtype)
+        samples = [{"image": np.zeros((3, h, w), np.float32), "gt_bbox": cxcywh[i].astype(np.float32),
+                    "gt_class": np.maximum(classes[i], 0).astype(np.int32),
+                    "gt_score": scores[i][:, None].astype(np.float32)} for i in range(2)]
+        samples = target(samples)
+        targets = {k: paddle.to_tensor(np.stack([s[k] for s in samples]).astype(dtype))
+                   for k in ("target0", "target1", "gt_bbox")}
+        out = model(xt, targets)
+        names = ("loss_xy", "loss_wh", "loss_iou", "loss_obj", "loss_cls")
+        return {**{k: out[k] for k in names}, "total": out["loss"]}
+
+    model = ppyolo_model()
+    sd = model.state_dict()
+    weights = fill(list(sd), [tuple(v.shape) for v in sd.values()], seed)
+    losses, grads = run(model, DTYPE, weights, x, loss_fn, PPYOLO_GRADS)
+    save("ppyolo_r18vd", model, seed, PPYOLO, {"x": x}, losses, grads, DTYPE)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ppdet", required=True, type=Path, help="a PaddleDetection v2.6 source tree")
@@ -289,7 +375,7 @@ def main() -> None:
     args = ap.parse_args()
     import_ppdet_training(args.ppdet)
     OUT.mkdir(parents=True, exist_ok=True)
-    cases = {"fcos_r50": record_fcos, "ppyoloe": record_ppyoloe}
+    cases = {"fcos_r50": record_fcos, "ppyoloe": record_ppyoloe, "ppyolo_r18vd": record_ppyolo}
     for name, record in cases.items():
         if args.only is None or name in args.only:
             record()
