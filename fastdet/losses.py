@@ -1,5 +1,5 @@
-"""Detection losses: varifocal, distribution focal, GIoU (through ``fastdet.ops``), and the
-cross-rank normaliser they share.
+"""Detection losses: varifocal, distribution focal, GIoU (through ``fastdet.ops``), FCOS's
+smoothed GIoU on distances, and the cross-rank normaliser they share.
 
 All take float32 inputs; callers cast head outputs up before calling (AMP-safe), and
 the binary terms work on logits (``binary_cross_entropy_with_logits``), which equals
@@ -15,7 +15,8 @@ from torch import Tensor
 
 from fastdet.ops import giou_loss
 
-__all__ = ["varifocal_loss", "distribution_focal_loss", "sigmoid_focal_loss", "giou_loss", "all_reduce_mean"]
+__all__ = ["varifocal_loss", "distribution_focal_loss", "sigmoid_focal_loss", "giou_loss", "smoothed_giou_loss_ltrb",
+           "loss_float", "all_reduce_mean"]
 
 
 def varifocal_loss(logits: Tensor, gt_score: Tensor, label: Tensor, alpha: float = 0.75, gamma: float = 2.0) -> Tensor:
@@ -97,6 +98,37 @@ def sigmoid_focal_loss(logits: Tensor, targets: Tensor, alpha: float = 0.25, gam
     if gamma < 1:
         raise ValueError(f"sigmoid_focal_loss: gamma must be >= 1 for the fused backward, got {gamma}")
     return _SigmoidFocalLoss.apply(logits, targets, alpha, gamma)
+
+
+def smoothed_giou_loss_ltrb(pred: Tensor, target: Tensor) -> Tensor:
+    """PaddleDetection's FCOS ``1 - GIoU`` on distances from a shared point (``FCOSLoss``'s
+    ``__iou_loss``, ``iou_loss_type="giou"``; ppdet/modeling/losses/fcos_loss.py, 2.6).
+
+    Unlike the plain GIoU (:func:`giou_loss`, torchvision's) the IoU is ``(inter + 1) /
+    (union + 1)``, while the enclosing term uses the unsmoothed union and the enclosing
+    area + 1e-7. With FCOS's ``norm_reg_targets`` the distances are in strides, so a box is a
+    few units wide and the +1 weighs as much as the areas themselves: the plain GIoU moves
+    the box loss by percents and the regression gradients by up to a third.
+
+    Args:
+        pred, target: [..., 4] distances (l, t, r, b) >= 0 from the same point.
+    Returns:
+        [...] the loss per point.
+    """
+    area_p = (pred[..., 0] + pred[..., 2]) * (pred[..., 1] + pred[..., 3])
+    area_t = (target[..., 0] + target[..., 2]) * (target[..., 1] + target[..., 3])
+    inner, outer = torch.minimum(pred, target), torch.maximum(pred, target)  # [..., 4] each
+    inter = (inner[..., 0] + inner[..., 2]) * (inner[..., 1] + inner[..., 3])
+    enclose = (outer[..., 0] + outer[..., 2]) * (outer[..., 1] + outer[..., 3]) + 1e-7
+    union = area_p + area_t - inter
+    iou = (inter + 1.0) / (union + 1.0)
+    return 1.0 - (iou - (enclose - union) / enclose)
+
+
+def loss_float(t: Tensor) -> Tensor:
+    """A head output cast up for its loss: float32 from half or bfloat16 (AMP), float64 kept
+    (the tests compare the losses with the authors' code in float64)."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def all_reduce_mean(x: Tensor) -> Tensor:

@@ -248,8 +248,9 @@ def test_perfect_regression_gives_zero_box_loss_and_centerness_targets():
 
 def test_losses_match_torchvisions_fcos_head():
     """The same outputs and matching through torchvision's ``FCOSHead.compute_loss``: the
-    focal and centerness terms are equal; the box term is torchvision's GIoU (on boxes decoded
-    in pixels) weighted by the centerness targets, Paddle's choice (torchvision averages it)."""
+    focal and centerness terms are equal; with ``box_loss="giou"`` the box term is
+    torchvision's GIoU (on boxes decoded in pixels) weighted by the centerness targets,
+    Paddle's choice (torchvision averages it)."""
     from types import SimpleNamespace
 
     from torchvision.models.detection._utils import BoxLinearCoder
@@ -259,7 +260,7 @@ def test_losses_match_torchvisions_fcos_head():
     from fastdet.ops import fcos_assign
 
     B, C, h, w = 2, 4, 128, 160
-    head = FCOSHead(32, num_classes=C)  # Paddle's and torchvision's ranges
+    head = FCOSHead(32, num_classes=C, box_loss="giou")  # Paddle's and torchvision's ranges
     feats = [torch.zeros(B, 32, *hw) for hw in feature_shapes(h, w)]
     points, strides, ranges = head.points(feats)
     g = torch.Generator().manual_seed(0)
@@ -380,6 +381,74 @@ def test_fused_focal_loss_matches_torchvision():
     explained = torch._dynamo.explain(lambda x: sigmoid_focal_loss(x, t))(x)
     assert explained.graph_break_count == 0, explained.break_reasons
 
+
+
+def paddle_fcos_box_loss(pred: torch.Tensor, tgt: torch.Tensor, pos: torch.Tensor, ctr: torch.Tensor) -> torch.Tensor:
+    """PaddleDetection 2.6 ``FCOSLoss`` (quality "centerness", iou_loss_type "giou"), its box
+    term written out as ppdet/modeling/losses/fcos_loss.py computes it: both sides masked to
+    0 off the positives, IoU (inter + 1) / (union + 1), the GIoU term over the unsmoothed union
+    and the enclosing area + 1e-7, weighted by the centerness target, divided by the sum of
+    the centerness targets over the positives. pred, tgt [N, 4] ltrb / stride; pos, ctr [N]."""
+    p, t = pred * pos[:, None], tgt * pos[:, None]
+    inner, outer = torch.minimum(p, t), torch.maximum(p, t)
+    area_p = (p[:, 0] + p[:, 2]) * (p[:, 1] + p[:, 3])
+    area_t = (t[:, 0] + t[:, 2]) * (t[:, 1] + t[:, 3])
+    area_i = (inner[:, 0] + inner[:, 2]) * (inner[:, 1] + inner[:, 3])
+    ious = (area_i + 1.0) / (area_p + area_t - area_i + 1.0) * pos
+    area_c = (outer[:, 0] + outer[:, 2]) * (outer[:, 1] + outer[:, 3]) + 1e-7
+    union = area_p + area_t - area_i
+    loss = (1.0 - (ious - (area_c - union) / area_c)) * ctr
+    return (loss * pos / (ctr * pos).sum()).sum()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_box_loss_is_paddles_smoothed_iou(compiled):
+    """The box term and its gradient are PaddleDetection's ``FCOSLoss`` (float64, on random
+    distances and the fcos_assign targets), in eager code and through ``torch.compile``
+    (where the classification term is the fused focal loss). torchvision's plain GIoU, the
+    ``box_loss="giou"`` option, is off by percents and fails the same comparison."""
+    from fastdet.ops import fcos_assign
+
+    B, C, h, w = 2, 4, 128, 160
+    g = torch.Generator().manual_seed(1)
+    wh = 8 + torch.rand(B, 6, 2, generator=g, dtype=torch.float64) * 150
+    xy = torch.rand(B, 6, 2, generator=g, dtype=torch.float64) * (torch.tensor([w, h]) - wh).clamp(min=0)
+    t = dict(gt_boxes=torch.cat([xy, xy + wh], -1),
+             gt_labels=torch.randint(0, C, (B, 6), generator=g), gt_mask=torch.rand(B, 6, generator=g) < 0.8)
+    feats = [torch.zeros(B, 32, *hw) for hw in feature_shapes(h, w)]
+    head = FCOSHead(32, num_classes=C)
+    points, strides, ranges = head.points(feats)
+    A = points.shape[0]
+    cls = torch.randn(B, A, C, generator=g, dtype=torch.float64).requires_grad_()
+    ltrb = (torch.rand(B, A, 4, generator=g, dtype=torch.float64) * 6).requires_grad_()
+    ctr = torch.randn(B, A, generator=g, dtype=torch.float64).requires_grad_()
+
+    assigned, _ = fcos_assign(points, strides, ranges, t["gt_boxes"].float(), t["gt_labels"], t["gt_mask"])
+    gt = t["gt_boxes"].gather(1, assigned.clamp(min=0)[..., None].expand(-1, -1, 4))
+    pts = points.double()
+    tgt = torch.cat([pts - gt[..., :2], gt[..., 2:] - pts], -1) / strides[:, None]
+    pos = (assigned >= 0).double()
+    lr, tb = tgt[..., 0::2].abs(), tgt[..., 1::2].abs()
+    ctr_t = ((lr.amin(-1) / lr.amax(-1)) * (tb.amin(-1) / tb.amax(-1))).sqrt() * pos
+    assert pos.sum() > 20
+    want = paddle_fcos_box_loss(ltrb.reshape(-1, 4), tgt.reshape(-1, 4), pos.reshape(-1), ctr_t.reshape(-1))
+    (want_grad,) = torch.autograd.grad(want, ltrb)
+
+    def box_loss_and_grad(option: str):
+        head = FCOSHead(32, num_classes=C, box_loss=option)
+        head.raw_outputs = lambda _feats: (cls, ltrb, ctr)
+        loss = torch.compile(head.loss, fullgraph=True, backend="aot_eager") if compiled else head.loss
+        got = loss(feats, t)["loss_box"]
+        return got, torch.autograd.grad(got, ltrb)[0]
+
+    torch._dynamo.reset()
+    got, got_grad = box_loss_and_grad("paddle")
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-15)
+    plain, plain_grad = box_loss_and_grad("giou")
+    assert abs(float(plain.detach() / want) - 1) > 1e-3
+    assert float((plain_grad - want_grad).abs().max() / want_grad.abs().max()) > 1e-2
 
 
 # --------------------------------------------------------------------------- recipe, CLI

@@ -4,7 +4,9 @@ Follows PaddleDetection's fcos_r50_fpn_1x (configs/fcos/_base_/fcos_r50_fpn.yml;
 ppdet/modeling/necks/fpn.py, heads/fcos_head.py, losses/fcos_loss.py,
 data/transform/batch_operators.py ``Gt2FCOSTarget``), built from torchvision's ResNet-50
 (:mod:`fastdet.models.backbones.resnet`). Where torchvision's ``fcos_resnet50_fpn``
-differs (no per-level scale, sqrt score, GIoU not centerness-weighted) Paddle is followed.
+differs (no per-level scale, sqrt score, GIoU not centerness-weighted, the plain GIoU where
+Paddle's IoU adds 1 to intersection and union) Paddle is followed; torchvision's plain
+GIoU stays an option (``box_loss="giou"``).
 
 Levels are ordered finest first: strides 8, 16, 32, 64, 128 (A = sum of H_l * W_l).
 Points sit at ``(i + 0.5) * stride`` (Paddle ``num_shift`` 0.5). Regression is in stride
@@ -30,7 +32,7 @@ from fastdet.config import Config
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.stages import Flip, Normalize, Resize
-from fastdet.losses import all_reduce_mean, giou_loss
+from fastdet.losses import all_reduce_mean, giou_loss, loss_float, smoothed_giou_loss_ltrb
 from fastdet.losses import sigmoid_focal_loss as fused_focal_loss
 from fastdet.models.backbones.resnet import ResNetBackbone, load_backbone_weights
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
@@ -41,6 +43,9 @@ from fastdet.ops import fcos_assign
 SIZES = {"r50": 50}
 STRIDES = (8, 16, 32, 64, 128)
 DECODES = ("paddle", "torchvision")
+# The box loss: Paddle's FCOSLoss IoU, smoothed by +1 (fastdet.losses.smoothed_giou_loss_ltrb),
+# or torchvision's plain GIoU (fastdet.ops.giou_loss).
+BOX_LOSSES = ("paddle", "giou")
 # Paddle object_sizes_boundary [64, 128, 256, 512]: the range of max(l, t, r, b) per level.
 SIZE_RANGES = ((0.0, 64.0), (64.0, 128.0), (128.0, 256.0), (256.0, 512.0), (512.0, math.inf))
 
@@ -148,6 +153,9 @@ class FCOSHead(nn.Module):
         strides / size_ranges: per level, finest first.
         radius: centre-sampling radius in strides (1.5).
         focal_alpha, focal_gamma: sigmoid focal loss (0.25, 2).
+        decode: ``"paddle"`` or ``"torchvision"`` (see :meth:`inference`).
+        box_loss: ``"paddle"``, PaddleDetection's ``FCOSLoss`` IoU with its +1 smoothing, or
+            ``"giou"``, torchvision's plain GIoU (both weighted by the centerness targets).
     """
 
     def __init__(
@@ -162,10 +170,13 @@ class FCOSHead(nn.Module):
         focal_gamma: float = 2.0,
         prior_prob: float = 0.01,
         decode: str = "paddle",
+        box_loss: str = "paddle",
     ):
         super().__init__()
         if decode not in DECODES:
             raise ValueError(f"FCOSHead: decode must be one of {', '.join(DECODES)}, got {decode!r}")
+        if box_loss not in BOX_LOSSES:
+            raise ValueError(f"FCOSHead: box_loss must be one of {', '.join(BOX_LOSSES)}, got {box_loss!r}")
         if len(strides) != len(size_ranges):
             raise ValueError(f"FCOSHead: {len(strides)} strides but {len(size_ranges)} size ranges")
         self.num_classes = num_classes
@@ -184,6 +195,7 @@ class FCOSHead(nn.Module):
         nn.init.constant_(self.cls_logits.bias, -math.log((1 - prior_prob) / prior_prob))  # sigmoid = 0.01
         self.scales = nn.Parameter(torch.ones(len(self.strides)))
         self.decode = decode
+        self.box_loss = box_loss
         if decode == "torchvision":  # torchvision's head has no per-level scales: they stay 1
             self.scales.requires_grad_(False)
 
@@ -195,7 +207,8 @@ class FCOSHead(nn.Module):
     # ------------------------------------------------------------------ shared pieces
 
     def raw_outputs(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """-> class logits [B, A, C], ltrb / stride [B, A, 4] (>= 0), centerness logits [B, A] (float32)."""
+        """-> class logits [B, A, C], ltrb / stride [B, A, 4] (>= 0), centerness logits [B, A]
+        (float32, float64 for a float64 model)."""
         if len(feats) != len(self.strides):
             raise ValueError(f"FCOSHead: {len(feats)} feature maps for {len(self.strides)} strides")
         cls_list, reg_list, ctr_list = [], [], []
@@ -207,7 +220,8 @@ class FCOSHead(nn.Module):
             reg = F.relu(reg if self.decode == "torchvision" else self.scales[i] * reg)
             reg_list.append(reg.flatten(2).transpose(1, 2))
             ctr_list.append(self.centerness(reg_feat).flatten(1))  # [B, HW]
-        return (torch.cat(cls_list, 1).float(), torch.cat(reg_list, 1).float(), torch.cat(ctr_list, 1).float())
+        return (loss_float(torch.cat(cls_list, 1)), loss_float(torch.cat(reg_list, 1)),
+                loss_float(torch.cat(ctr_list, 1)))
 
     def points(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """-> points [A, 2] px, stride per point [A], size range per point [A, 2] px."""
@@ -248,18 +262,18 @@ class FCOSHead(nn.Module):
     # ------------------------------------------------------------------ training
 
     def loss(self, feats: Sequence[Tensor], targets: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Named losses: focal (cls), centerness-weighted GIoU (box), centerness BCE.
+        """Named losses: focal (cls), centerness-weighted GIoU (box, :attr:`box_loss`), centerness BCE.
 
         targets: ``gt_boxes`` [B, M, 4] xyxy input px, ``gt_labels`` [B, M], ``gt_mask`` [B, M] bool.
         """
         C = self.num_classes
         cls_logits, ltrb, ctr_logits = self.raw_outputs(feats)  # [B, A, C], [B, A, 4], [B, A]
         points, strides, ranges = self.points(feats)
-        gt_boxes = targets["gt_boxes"].float()
-        assigned, labels = fcos_assign(points, strides, ranges, gt_boxes, targets["gt_labels"],
+        gt_boxes = targets["gt_boxes"].to(ltrb.dtype)
+        assigned, labels = fcos_assign(points, strides, ranges, gt_boxes.float(), targets["gt_labels"],
                                        targets["gt_mask"], self.radius)  # [B, A] each, -1 = background
         fg = assigned >= 0
-        fg_f = fg.float()
+        fg_f = fg.to(ltrb.dtype)
 
         # Targets from the assignment: ltrb of the assigned box in stride units, its centerness.
         boxes = gt_boxes.gather(1, assigned.clamp(min=0)[..., None].expand(-1, -1, 4))  # [B, A, 4]
@@ -272,7 +286,7 @@ class FCOSHead(nn.Module):
         num_pos = all_reduce_mean(fg_f.sum()).clamp(min=1.0)
         ctr_sum = all_reduce_mean(ctr_t.sum()).clamp(min=1e-6)
 
-        one_hot = (labels[..., None] == torch.arange(C, device=labels.device)).float()  # background: all 0
+        one_hot = (labels[..., None] == torch.arange(C, device=labels.device)).to(cls_logits.dtype)  # background: all 0
         # The faster form in each mode (bench/kernels.py --only focal, fwd+bwd over [2, 22400, 80]
         # on one CPU thread): torchvision's in eager code (552 ms vs 1123 ms for the fused one,
         # which recomputes its terms in the backward), the fused one-node form under
@@ -283,13 +297,19 @@ class FCOSHead(nn.Module):
             loss_cls = sigmoid_focal_loss(cls_logits, one_hot, self.focal_alpha, self.focal_gamma, "sum")
         loss_cls = loss_cls / num_pos
 
-        # GIoU of boxes relative to their point (stride units): (-l, -t, r, b). Paddle's FCOS
-        # IoU adds 1 to intersection and union (in stride units a strong smoothing); this is
-        # the plain GIoU of torchvision and of fastdet.ops.giou_loss. Background points take
-        # their own detached prediction as target: zero loss, finite gradient.
-        pred_box = torch.cat([-ltrb[..., :2], ltrb[..., 2:]], dim=-1)
-        tgt_box = torch.where(fg[..., None], torch.cat([-tgt[..., :2], tgt[..., 2:]], dim=-1), pred_box.detach())
-        loss_box = (giou_loss(pred_box, tgt_box) * ctr_t).sum() / ctr_sum
+        # GIoU on the distances (stride units), weighted by the centerness targets. Background
+        # points compare the constant box 1 with itself: zero loss, no gradient (Paddle masks
+        # both sides to 0 and the loss after).
+        if self.box_loss == "paddle":
+            pred = torch.where(fg[..., None], ltrb, 1.0)
+            per_point = smoothed_giou_loss_ltrb(pred, tgt)  # [B, A]
+        else:
+            # torchvision's: boxes relative to their point, (-l, -t, r, b); background points
+            # take their own detached prediction as target.
+            pred_box = torch.cat([-ltrb[..., :2], ltrb[..., 2:]], dim=-1)
+            tgt_box = torch.where(fg[..., None], torch.cat([-tgt[..., :2], tgt[..., 2:]], dim=-1), pred_box.detach())
+            per_point = giou_loss(pred_box, tgt_box)
+        loss_box = (per_point * ctr_t).sum() / ctr_sum
         loss_ctr = (F.binary_cross_entropy_with_logits(ctr_logits, ctr_t, reduction="none") * fg_f).sum() / num_pos
         return {
             "total_loss": loss_cls + loss_box + loss_ctr,
@@ -332,6 +352,7 @@ def build_fcos(
     from_scratch: bool = False,
     backbone_weights: Optional[str | Path] = None,
     decode: str = "paddle",
+    box_loss: str = "paddle",
 ) -> FCOS:
     """FCOS of ``size`` r50 (ResNet-50 + FPN P3-P7 + FCOSHead).
 
@@ -339,13 +360,15 @@ def build_fcos(
     :mod:`fastdet.models.backbones.resnet` for why a from-scratch run needs both);
     ``backbone_weights``: a local torchvision-format ResNet-50 state dict to start from;
     ``decode``: ``"paddle"`` (PaddleDetection's FCOS, the recipe) or ``"torchvision"``
-    (weights converted from torchvision's ``fcos_resnet50_fpn``, see :class:`FCOSHead`).
+    (weights converted from torchvision's ``fcos_resnet50_fpn``, see :class:`FCOSHead`);
+    ``box_loss``: ``"paddle"`` (the smoothed IoU of Paddle's ``FCOSLoss``, the recipe) or
+    ``"giou"`` (torchvision's plain GIoU).
     """
     backbone = ResNetBackbone(SIZES[size], pretrained_form=not from_scratch, freeze_at=0)
     if backbone_weights is not None:
         load_backbone_weights(backbone, backbone_weights)
     neck = FPN(backbone.out_channels, 256)
-    head = FCOSHead(256, num_classes=num_classes, decode=decode)
+    head = FCOSHead(256, num_classes=num_classes, decode=decode, box_loss=box_loss)
     return FCOS(backbone, neck, head)
 
 
@@ -371,6 +394,9 @@ class FCOSOptions(PaddleNMSOptions):
     # How boxes and scores decode: "paddle" (this recipe) or "torchvision" (weights converted
     # from torchvision's fcos_resnet50_fpn: FCOSHead.inference).
     decode: str = "paddle"
+    # The box loss: "paddle" (PaddleDetection's FCOSLoss IoU, (inter + 1) / (union + 1); this
+    # recipe) or "giou" (torchvision's plain GIoU): FCOSHead.loss.
+    box_loss: str = "paddle"
 
 
 def fcos_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
@@ -545,7 +571,7 @@ def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
 FAMILY = ArchFamily(
     build=build_fcos,
     sizes=tuple(SIZES),
-    config_fields=("from_scratch", "decode"),
+    config_fields=("from_scratch", "decode", "box_loss"),
     preprocess=Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear"),
     recipe=RECIPE,
     # torchvision's FCOS evaluates with its constructor's defaults: score 0.2, top 1000

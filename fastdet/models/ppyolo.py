@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from fastdet.config import Config
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Resize
+from fastdet.losses import loss_float
 from fastdet.models.backbones.resnet_vd import ResNetVd
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, ConvBNAct, paddle_conv_init_
@@ -300,8 +301,9 @@ class YOLOv3Head(nn.Module):
             self.outputs.append(conv)
 
     def _level(self, i: int, feat: Tensor) -> tuple[Tensor | None, Tensor]:
-        """-> IoU logits [B, na, H, W] (or None), predictions [B, na, 5 + C, H, W] (float32)."""
-        out = self.outputs[i](feat).float()
+        """-> IoU logits [B, na, H, W] (or None), predictions [B, na, 5 + C, H, W] (float32, float64
+        for a float64 model)."""
+        out = loss_float(self.outputs[i](feat))
         b, _, h, w = out.shape
         na = len(self.anchor_masks[i])
         ioup = None
@@ -376,9 +378,10 @@ class YOLOv3Head(nn.Module):
         [B, M] bool, optional ``gt_scores`` [B, M] (mixup weights; all ones if absent).
         """
         mask = targets["gt_mask"].bool()
-        gt_boxes = torch.where(mask[..., None], targets["gt_boxes"].float(), 0.0)  # padded slots -> empty boxes
+        dtype = loss_float(feats[0]).dtype
+        gt_boxes = torch.where(mask[..., None], targets["gt_boxes"].to(dtype), 0.0)  # padded slots -> empty boxes
         scores = targets.get("gt_scores")
-        scores = mask.float() if scores is None else torch.where(mask, scores.float(), 0.0)
+        scores = mask.to(dtype) if scores is None else torch.where(mask, scores.to(dtype), 0.0)
         img_hw = (feats[0].shape[-2] * self.strides[0], feats[0].shape[-1] * self.strides[0])
         grids = yolo_targets(gt_boxes, targets["gt_labels"], mask, scores, self.anchors, self.anchor_masks,
                              self.strides, img_hw, self.num_classes)  # per level [B, na, 6 + C, H, W]
@@ -394,7 +397,7 @@ class YOLOv3Head(nn.Module):
                 max_iou = box_iou(pred_px, gt_boxes).amax(-1)  # [B, sum(na*H*W)]
             else:
                 max_iou = pred_px.new_zeros(pred_px.shape[:2])
-            not_ignored = (max_iou <= self.ignore_thresh).float()
+            not_ignored = (max_iou <= self.ignore_thresh).to(dtype)
 
         names = ["loss_xy", "loss_wh", "loss_iou", "loss_obj", "loss_cls"] + (["loss_iou_aware"] if self.iou_aware else [])
         sums = {k: [] for k in names}
@@ -418,7 +421,7 @@ class YOLOv3Head(nn.Module):
             n = x[0].numel()
             keep_neg = not_ignored[:, start:start + n].reshape(tobj.shape)
             start += n
-            pos = (tobj > 0).float()
+            pos = (tobj > 0).to(dtype)
             bce_obj = F.binary_cross_entropy_with_logits(p[:, :, 4], pos, reduction="none")
             sums["loss_obj"].append(_per_image(bce_obj * tobj + bce_obj * (1.0 - pos) * keep_neg))
             bce_cls = F.binary_cross_entropy_with_logits(p[:, :, 5:], tcls, reduction="none")

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from fastdet.config import Config
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.stages import Distort, ExpandCrop, Flip, Normalize, Resize
-from fastdet.losses import all_reduce_mean, distribution_focal_loss, giou_loss, varifocal_loss
+from fastdet.losses import all_reduce_mean, distribution_focal_loss, giou_loss, loss_float, varifocal_loss
 from fastdet.models.backbones.cspresnet import CSPResNet, scale_channels, scale_depths
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, BasicBlock, ConvBNAct
@@ -200,7 +200,8 @@ class PPYOLOEHead(nn.Module):
     # ------------------------------------------------------------------ shared pieces
 
     def raw_outputs(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """-> cls logits [B, A, C], distance logits [B, A, 4, reg_max + 1] (float32)."""
+        """-> cls logits [B, A, C], distance logits [B, A, 4, reg_max + 1] (float32, float64 for
+        a float64 model)."""
         cls_list, reg_list = [], []
         for i, feat in enumerate(feats):
             avg = feat.mean((2, 3), keepdim=True)
@@ -208,8 +209,8 @@ class PPYOLOEHead(nn.Module):
             reg = self.pred_reg[i](self.stem_reg[i](feat, avg))  # [B, 4 * bins, H, W]
             cls_list.append(cls_logit.flatten(2).transpose(1, 2))
             reg_list.append(reg.flatten(2).transpose(1, 2))
-        cls = torch.cat(cls_list, dim=1).float()
-        reg = torch.cat(reg_list, dim=1).float()
+        cls = loss_float(torch.cat(cls_list, dim=1))
+        reg = loss_float(torch.cat(reg_list, dim=1))
         return cls, reg.reshape(reg.shape[0], reg.shape[1], 4, self.reg_max + 1)
 
     def anchors(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, list[int], Tensor]:
@@ -237,7 +238,7 @@ class PPYOLOEHead(nn.Module):
         mantissa rounds a distance of 8..16 bins to 1/16 of a bin (2 px at stride 32),
         and these boxes feed the IoU loss and the assigners.
         """
-        return (dist_logits.float().softmax(dim=-1) * self.proj.float()).sum(-1)
+        return (loss_float(dist_logits).softmax(dim=-1) * loss_float(self.proj)).sum(-1)
 
     @staticmethod
     def distance_to_box(points: Tensor, ltrb: Tensor) -> Tensor:
@@ -267,8 +268,8 @@ class PPYOLOEHead(nn.Module):
         pred_scores = cls_logits.sigmoid()
 
         mask = targets["gt_mask"].bool()
-        pad_mask = mask[..., None].float()  # [B, M, 1]
-        gt_boxes = targets["gt_boxes"].float() * pad_mask  # padded slots are exactly zero, as Paddle assumes
+        pad_mask = mask[..., None].to(dist.dtype)  # [B, M, 1]
+        gt_boxes = targets["gt_boxes"].to(dist.dtype) * pad_mask  # padded slots are exactly zero, as Paddle assumes
         gt_labels = torch.where(mask, targets["gt_labels"].long(), 0)[..., None]  # [B, M, 1]
         pred_boxes_px = pred_boxes.detach() * stride
         if static_assigner:
@@ -283,13 +284,13 @@ class PPYOLOEHead(nn.Module):
             )
         boxes = boxes / stride  # [B, A, 4] stride units
 
-        one_hot = (labels[..., None] == torch.arange(C, device=labels.device)).float()  # bg (= C) -> all 0
+        one_hot = (labels[..., None] == torch.arange(C, device=labels.device)).to(cls_logits.dtype)  # bg (= C) -> all 0
         # Normaliser: sum of soft targets, mean over ranks, at least 1.
         norm = all_reduce_mean(scores.sum().detach()).clamp(min=1.0)
         loss_cls = varifocal_loss(cls_logits, scores, one_hot) / norm
 
         fg = labels != C  # [B, A]
-        fg_f = fg.float()
+        fg_f = fg.to(dist.dtype)
         weight = scores.sum(-1) * fg_f  # [B, A]
         # Negatives get their own (detached) prediction as target: zero loss, finite gradient.
         safe_boxes = torch.where(fg[..., None], boxes, pred_boxes.detach())

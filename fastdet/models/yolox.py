@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from fastdet.config import Config
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffine, Resize
-from fastdet.losses import all_reduce_mean
+from fastdet.losses import all_reduce_mean, loss_float
 from fastdet.models.backbones.cspdarknet import CSPDarknet, CSPLayer, base_conv, conv
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
@@ -153,7 +153,8 @@ class YOLOXHead(nn.Module):
     # ------------------------------------------------------------------ shared pieces
 
     def raw_outputs(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """-> box offsets [B, A, 4], objectness logits [B, A], class logits [B, A, C] (float32)."""
+        """-> box offsets [B, A, 4], objectness logits [B, A], class logits [B, A, C] (float32,
+        float64 for a float64 model)."""
         regs, objs, clss = [], [], []
         for i, feat in enumerate(feats):
             x = self.stems[i](feat)
@@ -162,9 +163,9 @@ class YOLOXHead(nn.Module):
             regs.append(self.reg_preds[i](reg_feat).flatten(2).transpose(1, 2))  # [B, HW, 4]
             objs.append(self.obj_preds[i](reg_feat).flatten(2).transpose(1, 2))  # [B, HW, 1]
             clss.append(self.cls_preds[i](cls_feat).flatten(2).transpose(1, 2))  # [B, HW, C]
-        reg = torch.cat(regs, dim=1).float()
-        obj = torch.cat(objs, dim=1).float().squeeze(-1)
-        cls = torch.cat(clss, dim=1).float()
+        reg = loss_float(torch.cat(regs, dim=1))
+        obj = loss_float(torch.cat(objs, dim=1)).squeeze(-1)
+        cls = loss_float(torch.cat(clss, dim=1))
         return reg, obj, cls
 
     def grid(self, feats: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -210,7 +211,7 @@ class YOLOXHead(nn.Module):
         pred_xyxy = torch.cat([pred[..., :2] - pred[..., 2:] / 2, pred[..., :2] + pred[..., 2:] / 2], dim=-1)
 
         mask = targets["gt_mask"].bool()
-        gt_boxes = targets["gt_boxes"].float()
+        gt_boxes = targets["gt_boxes"].to(reg.dtype)
         gt_labels = targets["gt_labels"].long()
         gt_scores = targets.get("gt_scores")
         points = (cells + 0.5) * stride[:, None]  # [A, 2] cell centres px
@@ -221,13 +222,13 @@ class YOLOXHead(nn.Module):
             center_radius=self.center_radius, topk=self.topk, iou_weight=self.iou_weight,
         )
         fg = assigned >= 0  # [B, A]
-        fg_f = fg.float()
+        fg_f = fg.to(reg.dtype)
         gt_idx = assigned.clamp(min=0)
         matched = torch.gather(gt_boxes, 1, gt_idx[..., None].expand(-1, -1, 4))  # [B, A, 4] xyxy
         label = torch.gather(gt_labels, 1, gt_idx).clamp(0, C - 1)  # [B, A]
         weight = assigned_iou * fg_f
         if gt_scores is not None:
-            weight = weight * torch.gather(gt_scores.float(), 1, gt_idx)
+            weight = weight * torch.gather(gt_scores.to(reg.dtype), 1, gt_idx)
 
         # Megvii's normaliser is the number of foreground points (at least 1); here the mean
         # over ranks, so every rank divides by the same number.
@@ -238,7 +239,7 @@ class YOLOXHead(nn.Module):
         safe = torch.where(fg[..., None], target, pred.detach())
         loss_iou = (iou_loss(pred, safe) * fg_f).sum() / num_fg
         loss_obj = F.binary_cross_entropy_with_logits(obj, fg_f, reduction="sum") / num_fg
-        one_hot = (label[..., None] == torch.arange(C, device=label.device)).float()
+        one_hot = (label[..., None] == torch.arange(C, device=label.device)).to(cls.dtype)
         cls_target = one_hot * weight[..., None]  # [B, A, C]: one-hot x IoU on foreground
         loss_cls = (F.binary_cross_entropy_with_logits(cls, cls_target, reduction="none") * fg_f[..., None]).sum() / num_fg
         w = self.loss_weights
