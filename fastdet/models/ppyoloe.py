@@ -298,7 +298,10 @@ class PPYOLOEHead(nn.Module):
         ltrb = ltrb.clamp(0.0, self.reg_max - 0.01)
         loss_dfl = (distribution_focal_loss(dist, ltrb).mean(-1) * weight).sum() / norm
         with torch.no_grad():  # logged only, as in Paddle
-            num_pos = fg_f.sum()
+            # Positives averaged over ranks, as the normaliser above: the ranks' mean of
+            # the logged value is then the L1 over all their positives (a rank with none
+            # would otherwise halve it on 2 ranks).
+            num_pos = all_reduce_mean(fg_f.sum())
             loss_l1 = ((pred_boxes - safe_boxes).abs().sum(-1) * fg_f).sum() / (4 * num_pos).clamp(min=1.0)
 
         w = self.loss_weights
