@@ -7,6 +7,11 @@ ppdet/modeling/necks/custom_pan.py, heads/ppyoloe_head.py). The backbone is
 Feature maps, anchors and predictions are ordered as in Paddle: stride 32, 16, 8
 (A = sum of H_l * W_l, coarsest level first). The loss is computed in stride units
 (boxes divided by their level's stride), the assigners see pixels.
+
+Across ranks (README "Losses across ranks"): the losses divide by the sum of the assigned
+scores averaged over the ranks, then clamped at 1, as Paddle's head all-reduces it; with
+DDP's averaged gradients N ranks train as one process on their batches together (while
+that mean is at least 1), a rank without positives included.
 """
 
 from __future__ import annotations
