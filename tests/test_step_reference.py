@@ -31,10 +31,10 @@ helpers:
   ``d (1 - exp(-n / 2000))`` with n counted after the increment.
 
 The model is float64 (the losses cast to float32 inside, identically on both sides), so
-the two sides differ by the rounding of the optimizer's float32 LR tensors and of the
-EMA's float32 decay: measured below 1e-7 of the change the steps made (params and
-optimizer state) and below 2e-6 for the EMA. Three steps from the middle of the warm-up:
-the second one has a planted infinite gradient.
+the two sides differ by the rounding of fastdet's float32 device scalars: measured, per
+tensor and relative to the change a step made, at most 2e-7 with SGD, 1e-5 with AdamW
+(its bias corrections), 1e-5 for the EMA. Three steps from the middle of the warm-up: the
+second one has a planted infinite gradient.
 """
 
 from __future__ import annotations
@@ -60,11 +60,12 @@ BATCH, SIZE, MAX_BOXES = 2, 32, 8
 STEPS_PER_EPOCH = 100  # what the loader's length would give; sets YOLOX's warm-up (5 epochs)
 INF_STEP = 1  # of the three steps, the one whose gradient gets an inf
 SCALE0 = 2.0**16  # torch.amp.GradScaler's init_scale
-# ||fastdet - reference|| / ||reference - start|| after a step. fastdet's LR and EMA
-# decay are float32 device tensors (6e-8 relative rounding, more on 1 - d near d = 1), and
+# ||fastdet - reference|| / ||reference - start|| after a step, per tensor. fastdet's LR
+# and EMA decay are float32 device tensors: 6e-8 relative rounding of the LR, and of d in
+# the EMA's change (1 - d) (p - e), 6e-8 d / (1 - d) (1.3e-5 at PP-YOLO's d = 0.9955);
 # its AdamW takes the bias corrections from a float32 step tensor, as torch's capturable
 # AdamW does: 1 - 0.999 is off by 1.3e-5 there.
-TOL = {"sgd": 1e-6, "adamw": 3e-5, "ema": 2e-5}
+TOL = {"sgd": 1e-6, "adamw": 3e-5, "ema": 3e-5}
 
 
 # --------------------------------------------------------------------------- the recipe
@@ -221,15 +222,21 @@ def plant_inf(p: nn.Parameter, armed: list[bool]):
     return p.register_hook(hook)
 
 
-def norm(ts) -> float:
-    return float(torch.linalg.vector_norm(torch.cat([t.detach().reshape(-1) for t in ts]).double()))
-
-
 def rel_diff(got: list[Tensor], want: list[Tensor], start: list[Tensor]) -> float:
-    """||got - want|| / ||want - start||: the disagreement relative to the change made."""
-    den = norm([w - s for w, s in zip(want, start)])
-    assert den > 0, "the steps changed nothing: the comparison would prove nothing"
-    return norm([g - w for g, w in zip(got, want)]) / den
+    """max over tensors of ||got - want|| / ||want - start||: the disagreement relative to
+    the change made, tensor by tensor (a wrong rule for BatchNorm weights alone shows
+    even where other tensors' changes are far larger). A change below 1e-9 of the
+    tensor's norm counts as 1e-9 of it: float64 rounding (1e-16) is not a change to
+    compare with."""
+    worst, changed = 0.0, False
+    for g, w, s in zip(got, want, start):
+        num = float(torch.linalg.vector_norm((g.detach() - w.detach()).double()))
+        den = float(torch.linalg.vector_norm((w.detach() - s.detach()).double()))
+        floor = 1e-9 * float(torch.linalg.vector_norm(w.detach().double()))
+        changed |= den > floor
+        worst = max(worst, num / max(den, floor) if max(den, floor) > 0 else (0.0 if num == 0 else math.inf))
+    assert changed, "the steps changed nothing: the comparison would prove nothing"
+    return worst
 
 
 def optimizer_state(step: TrainStep, ref: ReferenceStep, arch: str) -> dict[str, tuple[list[Tensor], list[Tensor]]]:
