@@ -35,6 +35,9 @@ the two sides differ by the rounding of fastdet's float32 device scalars: measur
 tensor and relative to the change a step made, at most 2e-7 with SGD, 1e-5 with AdamW
 (its bias corrections), 1e-5 for the EMA. Three steps from the middle of the warm-up: the
 second one has a planted infinite gradient.
+
+YOLOX's published step is also run against Megvii's own iteration, with Megvii's
+``LRScheduler`` and ``ModelEMA`` (``test_yolox_step_matches_megvii_iteration``).
 """
 
 from __future__ import annotations
@@ -336,3 +339,88 @@ def test_step_matches_a_plain_loop(arch, which):
     print(arch, which, {k: f"{v:.1e}" for k, v in errs.items()})
     for k, v in errs.items():
         assert v < TOL["ema" if k.startswith("ema") else recipe_config(arch, which).optim.optimizer], (k, errs)
+
+
+def test_yolox_step_matches_megvii_iteration():
+    """YOLOX's published step against Megvii's trainer iteration (yolox/core/trainer.py
+    ``train_one_iter``: zero_grad, GradScaler scale/backward/step/update, ``ModelEMA.update``,
+    the LR of ``LRScheduler.update_lr``), run with Megvii's own ``LRScheduler`` and
+    ``ModelEMA`` (installed by the Makefile, so a missing one fails) and the torch SGD and
+    GradScaler it builds. The parameter groups are ``Exp.get_optimizer``'s, restated:
+    its module needs ``tabulate``, which the project does not install."""
+    from test_convert import authors_module  # tests/ is on sys.path (rootdir conftest)
+
+    megvii = authors_module("yolox.utils")
+    cfg = recipe_config("yolox", "published")
+    o = cfg.optim
+    torch.manual_seed(0)
+    model = recipes.build_detector(cfg).double().train()
+    ref_model = copy.deepcopy(model)
+    optimizer, ema, base_lr = build_optimizer_and_ema(o, model, BATCH, CPU)
+    schedule = LRSchedule.from_config(o, base_lr, STEPS_PER_EPOCH)
+    step = TrainStep(model, model, optimizer, ema, CPU, torch.float16)
+    first = round(o.warmup_epochs * STEPS_PER_EPOCH) // 2
+    ema.updates.fill_(first)
+
+    pg0, pg1, pg2 = [], [], []  # BN weights; other weights (decay); biases
+    for _, v in ref_model.named_modules():
+        if hasattr(v, "bias") and isinstance(v.bias, nn.Parameter):
+            pg2.append(v.bias)
+        if isinstance(v, nn.BatchNorm2d):
+            pg0.append(v.weight)
+        elif hasattr(v, "weight") and isinstance(v.weight, nn.Parameter):
+            pg1.append(v.weight)
+    lr = o.base_lr * BATCH / o.ref_batch  # Megvii: basic_lr_per_img * batch_size
+    ref_opt = torch.optim.SGD(pg0, lr=lr, momentum=o.momentum, nesterov=True)
+    ref_opt.add_param_group({"params": pg1, "weight_decay": o.weight_decay})
+    ref_opt.add_param_group({"params": pg2})
+    ref_sched = megvii.LRScheduler("yoloxwarmcos", lr, STEPS_PER_EPOCH, o.epochs, warmup_epochs=o.warmup_epochs,
+                                   warmup_lr_start=0, no_aug_epochs=o.no_aug_epochs, min_lr_ratio=o.min_lr_ratio)
+    ref_ema = megvii.ModelEMA(ref_model, o.ema_decay, updates=first)
+    scaler = torch.amp.GradScaler("cpu")
+    assert sorted(map(id, pg0 + pg1 + pg2)) == sorted(id(p) for p in ref_model.parameters())
+
+    kw = recipes.phase(cfg, 0).loss_kwargs
+    armed = [False]
+    hooks = [plant_inf(next(iter(m.parameters())), armed) for m in (model, ref_model)]
+    errs: dict[str, float] = {}
+    for i, batch in enumerate(batches(3)):
+        g = first + i
+        armed[0] = i == INF_STEP
+        ref_model.load_state_dict(model.state_dict())  # why: see check_step
+        p_before = clone(list(model.parameters()))
+        ema_before = clone(list(ema.module.state_dict().values()))
+        optimizer.set_lr(schedule(g))
+        torch.manual_seed(100 + i)
+        step(batch, kw)
+        for pg in ref_opt.param_groups:  # set after iteration g - 1 as update_lr(progress_in_iter + 1)
+            pg["lr"] = ref_sched.update_lr(g)
+        torch.manual_seed(100 + i)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref_model(batch["images"], {k: batch[k] for k in TARGET_KEYS}, **kw)["total_loss"]
+        ref_opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_ema.update(ref_model)
+        assert step.scaler.get_scale() == scaler.get_scale() == (SCALE0 / 2 if i >= INF_STEP else SCALE0)
+        if i != INF_STEP:
+            errs["params"] = max(errs.get("params", 0.0),
+                                 rel_diff(list(model.parameters()), list(ref_model.parameters()), p_before))
+            bufs = [ref_opt.state[q]["momentum_buffer"] for q in ref_model.parameters()]
+            errs["momentum"] = max(errs.get("momentum", 0.0), rel_diff(
+                [optimizer.state[p]["momentum_buffer"] for p in model.parameters()], bufs,
+                [torch.zeros_like(b) for b in bufs]))
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), p_before))
+        want = ref_ema.ema.state_dict()
+        got = ema.module.state_dict()
+        keys = [k for k, v in want.items() if v.is_floating_point()]
+        before = dict(zip(got, ema_before))
+        errs["ema"] = max(errs.get("ema", 0.0), rel_diff([got[k] for k in keys], [want[k] for k in keys],
+                                                         [before[k] for k in keys]))
+    for h in hooks:
+        h.remove()
+    assert int(ema.updates) == ref_ema.updates == first + 3
+    print("yolox vs Megvii", {k: f"{v:.1e}" for k, v in errs.items()})
+    assert errs["params"] < TOL["sgd"] and errs["momentum"] < TOL["sgd"] and errs["ema"] < TOL["ema"], errs
