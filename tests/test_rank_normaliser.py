@@ -70,7 +70,7 @@ def loss_and_grads(model, batch, rows: slice):
     targets = {k: batch[k][rows] for k in TARGET_KEYS}
     losses = model(images, targets)
     losses["total_loss"].backward()
-    return ({k: float(v) for k, v in losses.items()},
+    return ({k: float(v.detach()) for k, v in losses.items()},
             [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()])
 
 
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             images = batch["images"][rows]
             losses = ddp(images, {k: batch[k][rows] for k in TARGET_KEYS})
             losses["total_loss"].backward()
-            out[arch] = ({k: float(v) for k, v in losses.items()},
+            out[arch] = ({k: float(v.detach()) for k, v in losses.items()},
                          [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()])
         results[rank] = out
     finally:
