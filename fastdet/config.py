@@ -107,7 +107,7 @@ class OptimConfig:
     no_aug_epochs: int = 0
     milestones: tuple[int, ...] = ()
     gamma: float = 0.1
-    clip_grad_norm: float = 0.0  # 0 disables clipping
+    clip_grad_norm: float = 0.0  # max global norm of all trained gradients; 0 disables clipping
     ema: bool = True
     # A name in fastdet.ops.ema.EMA_FLAVOURS:
     # "threshold": PaddleDetection's decay min(d, (1 + n) / (10 + n)), started from the model;

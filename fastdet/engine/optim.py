@@ -162,7 +162,9 @@ class CapturableAdamW(_DeviceLROptimizer):
             torch._foreach_add_(steps, 1.0)
             t = steps[0]
             if g["weight_decay"] != 0.0:
-                torch._foreach_mul_(params, 1.0 - g["lr"] * g["weight_decay"])
+                # p -= (lr * wd) * p, not p *= 1 - lr * wd: the float32 factor would round
+                # lr * wd (~1e-6) to a multiple of 6e-8, several % of the decay.
+                torch._foreach_sub_(params, torch._foreach_mul(params, g["lr"] * g["weight_decay"]))
             torch._foreach_lerp_(m, grads, 1.0 - b1)
             torch._foreach_mul_(v, b2)
             torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)

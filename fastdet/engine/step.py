@@ -1,7 +1,7 @@
 """The one train step, its compile boundary and its CUDA graphs.
 
 ``TrainStep(batch, loss_kwargs)`` runs forward with loss, backward, optional gradient
-clipping per parameter group, the optimizer update and the EMA update, and adds the
+clipping over the global gradient norm, the optimizer update and the EMA update, and adds the
 detached losses into a device accumulator. Nothing in it reads a value back to the
 host: the trainer reads the accumulator every ``log_interval`` steps.
 
@@ -127,7 +127,7 @@ class TrainStep:
         optimizer: a :class:`~fastdet.engine.optim.CapturableSGD`.
         ema: an EMA object with ``update(model)`` or None.
         amp_dtype: autocast dtype or None for fp32.
-        clip_grad_norm: per-group max norm (0 disables).
+        clip_grad_norm: max global norm of all trained gradients (0 disables).
         compile: wrap ``net`` in ``torch.compile(fullgraph=True)``.
         backend: the ``torch.compile`` backend (``inductor``; ``aot_eager`` for quick tests).
         cuda_graphs: capture the whole step per bucket (CUDA only, no fp16 scaler).
@@ -219,8 +219,9 @@ class TrainStep:
         with self.nvtx("optimizer"):
             if self.clip > 0:
                 self.scaler.unscale_(self.optimizer)
-                for ps in self.groups:
-                    torch.nn.utils.clip_grad_norm_(ps, self.clip, foreach=True)
+                # One norm over every trained gradient (Paddle ClipGradByGlobalNorm,
+                # Ultralytics' clip_grad_norm_(model.parameters())), not one per group.
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         if self.ema is not None:

@@ -13,6 +13,11 @@ Points sit at ``(i + 0.5) * stride`` (Paddle ``num_shift`` 0.5). Regression is i
 units (``norm_reg_targets``): the head predicts ``relu(scale_l * conv)`` = ltrb / stride.
 Targets are built on the device inside the loss from the padded ground truth
 (``fastdet.ops.fcos_assign``), not in data-loader workers.
+
+Across ranks (README "Losses across ranks"): the positive count and the centerness sum
+that normalise the losses are averaged over the ranks, where Paddle uses each rank's own:
+with DDP's averaged gradients N ranks then train as one process on their batches together,
+and a rank without positives does not divide its negatives' loss by 1.
 """
 
 from __future__ import annotations

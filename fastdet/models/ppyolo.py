@@ -11,6 +11,10 @@ Levels are ordered coarsest first (stride 32, 16(, 8)), as in Paddle. Each level
 output is ``[B, na (IoU logits, iou_aware only) + na * (5 + C), H, W]``; the grid targets
 come from :func:`fastdet.ops.yolo_targets` (Paddle's ``Gt2YoloTarget``) inside the step.
 
+Across ranks (README "Losses across ranks"): as Paddle, each image's loss is summed and
+the batch averaged, no positive count, so N ranks of equal batches train as one process
+on their batches together.
+
 Parameters and FLOPs (80 classes, 608x608, ``fastdet.models.flops``; BatchNorm running
 statistics are buffers, not counted; FLOPs = 2 x MACs of convolutions, DCN counted as
 the convolution it modulates):

@@ -7,6 +7,11 @@ ppdet/modeling/necks/custom_pan.py, heads/ppyoloe_head.py). The backbone is
 Feature maps, anchors and predictions are ordered as in Paddle: stride 32, 16, 8
 (A = sum of H_l * W_l, coarsest level first). The loss is computed in stride units
 (boxes divided by their level's stride), the assigners see pixels.
+
+Across ranks (README "Losses across ranks"): the losses divide by the sum of the assigned
+scores averaged over the ranks, then clamped at 1, as Paddle's head all-reduces it; with
+DDP's averaged gradients N ranks train as one process on their batches together (while
+that mean is at least 1), a rank without positives included.
 """
 
 from __future__ import annotations
@@ -299,7 +304,10 @@ class PPYOLOEHead(nn.Module):
         ltrb = ltrb.clamp(0.0, self.reg_max - 0.01)
         loss_dfl = (distribution_focal_loss(dist, ltrb).mean(-1) * weight).sum() / norm
         with torch.no_grad():  # logged only, as in Paddle
-            num_pos = fg_f.sum()
+            # Positives averaged over ranks, as the normaliser above: the ranks' mean of
+            # the logged value is then the L1 over all their positives (a rank with none
+            # would otherwise halve it on 2 ranks).
+            num_pos = all_reduce_mean(fg_f.sum())
             loss_l1 = ((pred_boxes - safe_boxes).abs().sum(-1) * fg_f).sum() / (4 * num_pos).clamp(min=1.0)
 
         w = self.loss_weights

@@ -9,6 +9,11 @@ first; A = sum of H_l * W_l). The head predicts per point ``(tx, ty, tw, th)``, 
 objectness logit and C class logits; boxes decode as ``xy = (t_xy + cell) * stride``,
 ``wh = exp(t_wh) * stride`` (cell = integer grid index, no +0.5), while SimOTA sees the
 cell centres ``(cell + 0.5) * stride``.
+
+Across ranks (README "Losses across ranks"): the losses divide by the foreground count
+averaged over the ranks, then clamped at 1, where Megvii divides by each rank's own count:
+with DDP's averaged gradients N ranks then train as one process on their batches together,
+and a rank without foreground does not divide its objectness loss by 1.
 """
 
 from __future__ import annotations
