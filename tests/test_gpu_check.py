@@ -1,7 +1,9 @@
-"""bench/gpu_check.sh on a machine like the bare GPU one: without pycocotools the parts
-that need it are skipped with the reason (not failed), a part the budget no longer fits
-is skipped and says so, and the record says which parts ran; under the device tool
-(``$OUT`` set) everything is packed into ``$OUT`` (at most 8 files come back)."""
+"""bench/gpu_check.sh: its plan fits the device tool's 540 s and holds every row of issue
+42's one call; its rehearsal on the CPU runs the parts' own command lines at tiny sizes and
+keeps the archive under its limit; on a machine like the bare GPU one, without pycocotools
+the parts that need it are skipped with the reason (not failed), a part the budget no
+longer fits is skipped and says so, and the record says which parts ran; under the device
+tool (``$OUT`` set) everything is packed into ``$OUT`` (at most 8 files come back)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,76 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import throughput  # noqa: E402
+
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+BUDGET_S = 540  # the device tool's 10 minutes less a machine's start and the transfers
+# Each family's published training shape, box padding and batch (issue 42).
+PUBLISHED = {"step_ppyoloe": ("ppyoloe", "s", (640, 640), 100, 64),
+             "step_yolox": ("yolox", "s", (640, 640), 120, 64),
+             "step_ppyolo": ("ppyolo", "r50vd_dcn", (608, 608), 50, 64),
+             "step_fcos": ("fcos", "r50", (800, 1344), 100, 16),
+             "step_b128": ("ppyoloe", "s", (640, 640), 100, 128)}
+
+
+def plan(**env):
+    r = subprocess.run(["bash", str(SCRIPT), "--plan"], env={**os.environ, "PYTHON": sys.executable, **env},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def bench_args(command: str):
+    """The throughput.py flags of a planned command, parsed as that script parses them."""
+    argv = command.split()[1:]
+    argv[argv.index("--device") + 1] = "cpu"  # parse here without a GPU; nothing else changes
+    return throughput.parse_args(argv)
+
+
+def test_the_plan_fits_the_budget_and_compiles_beside_the_main_lane():
+    p = plan()
+    parts = {r["part"]: r for r in p["parts"]}
+    main = [r for r in p["parts"] if r["lane"] == "main"]
+    assert p["budget_s"] == BUDGET_S
+    assert sum(r["limit_s"] for r in main) <= BUDGET_S, [(r["part"], r["limit_s"]) for r in main]
+    assert [r["part"] for r in p["parts"] if r["lane"] == "side"] == ["precompile"]
+    # precompile starts after build and is cut at its limit before join_precompile's ends.
+    names = [r["part"] for r in p["parts"]]
+    window = names[names.index("precompile") + 1: names.index("join_precompile") + 1]
+    assert parts["precompile"]["limit_s"] <= sum(parts[n]["limit_s"] for n in window)
+    assert names.index("build") < names.index("precompile")
+    assert all(names.index(n) > names.index("join_precompile") for n in (*PUBLISHED, "profile", "cold_compile"))
+    assert names[-1] == "cold_compile"  # it takes what is left
+    for r in p["parts"]:
+        assert r["limit_s"] > 0 and r["returns"] and r["gpu_estimate"], r
+
+
+def test_the_plan_holds_every_family_and_row_at_its_published_shape():
+    p = plan()
+    parts = {r["part"]: r for r in p["parts"]}
+    for name, (arch, size, hw, boxes, batch) in PUBLISHED.items():
+        a = bench_args(parts[name]["command"])
+        assert (a.arch, a.size, a.img_size, a.max_boxes, a.batch_size) == (arch, size, hw, boxes, batch), name
+        assert "step_compile_graphs" in a.modes, name
+    pp = bench_args(parts["step_ppyoloe"]["command"])
+    assert set(pp.modes) == {"step_eager_fp32", "step_eager_amp", "step_eager_amp_nhwc", "step_compile",
+                             "step_compile_graphs"}
+    prof = parts["profile"]["command"].split()
+    assert prof[prof.index("--variants") + 1].split(",") == ["compile_graphs", "eager_amp"]
+    assert "--img-size" not in prof and "--max-boxes" not in prof  # step_ppyoloe's graph, from the cache
+    assert set(p["train"]) == {"ppyoloe", "yolox", "ppyolo", "fcos"}
+    for fam, flags in p["train"].items():
+        f = flags.split()
+        assert {"--compile", "--cuda-graphs"} <= set(f) and "compile.warmup=blocking" in f, fam
+        assert f[f.index("--arch") + 1] == fam
+
+
 
 
 def test_missing_pycocotools_and_spent_budget_are_recorded_skips(tmp_path):
@@ -22,7 +93,7 @@ def test_missing_pycocotools_and_spent_budget_are_recorded_skips(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_BUDGET_S": "1",
-           "GPU_CHECK_PARTS": "build,smoke,smoke_ddp", "OUT": str(out),
+           "GPU_CHECK_PARTS": "build,train", "OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")]),
            "TMPDIR": str(tmp_path)}
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True,
@@ -31,11 +102,11 @@ def test_missing_pycocotools_and_spent_budget_are_recorded_skips(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu_check.tgz", "summary.txt"]
     record = json.loads((out / "gpu-check.json").read_text())
     parts = {p["part"]: p for p in record["parts"]}
-    assert set(parts) == {"build", "smoke", "smoke_ddp"} and record["not_reached"] == []
+    assert set(parts) == {"build", "train"} and record["not_reached"] == []
     assert not any(p["ran"] for p in parts.values())
     assert "budget" in parts["build"]["why"]
-    for name in ("smoke", "smoke_ddp"):
-        assert parts[name]["status"] == "skipped" and "pycocotools is not installed" in parts[name]["why"]
+    assert parts["train"]["status"] == "skipped" and "pycocotools is not installed" in parts["train"]["why"]
     with tarfile.open(out / "gpu_check.tgz") as tar:
         names = tar.getnames()
     assert any(n.endswith("_gpu-check.json") for n in names) and any(n.endswith("summary.txt") for n in names)
+
