@@ -7,6 +7,7 @@
 #   bench/dali_carry.sh make       # here, once, on a machine with pip: download the wheels
 #                                  # (and pycocotools'), tar them, split them into pieces of
 #                                  # 55 MiB with their sha256, and print every call's command
+#   bench/dali_carry.sh pack DIR   # only the tar, split and sha256 of the wheels in DIR
 #   bench/dali_carry.sh stage K    # before call K: .whl/dali/ holds piece K alone (and
 #                                  # SHA256SUMS); .whl/ is what every call carries
 #   bench/dali_carry.sh commands   # print the calls again
@@ -16,14 +17,16 @@
 # them and installs the wheels into /tmp/site with pip --no-index --no-deps --target.
 #
 # Environment: DALI_CARRY_PIECE_MB (default 55), PYTHON (python3), DALI_CARRY_DOWNLOAD
-# (where the wheels are downloaded, default /tmp/fastdet-dali-wheels).
+# (where the wheels are downloaded, default /tmp/fastdet-dali-wheels), DALI_CARRY_PARTS
+# (where every piece is kept, default .dali-parts), DALI_CARRY_WHL (what a call carries,
+# default .whl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PIECE_MB=${DALI_CARRY_PIECE_MB:-55}
 DL=${DALI_CARRY_DOWNLOAD:-/tmp/fastdet-dali-wheels}
-PARTS_DIR=.dali-parts  # every piece, here only (ignored, never carried whole)
-WHL=.whl               # what each call carries: pycocotools' wheel and one DALI piece
+PARTS_DIR=${DALI_CARRY_PARTS:-.dali-parts}  # every piece, here only (ignored, never carried whole)
+WHL=${DALI_CARRY_WHL:-.whl}                 # what each call carries: pycocotools' wheel and one DALI piece
 # The versions GPU.md lists where it gives one (what a cu130 torch 2.11 host lacked).
 PACKAGES=(nvidia-dali-cuda130==2.4.0 nvidia-libnvcomp-cu13==5.3.0.16 nvidia-nvimgcodec-cu13==0.9.0.20
           nvidia-nvjpeg2k-cu13 nvidia-nvjpeg==13.3.2.43 nvidia-nvtiff-cu13 nvtx libcst optree gast makefun
@@ -31,6 +34,16 @@ PACKAGES=(nvidia-dali-cuda130==2.4.0 nvidia-libnvcomp-cu13==5.3.0.16 nvidia-nvim
 PIP=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+
+# pack DIR: DIR's wheels as one tar in pieces of PIECE_MB, with their sha256.
+pack() {
+    mkdir -p "$PARTS_DIR"
+    rm -f "$PARTS_DIR"/dali.tar.part-* "$PARTS_DIR/SHA256SUMS"
+    (cd "$1" && tar cf - ./*.whl) | split -b "${PIECE_MB}M" -d -a 2 - "$PARTS_DIR/dali.tar.part-"
+    (cd "$PARTS_DIR" && sha256sum dali.tar.part-* > SHA256SUMS)
+    du -ch "$1"/*.whl | tail -1
+    ls -l "$PARTS_DIR"
+}
 
 pieces() { ls "$PARTS_DIR"/dali.tar.part-* 2>/dev/null | sort; }
 
@@ -65,11 +78,11 @@ case "${1:-}" in
         mkdir -p "$DL" "$WHL" "$PARTS_DIR"
         "$PY" -m pip download -q "${PIP[@]}" -d "$WHL" pycocotools
         "$PY" -m pip download -q "${PIP[@]}" -d "$DL" "${PACKAGES[@]}"
-        rm -f "$PARTS_DIR"/dali.tar.part-* "$PARTS_DIR/SHA256SUMS"
-        (cd "$DL" && tar cf - ./*.whl) | split -b "${PIECE_MB}M" -d -a 2 - "$PARTS_DIR/dali.tar.part-"
-        (cd "$PARTS_DIR" && sha256sum dali.tar.part-* > SHA256SUMS)
-        du -ch "$DL"/*.whl | tail -1
-        ls -l "$PARTS_DIR"
+        pack "$DL"
+        commands
+        ;;
+    pack)
+        pack "${2:?"pack DIR: the folder of wheels"}"
         commands
         ;;
     stage)

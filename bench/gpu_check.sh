@@ -184,8 +184,6 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 # timed parts load. cold_compile has its own, empty one.
 export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
-# The demo sets the trainer runs and cold_compile read, generated once.
-export FASTDET_CACHE_DIR=${FASTDET_CACHE_DIR:-$WORK_ROOT/cache}
 mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
 
 note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, mode $MODE, device $DEVICE, parts $PARTS"

@@ -50,7 +50,7 @@ SCALE=${GPU_CHECK_LIMIT_SCALE:-1}
 PARTS=${GPU_CHECK_PARTS:-$(plan_parts)}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 [[ $MODE == rehearse ]] && DEVICE=cpu
-DALI_CHECK=bench/dali_check.py
+DALI_CHECK=${GPU_CHECK_DALI_CHECK:-bench/dali_check.py}  # branch dali writes it
 
 if [[ $DEVICE == cpu ]]; then
     E2E_ARGS=(--device cpu --quick --img-size 64 --windows 1 --iters 1 --warmup 0 --compile-backend eager
@@ -120,7 +120,6 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
-export FASTDET_CACHE_DIR=${FASTDET_CACHE_DIR:-$WORK_ROOT/cache}
 mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
 note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, mode $MODE, device $DEVICE, parts $PARTS"
 
@@ -182,8 +181,10 @@ else
 fi
 
 # The demo set the data and e2e rows read, made once before anything reads it.
-"$PY" bench/throughput.py --prepare-data --device cpu --demo-images "$DEMO_IMAGES" > "$OUT_DIR/prepare_data.log" 2>&1 \
-    || note "prepare data: failed (prepare_data.log)"
+if [[ ",$PARTS," == *",e2e_"* ]]; then
+    "$PY" bench/throughput.py --prepare-data --device cpu --demo-images "$DEMO_IMAGES" > "$OUT_DIR/prepare_data.log" 2>&1 \
+        || note "prepare data: failed (prepare_data.log)"
+fi
 
 # --- precompile (side lane): each family's e2e graphs, every canvas its loader yields.
 PRE_PID=

@@ -110,3 +110,63 @@ def test_missing_pycocotools_and_spent_budget_are_recorded_skips(tmp_path):
         names = tar.getnames()
     assert any(n.endswith("_gpu-check.json") for n in names) and any(n.endswith("summary.txt") for n in names)
 
+
+def test_the_dali_call_plan_fits_and_holds_every_family_end_to_end():
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check_dali.sh"), "--plan"],
+                       env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    parts = {x["part"]: x for x in p["parts"]}
+    assert sum(x["limit_s"] for x in p["parts"] if x["lane"] == "main") <= BUDGET_S
+    assert parts["dali_check"]["command"].split()[1:3] == ["--device", "cuda"]
+    assert "--workers 16" in parts["dali_check"]["command"]
+    for name, (arch, size, hw, boxes, batch) in PUBLISHED.items():
+        if name == "step_b128":
+            continue
+        a = bench_args(parts["e2e_" + name.removeprefix("step_")]["command"])
+        assert (a.arch, a.size, a.img_size, a.max_boxes, a.batch_size) == (arch, size, hw, boxes, batch), name
+        assert a.modes == ["data_torch", "data_dali", "e2e_torch", "e2e_dali"] and a.workers == 16, name
+
+
+def test_the_dali_call_without_its_check_script_skips_it_and_says_why(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "TMPDIR": str(tmp_path),
+           "GPU_CHECK_PARTS": "dali_check", "GPU_CHECK_DALI_CHECK": str(tmp_path / "absent.py")}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check_dali.sh"), "--rehearse"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads((out / "gpu-check-dali.json").read_text())
+    (part,) = record["parts"]
+    assert part["part"] == "dali_check" and part["status"] == "skipped" and "not in this tree" in part["why"]
+    assert (out / "gpu_check_dali.tgz").is_file()
+
+
+def test_dali_travels_in_pieces_that_join_back_to_the_same_wheels(tmp_path):
+    """bench/dali_carry.sh: pieces under the size asked for, one staged per call with the
+    checksums, and the host's join (sha256 -c, cat | tar x) gives back every wheel."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    payload = {"a-1.0-cp312-cp312-manylinux_2_28_x86_64.whl": os.urandom(2 * 2**20),
+               "b-2.0-py3-none-any.whl": os.urandom(700 * 2**10)}
+    for name, data in payload.items():
+        (wheels / name).write_bytes(data)
+    parts, whl = tmp_path / "parts", tmp_path / "whl"
+    env = {**os.environ, "DALI_CARRY_PIECE_MB": "1", "DALI_CARRY_PARTS": str(parts), "DALI_CARRY_WHL": str(whl)}
+    script = str(ROOT / "bench" / "dali_carry.sh")
+    r = subprocess.run(["bash", script, "pack", str(wheels)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    pieces = sorted(parts.glob("dali.tar.part-*"))
+    assert len(pieces) == 3 and all(p.stat().st_size <= 2**20 for p in pieces)
+    assert "call 3: mkdir -p /tmp/dali && cp" in r.stdout and "bench/gpu_check_dali.sh" in r.stdout.splitlines()[-4]
+    r = subprocess.run(["bash", script, "stage", "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (whl / "dali").iterdir()) == ["SHA256SUMS", "dali.tar.part-01"]
+    host = tmp_path / "host"
+    host.mkdir()
+    for p in [*pieces, parts / "SHA256SUMS"]:
+        (host / p.name).write_bytes(p.read_bytes())
+    r = subprocess.run(["bash", "-c", "sha256sum -c SHA256SUMS && mkdir wheels && cat dali.tar.part-* | tar xf - -C wheels"],
+                       cwd=host, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {n: (host / "wheels" / n).read_bytes() for n in payload} == payload
