@@ -18,8 +18,8 @@
 #|                 |      |         | into /tmp/site (or why not: which piece is missing)              |
 #| env             | main | 10      | GPU, versions, DALI importable                                   | ~5 s (GPU.md)
 #| build           | main | 30      | the extension (already built when the machine is warm)           | 1-11 s (GPU.md)
-#| precompile      | side | 230     | every family's e2e graphs: each loader canvas (FCOS: 3)          | ~0 s warm for 3 families; FCOS's 2 new canvases
-#|                 |      |         |                                                                  | ~150 s in parallel (GPU.md's 103 s per graph)
+#| precompile      | side | 230     | every family's e2e graphs: each loader canvas (FCOS: 3); the     | ~0 s warm for 3 families; FCOS's 2 new canvases
+#|                 |      |         | demo set of the e2e rows (2048 images)                           | ~150 s in parallel (GPU.md's 103 s per graph)
 #| dali_check      | main | 150     | per family: DALI GPU pipeline alone (img/s, host threads, GPU    | ~120 s: 8 rows, a process each, plus the decode
 #|                 |      |         | memory), torch loader 16 workers; nvJPEG = CPU decoder check     | check (estimate)
 #| tests_triton    | main | 60      | pytest -m gpu on the captured steps with the Triton kernels      | ~60 s (estimate, 2026-12-04 plan)
@@ -180,12 +180,6 @@ else
     part build "$PY" -m fastdet.ops.build
 fi
 
-# The demo set the data and e2e rows read, made once before anything reads it.
-if [[ ",$PARTS," == *",e2e_"* ]]; then
-    "$PY" bench/throughput.py --prepare-data --device cpu --demo-images "$DEMO_IMAGES" > "$OUT_DIR/prepare_data.log" 2>&1 \
-        || note "prepare data: failed (prepare_data.log)"
-fi
-
 # --- precompile (side lane): each family's e2e graphs, every canvas its loader yields.
 PRE_PID=
 if wanted precompile && [[ -n "$(allowed precompile)" ]]; then
@@ -194,7 +188,10 @@ if wanted precompile && [[ -n "$(allowed precompile)" ]]; then
     mkdir -p "$OUT_DIR/precompile"
     note "precompile: start (limit ${PRE_LIM}s, side lane)"
     (
-        pids=()
+        # The demo set the e2e rows read, made beside the compiles (they need no data).
+        timeout -k 5 "$PRE_LIM" "$PY" bench/throughput.py --prepare-data --device cpu --demo-images "$DEMO_IMAGES" \
+            > "$OUT_DIR/precompile/prepare_data.log" 2>&1 &
+        pids=($!)
         for p in "${E2E_PARTS[@]}"; do
             wanted "$p" || continue
             # shellcheck disable=SC2086
@@ -223,10 +220,9 @@ part tests_triton env FASTDET_OPS_BACKEND=triton "$PY" -m pytest "${PYTEST_SELEC
     --junitxml="$OUT_DIR/pytest_tests_triton.xml" tests/test_gpu_capture.py tests/test_gpu_step.py \
     -k "not test_compiled_graph_step_at_benchmark_size_trains_like_eager"
 
+# join_precompile: every job is cut at precompile's deadline, inside the main parts' window.
 if [[ -n "$PRE_PID" ]]; then
-    lim=$(allowed join_precompile)
     t0=$(date +%s)
-    while kill -0 "$PRE_PID" 2>/dev/null && (( $(date +%s) - t0 < ${lim:-0} )); do sleep 1; done
     wait "$PRE_PID"
     pre_rc=$?
     cat "$OUT_DIR"/precompile/*.log > "$OUT_DIR/precompile.log" 2>/dev/null

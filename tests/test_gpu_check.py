@@ -111,6 +111,63 @@ def test_missing_pycocotools_and_spent_budget_are_recorded_skips(tmp_path):
     assert any(n.endswith("_gpu-check.json") for n in names) and any(n.endswith("summary.txt") for n in names)
 
 
+def rehearse(tmp_path, **env):
+    """bench/gpu_check.sh --rehearse under a stand-in of the device tool ($OUT set)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "TMPDIR": str(tmp_path),
+           "FASTDET_OPS_BACKEND": "torch", **env}
+    r = subprocess.run(["bash", str(SCRIPT), "--rehearse"], env=env, capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads((out / "gpu-check.json").read_text())
+    with tarfile.open(out / "gpu_check.tgz") as tar:
+        members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
+        names = list(members)
+        files = {n: tar.extractfile(m).read() for n, m in members.items() if n.endswith(".json") and m.isfile()}
+    return out, record, names, files
+
+
+def test_rehearsal_of_precompile_then_the_timed_part_it_serves(tmp_path):
+    """The CPU rehearsal of the chain precompile -> join -> timed part (PP-YOLOE-s's batch-128
+    part, tiny): the precompile job is the timed part's own command with --precompile and
+    compiles its step; the captured step itself skips on the CPU, saying so. The archive
+    holds both JSON files and the record, no checkpoint, and stays under its limit."""
+    out, record, names, files = rehearse(tmp_path, GPU_CHECK_PARTS="env,build,precompile,join_precompile,step_b128")
+    parts = {p["part"]: p for p in record["parts"]}
+    assert [p["part"] for p in record["parts"]] == ["env", "build", "precompile", "join_precompile", "step_b128"]
+    assert all(p["status"] == "ok" for p in parts.values()), parts
+    assert record["mode"] == "rehearse" and record["not_reached"] == []
+    assert 0 < record["archive"]["bytes"] <= 8 * 2**20 and (out / "gpu_check.tgz").stat().st_size <= 8 * 2**20
+    assert not any(n.endswith(".pth") for n in names)
+    pre = json.loads(files["precompile/step_b128.json"])
+    (job,) = pre["results"]
+    assert pre["kind"] == "precompile" and job["status"] == "ok" and job["sizes"] == [[64, 64]]
+    timed = json.loads(next(v for k, v in files.items() if k.endswith("_throughput-b128.json")))
+    (row,) = timed["results"]
+    assert row["mode"] == "step_compile_graphs" and row["status"] == "skipped" and "CUDA" in row["reason"]
+    assert (timed["config"]["arch"], timed["config"]["batch_size"], timed["config"]["hw"]) == ("ppyoloe", 4, [64, 64])
+    assert timed["config"]["backend_flags"]["set_for"] == "cpu"
+
+
+@pytest.mark.slow
+def test_rehearsal_runs_every_part_and_keeps_the_archive_under_its_limit(tmp_path):
+    """Every part of the plan, on the CPU at tiny sizes, with an archive limit of 1 MiB so
+    that packing must cut the profiler traces: every part ends ok, each family's trainer
+    run keeps its log and metrics but no checkpoint."""
+    out, record, names, files = rehearse(tmp_path, GPU_CHECK_ARCHIVE_MB="1")
+    p = plan()
+    parts = {r["part"]: r for r in record["parts"]}
+    assert list(parts) == [r["part"] for r in p["parts"]] and record["not_reached"] == []
+    assert all(r["status"] == "ok" for r in parts.values()), {k: (r["status"], r["why"]) for k, r in parts.items()}
+    assert (out / "gpu_check.tgz").stat().st_size <= 2**20 and record["archive"]["limit_mib"] == 1
+    assert not any(n.endswith(".pth") for n in names)
+    for fam in ("ppyoloe", "yolox", "ppyolo", "fcos"):
+        assert f"train/{fam}/metrics.jsonl" in names and f"train_{fam}.log" in names, fam
+    for what in ("ppyoloe", "yolox", "ppyolo", "fcos", "b128"):
+        assert any(k.endswith(f"_throughput-{what}.json") for k in files), what
+    assert "profile/profile.json" in files and any(k.endswith("compile-timeline-cold.json") for k in files)
+
+
 def test_the_dali_call_plan_fits_and_holds_every_family_end_to_end():
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check_dali.sh"), "--plan"],
                        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
@@ -118,6 +175,9 @@ def test_the_dali_call_plan_fits_and_holds_every_family_end_to_end():
     p = json.loads(r.stdout)
     parts = {x["part"]: x for x in p["parts"]}
     assert sum(x["limit_s"] for x in p["parts"] if x["lane"] == "main") <= BUDGET_S
+    names = [x["part"] for x in p["parts"]]
+    window = names[names.index("precompile") + 1: names.index("join_precompile") + 1]
+    assert parts["precompile"]["limit_s"] <= sum(parts[n]["limit_s"] for n in window)
     assert parts["dali_check"]["command"].split()[1:3] == ["--device", "cuda"]
     assert "--workers 16" in parts["dali_check"]["command"]
     for name, (arch, size, hw, boxes, batch) in PUBLISHED.items():
