@@ -298,6 +298,8 @@ if wanted precompile; then
         note "precompile: start (limit ${PRE_LIM}s, side lane): $(wc -l < "$JOBFILE") jobs, $JOBS_AT_ONCE at once x $THREADS compile threads"
         T_PRE=$(date +%s)
         (
+            # The jobs share the cores; inductor's cache key leaves compile_threads out, so
+            # the timed parts (default threads) still hit these entries.
             export TORCHINDUCTOR_COMPILE_THREADS=$THREADS
             cut -f1 "$JOBFILE" | xargs -P "$JOBS_AT_ONCE" -I{} bash -c '
                 cmd=$(awk -F"\t" -v j="$1" "\$1 == j { print \$2 }" "$2")
