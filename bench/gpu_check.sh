@@ -23,7 +23,8 @@
 #| install         | main | 20      | fastdet importable (pip -e, no deps, no network)                 | ~15 s (2026-12-04 run)
 #| build           | main | 30      | the extension's CUDA variant                                     | 11 s (GPU.md, measured)
 #| precompile      | side | 200     | 5 bench graphs + each family's trainer graphs, compiled in       | ~150-200 s: 103 s per graph alone on 16 cores
-#|                 |      |         | parallel (5 at a time under 100 GB of GPU memory, else 9)        | (GPU.md), 9 graphs over 5-9 processes (estimate)
+#|                 |      |         | parallel: 9 jobs, 11 graphs (FCOS's trainer: 3 canvases), 5 jobs | (GPU.md), 11 graphs over 5-9 processes (estimate)
+#|                 |      |         | at a time under 100 GB of GPU memory, else 9                     |
 #| tests_kernels   | main | 50      | pytest -m gpu: IoU, EMA, assigners, yolo_targets, FCOS, SimOTA   | ~30 s (GPU.md: 17 tests in 110 s with a compile)
 #| tests_capture   | main | 60      | every family's whole step captured = eager, sync-debug           | ~60 s (estimate, seconds per bucket)
 #| train           | main | 80      | a trainer run per family, in parallel: --compile --cuda-graphs,  | ~60 s: graphs from the cache, 40 steps at 256 px
