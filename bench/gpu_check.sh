@@ -1,92 +1,170 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a bare GPU machine (torch, no network, maybe no DALI or
-# pycocotools), built to fit the device tool's 540 s and to keep what it measured if cut.
+# The GPU check: one call of the device tool on a bare 16-core H100 or H200 host (torch,
+# no network, maybe no DALI or pycocotools) brings back every figure of issue 42, item 1.
 #
 #   bench/gpu_check.sh [OUT_DIR]   # default: bench/results/gpu-check-<UTC time>; under the
 #                                  # device tool ($OUT set, no OUT_DIR) a work folder in $TMPDIR,
-#                                  # packed into $OUT after every part
+#                                  # packed into $OUT/gpu_check.tgz after every part
+#   bench/gpu_check.sh --plan      # the plan below as JSON (parts, lanes, limits, commands)
+#   bench/gpu_check.sh --rehearse [OUT_DIR]
+#                                  # every part on this CPU at tiny sizes (tests/test_gpu_check.py)
 #
-# Parts, most valuable first. Each has its own timeout inside one overall budget (a part
-# that no longer fits is skipped and says so) and writes its log, and for pytest parts its
-# own JUnit XML, as it goes. After every part the record <stem>_gpu-check.json (each part:
-# ran or not, ok / failed / timeout / skipped, why, exit code, seconds; the parts never
-# reached) and summary.txt are rewritten and, under the device tool, everything is packed
-# again into $OUT/gpu_check.tgz (the tool brings back at most 8 files): a run cut short
-# keeps every part it finished. A part that needs a missing package (pycocotools) is
-# skipped with the reason, never failed; without DALI the torch loader is used.
+# The plan. Its limits are the script's own: `part` reads each part's limit from this table
+# (a part no longer in the budget is skipped and says so). `main` parts run one after the
+# other, and their limits sum to <= 540 s, the device tool's 10 minutes less its start and
+# transfers; a `side` part runs beside the main lane from its start until the main part that
+# joins it, which waits for it at most its own limit, and the side part is cut at its limit.
+# Graphs are compiled first, in parallel processes, by the very code each timed part runs
+# (bench/throughput.py --precompile, python -m fastdet.compile), so the timed parts load them
+# from inductor's cache (each timed row records its cache hits and misses).
 #
-#   part            what                                                     H200, expected
-#   env             GPU, driver, versions; DALI / pycocotools present?        ~5 s
-#   install         pip install -e . (no network, no deps) when needed        ~15 s
-#   build           the CUDA variant of the extension (fastdet.ops.build;     11 s (measured 2026-12-04)
-#                   exit 2 = a GPU but no CUDA toolkit)
-#   tests_kernels   pytest -m gpu on the kernel files, by name: IoU, EMA,     ~30 s
-#                   assigners, yolo_targets, FCOS, SimOTA
-#   tests_capture   every family's whole step captured and replayed against   ~60 s
-#                   eager under sync-debug (tests/test_gpu_capture.py), the
-#                   PP-YOLOE graph tests (tests/test_gpu_step.py) but its
-#                   inductor test
-#   tests_triton    the same with FASTDET_OPS_BACKEND=triton                  ~60 s
-#   smoke           the trainer as a user runs it: --compile --cuda-graphs    ~100-120 s (2 graphs
-#                   --sync-debug, channels-last, freeze_bn, ONE size x ONE     took 180 s)
-#                   loss variant (one inductor graph), then COCO eval
-#   smoke_ddp       one NCCL rank under torchrun: DDP in the captured step    ~40 s
-#   step            bench/throughput.py --modes step (PPYOLOE-s 640 b64)      ~150 s (103 s compile)
-#   tests_inductor  the whole-model inductor test (640, b64), after `step`    ~30 s (a warm cache)
-#                   has put the same graph in inductor's cache
-#   kernels         bench/kernels.py                                          ~60 s
-#   profile         bench/profile_step.py (PPYOLOE-s 640 b64: eager fp32 /    ~90 s (graphs from
-#                   bf16, compiled, + CUDA graphs): time by category, top      inductor's cache)
-#                   kernels, TFLOP/s vs a bf16 matmul, Perfetto traces
-#   data_e2e        bench/throughput.py --modes data,e2e                      what is left
-#   layout          bench/throughput.py --modes layout                        what is left
+#| part            | lane | limit_s | returns                                                          | GPU estimate (source)
+#| env             | main | 10      | GPU, driver, versions, packages; the result stem                 | ~5 s (H200 run, GPU.md)
+#| install         | main | 20      | fastdet importable (pip -e, no deps, no network)                 | ~15 s (2026-12-04 run)
+#| build           | main | 30      | the extension's CUDA variant                                     | 11 s (GPU.md, measured)
+#| precompile      | side | 200     | 5 bench graphs + each family's trainer graphs, compiled in       | ~150-200 s: 103 s per graph alone on 16 cores
+#|                 |      |         | parallel: 9 jobs, 11 graphs (FCOS's trainer: 3 canvases), 5 jobs | (GPU.md), 11 graphs over 5-9 processes (estimate)
+#|                 |      |         | at a time under 100 GB of GPU memory, else 9                     |
+#| tests_kernels   | main | 50      | pytest -m gpu: IoU, EMA, assigners, yolo_targets, FCOS, SimOTA   | ~30 s (GPU.md: 17 tests in 110 s with a compile)
+#| tests_capture   | main | 60      | every family's whole step captured = eager, sync-debug           | ~60 s (estimate, seconds per bucket)
+#| train           | main | 80      | a trainer run per family, in parallel: --compile --cuda-graphs,  | ~60 s: graphs from the cache, 40 steps at 256 px
+#|                 |      |         | blocking warm-up, 40 steps; log + metrics.jsonl, no checkpoint   | (estimate; the 2-graph smoke took 180 s cold)
+#| join_precompile | main | 20      | waits for precompile; its per-graph seconds and cache counts     | 0-20 s
+#| step_ppyoloe    | main | 75      | PP-YOLOE-s 640 b64: eager fp32, eager bf16, eager bf16 NHWC,     | ~70 s: eager 3 x 8 s, 2 cache loads + trace
+#|                 |      |         | compiled, compiled + CUDA graphs; img/s, peak memory, flags     | ~15 s each, capture 7 s (GPU.md)
+#| step_yolox      | main | 28      | YOLOX-s 640 b64, 120 boxes: compiled + CUDA graphs               | ~25 s (a cache load + capture, estimate)
+#| step_ppyolo     | main | 28      | PP-YOLO r50vd_dcn 608 b64, 50 boxes: compiled + CUDA graphs      | ~25 s (estimate)
+#| step_fcos       | main | 28      | FCOS r50 800x1344 b16, 100 boxes: compiled + CUDA graphs         | ~25 s (estimate)
+#| step_b128       | main | 25      | PP-YOLOE-s 640 b128: compiled + CUDA graphs                      | ~25 s (estimate)
+#| profile         | main | 40      | profile table of PP-YOLOE-s compiled + captured and eager bf16   | ~35 s (from the cache; estimate)
+#| cold_compile    | main | 46      | PP-YOLOE-s recipe, --compile, empty cache, 2 workers x 8 threads | what is left: the first step (eager, ~20 s) and
+#|                 |      |         | (16 cores): time to the first step and to each graph compiled    | the graphs done by then; all 30 (15 sizes x 2
+#|                 |      |         | within the limit (bench/compile_timeline.py)                     | variants) take ~26 min at 103 s/graph/worker
 #
-# Those GPU times are estimates from the one H200 run so far (../shared/GPU.md), not
-# measurements of this script; bench/README.md gives each part's time in a CPU rehearsal.
+# The GPU estimates come from the one H200 run so far (../shared/GPU.md: one PP-YOLOE-s
+# inductor graph 103 s cold at batch 64, 144 s at 128; capture 7 s; the build 11 s), not from
+# this script: bench/README.md has the CPU rehearsal's seconds. Time a part does not use goes
+# to cold_compile, the last part, which takes what is left of the budget.
 #
-# Wheels for the bare machine (the device README's recipe; cp312, manylinux), made once in
-# the repository root on a machine with pip:
-#
-#   echo /.whl/ >> .git/info/exclude
-#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-#      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
-#   python3 -m pip download $P -d .whl pycocotools                        # 0.4 MB: every call
-#   python3 -m pip download $P -d /tmp/dali nvidia-dali-cuda130==2.4.0 nvidia-libnvcomp-cu13 \
-#       nvidia-nvimgcodec-cu13 nvidia-nvjpeg2k-cu13 nvidia-nvjpeg nvidia-nvtiff-cu13 nvtx libcst \
-#       optree gast makefun astunparse                                      # 257 MB in all
-#   (cd /tmp/dali && tar cf - *.whl | split -b 55M - dali.tar.part-)       # five < 60 MiB pieces
-#   mkdir -p .whl/dali-parts && mv /tmp/dali/dali.tar.part-* .whl/dali-parts/
-#   (cd .whl/dali-parts && sha256sum dali.tar.part-* > SHA256SUMS)
-#
-# A call carries 64 MiB, so DALI travels in five calls on one warm machine: before call k,
-# keep only piece k (and SHA256SUMS) in .whl/dali-parts; each call (carry [".whl"]) begins
-#
-#   mkdir -p /tmp/dali && cp .whl/dali-parts/* /tmp/dali/ &&
-#
-# and the fifth then joins, checks and installs them before the check:
-#
-#   (cd /tmp/dali && sha256sum -c SHA256SUMS && cat dali.tar.part-* | tar xf - &&
-#    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site *.whl) &&
-#
-# Every call that runs the check (pycocotools alone is enough for every part but DALI's):
-#
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pycocotools-*.whl &&
-#   export PYTHONPATH=/tmp/site && bench/gpu_check.sh
+# The archive ($OUT/gpu_check.tgz, at most GPU_CHECK_ARCHIVE_MB, default 8 MiB) is rewritten
+# after every part, checkpoints (*.pth) left out; if it is over, the largest profiler traces
+# and then the largest logs are cut to their first and last lines, and the record says so.
+# Beside it: $OUT/summary.txt and $OUT/gpu-check.json (what each part did, the plan, the
+# archive's size). A part that needs a missing package (pycocotools) is skipped with the
+# reason; without DALI the torch loader is used. DALI's rows are the second call's
+# (bench/gpu_check_dali.sh; bench/dali_carry.sh carries DALI there); bench/README.md has
+# both calls' commands.
 #
 # Environment:
-#   GPU_CHECK_BUDGET_S   overall seconds (default 540: the run ends inside the tool's 10 minutes)
+#   GPU_CHECK_BUDGET_S   overall seconds (default 540)
 #   GPU_CHECK_PARTS      comma list of the parts above (default: all, in the order above)
-#   GPU_CHECK_TEST_TIMEOUT_S  seconds per GPU test (default 120; needs pytest-timeout)
+#   GPU_CHECK_TEST_TIMEOUT_S  seconds per GPU test (default 60; needs pytest-timeout)
+#   GPU_CHECK_ARCHIVE_MB the archive's limit in MiB (default 8)
 #   PYTHON               the interpreter holding torch (default python3)
 #   FASTDET_GIT_COMMIT   the commit of this tree, recorded where the copy has no .git
-#   GPU_CHECK_DEVICE     cuda (default); cpu rehearses the script on a machine without a
-#                        GPU (benchmarks in their --quick configuration, GPU tests skip)
+#   GPU_CHECK_DEVICE     cuda (default); cpu is what --rehearse sets
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
+SELF="$REPO/bench/gpu_check.sh"
+MODE=run
+case "${1:-}" in
+    --plan) MODE=plan; shift ;;
+    --rehearse) MODE=rehearse; shift ;;
+esac
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+# A rehearsal checks the script's flow on a loaded 2-core CPU, not its speed: its limits and
+# budget are the plan's times GPU_CHECK_LIMIT_SCALE (default 10 there, 1 on the GPU).
+SCALE=${GPU_CHECK_LIMIT_SCALE:-1}
+[[ $MODE == rehearse ]] && SCALE=${GPU_CHECK_LIMIT_SCALE:-10}
+
 PY=${PYTHON:-python3}
 [[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # parts cd elsewhere
+KIND=gpu-check
+LAST_TAKES_REST=cold_compile
+# shellcheck source=bench/gpu_check_lib.sh
+source "$REPO/bench/gpu_check_lib.sh"
+PARTS=${GPU_CHECK_PARTS:-$(plan_parts)}
+
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+[[ $MODE == rehearse ]] && DEVICE=cpu
+# What differs in a rehearsal: tiny sizes, one timed iteration, Dynamo's eager backend (the
+# commands, their flags and outputs as on the GPU, without minutes of inductor per graph).
+if [[ $DEVICE == cpu ]]; then
+    TINY=(--img-size 64 --windows 1 --iters 1 --warmup 0 --compile-backend eager --workers 1)
+    TINY_FCOS=(--img-size 64x96 --windows 1 --iters 1 --warmup 0 --compile-backend eager --workers 1)
+    STEP_ARGS=(--device cpu --quick --amp bf16)
+    # torchvision's deform_conv2d has a CUDA autocast rule (fp32) but no bf16 CPU kernel.
+    STEP_ARGS_PPYOLO=(--device cpu --quick --amp off)
+    PROFILE_ARGS=(--device cpu --quick --amp bf16 --img-size 64 --compile-backend eager --steps 1 --iters 1 --warmup 0)
+    TRAIN_SIZE=64 TRAIN_STEPS=2 TRAIN_BATCH=2 TRAIN_GPU=() TRAIN_BACKEND=(--set compile.backend=eager)
+    COLD_ARGS=(--device cpu --batch-size 2 --set compile.backend=eager --set data.train_sizes=[64,96])
+    BATCH_B64=2 BATCH_B128=4 BATCH_FCOS=2
+    PYTEST_SELECT=(--collect-only -q)
+else
+    TINY=() TINY_FCOS=()
+    STEP_ARGS=(--device cuda --windows 3 --iters 10 --warmup 3)
+    STEP_ARGS_PPYOLO=("${STEP_ARGS[@]}")
+    PROFILE_ARGS=(--device cuda --steps 3 --iters 10 --warmup 3)
+    TRAIN_SIZE=256 TRAIN_STEPS=40 TRAIN_BATCH=8 TRAIN_GPU=(--cuda-graphs) TRAIN_BACKEND=()
+    COLD_ARGS=(--device cuda --batch-size 32)
+    BATCH_B64=64 BATCH_B128=128 BATCH_FCOS=16
+    PYTEST_SELECT=(-m gpu -v)
+fi
+FAMILIES=(ppyoloe:s yolox:s ppyolo:r50vd_dcn fcos:r50)
+
+# The timed parts' commands; precompile compiles each one's graph with the same flags.
+PP=(bench/throughput.py "${STEP_ARGS[@]}" --arch ppyoloe --size s)
+declare -A STEP_CMD=(
+    [step_ppyoloe]="${PP[*]} --batch-size $BATCH_B64 ${TINY[*]} --modes step_eager_fp32,step_eager_amp,step_eager_amp_nhwc,step_compile,step_compile_graphs"
+    [step_yolox]="bench/throughput.py ${STEP_ARGS[*]} --arch yolox --size s --batch-size $BATCH_B64 ${TINY[*]} --modes step_compile_graphs"
+    [step_ppyolo]="bench/throughput.py ${STEP_ARGS_PPYOLO[*]} --arch ppyolo --size r50vd_dcn --batch-size $BATCH_B64 ${TINY[*]} --modes step_compile_graphs"
+    [step_fcos]="bench/throughput.py ${STEP_ARGS[*]} --arch fcos --size r50 --batch-size $BATCH_FCOS ${TINY_FCOS[*]} --modes step_compile_graphs"
+    [step_b128]="${PP[*]} --batch-size $BATCH_B128 ${TINY[*]} --modes step_compile_graphs"
+)
+STEP_PARTS=(step_ppyoloe step_yolox step_ppyolo step_fcos step_b128)
+PROFILE_CMD="bench/profile_step.py ${PROFILE_ARGS[*]} --variants compile_graphs,eager_amp"
+
+# train_flags ARCH SIZE: the trainer run of one family (and fastdet.compile's, for its graphs).
+train_flags() {
+    local f=(--arch "$1" --size "$2" --data demo --device "$DEVICE" --epochs 1 --max-steps "$TRAIN_STEPS"
+             --log-interval 10 --img-size "$TRAIN_SIZE" --no-multiscale --batch-size "$TRAIN_BATCH" --workers 2
+             --compile "${TRAIN_GPU[@]}" "${TRAIN_BACKEND[@]}" --set compile.warmup=blocking
+             --set run.progress=false --set run.eval_interval=1000000 --set "data.loader=${LOADER:-torch}")
+    [[ $1 == ppyoloe ]] && f+=(--set family.static_assigner_epoch=100)  # one loss variant, one graph
+    echo "${f[@]}"
+}
+
+if [[ $MODE == plan ]]; then
+    export PLAN_STEP_CMDS PLAN_TRAIN
+    PLAN_STEP_CMDS=$(for p in "${STEP_PARTS[@]}"; do printf '%s\t%s\n' "$p" "${STEP_CMD[$p]}"; done; printf 'profile\t%s\n' "$PROFILE_CMD")
+    PLAN_TRAIN=$(for fam in "${FAMILIES[@]}"; do printf '%s\t%s\n' "${fam%%:*}" "$(train_flags "${fam%%:*}" "${fam#*:}")"; done)
+    "$PY" - "$SELF" "$BUDGET" <<'EOF'
+import json, os, re, sys
+rows, cur = [], None
+for line in open(sys.argv[1]):
+    if not line.startswith("#| "):
+        continue
+    cells = [c.strip() for c in line[2:].split("|")]
+    name, lane, limit, returns, est = (cells + [""] * 5)[:5]
+    if name == "part":
+        continue
+    if name:
+        cur = {"part": name, "lane": lane, "limit_s": int(limit), "returns": returns, "gpu_estimate": est}
+        rows.append(cur)
+    else:
+        cur["returns"] += " " + returns
+        cur["gpu_estimate"] += " " + est
+cmds = dict(l.split("\t", 1) for l in os.environ["PLAN_STEP_CMDS"].splitlines())
+train = dict(l.split("\t", 1) for l in os.environ["PLAN_TRAIN"].splitlines())
+for r in rows:
+    r["command"] = cmds.get(r["part"])
+print(json.dumps({"budget_s": int(sys.argv[2]), "parts": rows, "train": train}, indent=1))
+EOF
+    exit 0
+fi
+
 # Under the device tool only 8 files come back from $OUT: work in $TMPDIR, pack into $OUT.
 WORK_ROOT=${TMPDIR:-/tmp}/fastdet-gpu-check
 PACK_TO=
@@ -96,12 +174,8 @@ if [[ -z "${1:-}" && -n "${OUT:-}" ]]; then
 else
     OUT_DIR=${1:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 fi
-BUDGET=${GPU_CHECK_BUDGET_S:-540}
-PARTS=${GPU_CHECK_PARTS:-env,install,build,tests_kernels,tests_capture,tests_triton,smoke,smoke_ddp,step,tests_inductor,kernels,profile,data_e2e,layout}
-DEMO_IMAGES=4096
-DEVICE=${GPU_CHECK_DEVICE:-cuda}
-BENCH_ARGS=(--device "$DEVICE")
-[[ "$DEVICE" == cpu ]] && BENCH_ARGS+=(--quick) && DEMO_IMAGES=400
+ARCHIVE_MB=${GPU_CHECK_ARCHIVE_MB:-8}
+BUDGET=$(( BUDGET * SCALE ))
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 START=$(date +%s)
@@ -110,84 +184,19 @@ STATUS="$OUT_DIR/.parts.tsv"
 
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-# Kept out of OUT_DIR (large files), shared by all parts so a graph compiled by `step`
-# is loaded from inductor's cache by `tests_inductor` and `data_e2e`.
+# Kept out of OUT_DIR (large files), shared by every part, so what precompile compiles the
+# timed parts load. cold_compile has its own, empty one.
 export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
 mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
 
-elapsed() { echo $(( $(date +%s) - START )); }
-wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
-note() { echo "[gpu_check $(elapsed)s] $*" | tee -a "$OUT_DIR/summary.txt"; }
-
-# record: (re)write <stem>_gpu-check.json from the parts done so far (which ran, which did
-# not and why, which were never reached), and under the device tool pack it all into $OUT.
-record() {
-    "$PY" - "$STATUS" "$OUT_DIR/${STEM:-unknown}_gpu-check.json" "$BUDGET" "$(elapsed)" "${STEM:-unknown}" \
-        "$PARTS" <<'EOF'
-import json, sys
-status, out, budget, elapsed, stem, wanted = sys.argv[1:]
-parts = []
-for line in open(status):
-    name, st, rc, secs, why = (line.rstrip("\n").split("\t") + [""] * 5)[:5]
-    parts.append({"part": name, "ran": st != "skipped", "status": st, "exit": int(rc) if rc else None,
-                  "seconds": int(secs or 0), "why": why or None})
-done = {p["part"] for p in parts}
-json.dump({"schema": "fastdet.bench/1", "kind": "gpu_check", "stem": stem, "budget_s": int(budget),
-           "elapsed_s": int(elapsed), "parts": parts,
-           "not_reached": [p for p in wanted.split(",") if p and p not in done]}, open(out, "w"), indent=1)
-EOF
-    if [[ -n "$PACK_TO" ]]; then
-        tar czf "$PACK_TO/gpu_check.tgz.tmp" -C "$OUT_DIR" . 2>/dev/null \
-            && mv "$PACK_TO/gpu_check.tgz.tmp" "$PACK_TO/gpu_check.tgz"
-        cp "$OUT_DIR/summary.txt" "$PACK_TO/summary.txt" 2>/dev/null
-        cp "$OUT_DIR/${STEM:-unknown}_gpu-check.json" "$PACK_TO/gpu-check.json" 2>/dev/null
-    fi
-    return 0
-}
-
-# skip NAME WHY: record a part that does not run, and why.
-skip() {
-    wanted "$1" || return 0
-    note "$1: skipped: $2"
-    printf '%s\tskipped\t\t0\t%s\n' "$1" "$2" >> "$STATUS"
-    record
-}
-
-# part NAME TIMEOUT_S CMD...: run CMD with min(TIMEOUT_S, what is left of the budget).
-part() {
-    local name=$1 limit=$2
-    shift 2
-    if ! wanted "$name"; then
-        return 0
-    fi
-    local left=$(( BUDGET - $(elapsed) - 5 ))
-    (( left < limit )) && limit=$left
-    if (( limit < 20 )); then
-        skip "$name" "the budget of ${BUDGET}s is spent"
-        return 0
-    fi
-    note "$name: start (limit ${limit}s): $*"
-    local t0 rc status why=
-    t0=$(date +%s)
-    timeout -k 10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
-    rc=$?
-    status=ok
-    (( rc == 124 || rc == 137 )) && status=timeout && why="cut at its limit of ${limit}s"
-    (( rc != 0 && rc != 124 && rc != 137 )) && status=failed
-    note "$name: $status (exit $rc, $(( $(date +%s) - t0 ))s); log $name.log"
-    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" "$why" >> "$STATUS"
-    tail -n 25 "$OUT_DIR/$name.log" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
-    record
-    return 0
-}
-
-note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, parts $PARTS"
+note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, mode $MODE, device $DEVICE, parts $PARTS"
 
 # --- env: what this machine is; the stem of every result file.
 if wanted env; then
     { nvidia-smi || echo "nvidia-smi failed"; } > "$OUT_DIR/nvidia-smi.txt" 2>&1
 fi
+T_ENV=$(date +%s)
 STEM=$("$PY" - "$OUT_DIR/env.json" <<'EOF' 2>"$OUT_DIR/env.err"
 import sys, torch
 sys.path.insert(0, ".")
@@ -199,8 +208,8 @@ print(result_stem(env, "x")[:-2])
 EOF
 )
 [[ -z "$STEM" ]] && STEM="$(date -u +%Y-%m-%d)_unknown"
+[[ $MODE == rehearse ]] && STEM="${STEM}_rehearsal"
 note "result stem: $STEM"
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT_DIR/summary.txt"
 HAVE_DALI=0 HAVE_COCO=0
 for mod in nvidia.dali pycocotools triton pytest_timeout; do
     if "$PY" -c "import $mod" > /dev/null 2>&1; then
@@ -211,13 +220,20 @@ for mod in nvidia.dali pycocotools triton pytest_timeout; do
         note "$mod: NOT installed here (the parts that need it skip or fall back, with a note)"
     fi
 done
+LOADER=torch
+(( HAVE_DALI )) && [[ $DEVICE == cuda ]] && LOADER=dali
+if wanted env; then
+    status_line env ok 0 "$(( $(date +%s) - T_ENV ))" "" "$(limit env)" main
+    record
+fi
 
 # --- install: make fastdet (with its package data) importable.
 if wanted install; then
     if (cd /tmp && "$PY" -c "import fastdet._csrc, fastdet.ops" > /dev/null 2>&1); then
         note "install: fastdet already importable"
+        status_line install ok 0 0 "already importable" "$(limit install)" main
     else
-        part install 120 "$PY" -m pip install --no-deps --no-index --no-build-isolation -q -e "$REPO"
+        part install "$PY" -m pip install --no-deps --no-index --no-build-isolation -q -e "$REPO"
         if ! (cd /tmp && "$PY" -c "import fastdet._csrc" > /dev/null 2>&1); then
             # No install possible: lay the tree out as installed (fastdet._csrc = csrc/,
             # fastdet.pipelines = pipelines/, as pyproject maps them) for this run only.
@@ -234,76 +250,158 @@ if wanted install; then
     fi
 fi
 
-# The data set of data_e2e, generated on the CPU while the GPU parts run.
-PREP_PID=
-if wanted data_e2e; then
-    "$PY" bench/throughput.py --prepare-data --device cpu --demo-images "$DEMO_IMAGES" \
-        > "$OUT_DIR/prepare_data.log" 2>&1 &
-    PREP_PID=$!
+if [[ $DEVICE == cpu ]]; then
+    # The rehearsal times the script, not a build: the extension is the CPU one of this tree.
+    part build "$PY" -c "from fastdet.ops import dispatch; print(dispatch.__name__)"
+else
+    part build "$PY" -m fastdet.ops.build
 fi
 
-part build 150 "$PY" -m fastdet.ops.build
-
-# The GPU tests, one pytest run and one JUnit file per part (a part cut short keeps the
-# XML of the parts before it, and its verbose log has each finished test's result), each
-# test under its own timeout. Kernel tests first, by file name; the whole-model inductor
-# test last, after `step` has compiled the same graph into inductor's cache.
-PYTEST=("$PY" -m pytest -m gpu -v -p no:cacheprovider -o addopts="" -ra)
-if "$PY" -c "import pytest_timeout" > /dev/null 2>&1; then
-    PYTEST+=(--timeout "${GPU_CHECK_TEST_TIMEOUT_S:-120}")
+# --- precompile (side lane): every graph the timed parts and the trainer runs use, each in
+# its own process, several at a time, each job cut at the part's deadline.
+CPUS=$(nproc)
+GPU_MB=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 20 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+if [[ $DEVICE == cpu ]]; then
+    JOBS_AT_ONCE=2
+elif (( GPU_MB < 100000 )); then
+    JOBS_AT_ONCE=5  # an H100's 80 GB: five batch-64 steps at once
 else
-    note "pytest-timeout is not installed: no per-test timeouts, only the part's"
+    JOBS_AT_ONCE=9
+fi
+PRE_PID=
+if wanted precompile; then
+    PRE_LIM=$(allowed precompile)
+    if [[ -z "$PRE_LIM" ]]; then
+        skip precompile "the budget of ${BUDGET}s is spent"
+    else
+        mkdir -p "$OUT_DIR/precompile"
+        JOBFILE="$OUT_DIR/precompile/jobs.tsv"
+        : > "$JOBFILE"
+        # Bench graphs first (PP-YOLOE's batch 64 feeds two timed parts and the profile),
+        # then the trainer runs', then batch 128 (the slowest, 144 s on the H200).
+        # Only the graphs of the parts this run has (profile's is step_ppyoloe's).
+        for p in step_ppyoloe step_yolox step_ppyolo step_fcos; do
+            if wanted "$p" || { [[ $p == step_ppyoloe ]] && wanted profile; }; then
+                printf '%s\t%s\n' "$p" "$PY ${STEP_CMD[$p]} --precompile --json $OUT_DIR/precompile/$p.json" >> "$JOBFILE"
+            fi
+        done
+        if wanted train; then
+            for fam in "${FAMILIES[@]}"; do
+                printf '%s\t%s\n' "train_${fam%%:*}" \
+                    "$PY -m fastdet.compile $(train_flags "${fam%%:*}" "${fam#*:}") --output-dir $OUT_DIR/train/${fam%%:*}" >> "$JOBFILE"
+            done
+        fi
+        if wanted step_b128; then
+            printf '%s\t%s\n' step_b128 "$PY ${STEP_CMD[step_b128]} --precompile --json $OUT_DIR/precompile/step_b128.json" >> "$JOBFILE"
+        fi
+        DEADLINE=$(( $(date +%s) + PRE_LIM ))
+        THREADS=$(( CPUS / JOBS_AT_ONCE )); (( THREADS < 1 )) && THREADS=1
+        note "precompile: start (limit ${PRE_LIM}s, side lane): $(wc -l < "$JOBFILE") jobs, $JOBS_AT_ONCE at once x $THREADS compile threads"
+        T_PRE=$(date +%s)
+        (
+            # The jobs share the cores; inductor's cache key leaves compile_threads out, so
+            # the timed parts (default threads) still hit these entries.
+            export TORCHINDUCTOR_COMPILE_THREADS=$THREADS
+            cut -f1 "$JOBFILE" | xargs -P "$JOBS_AT_ONCE" -I{} bash -c '
+                cmd=$(awk -F"\t" -v j="$1" "\$1 == j { print \$2 }" "$2")
+                left=$(( $3 - $(date +%s) ))
+                (( left < 5 )) && { echo "$1 not started: deadline" >> "$4/precompile/done.tsv"; exit 0; }
+                t0=$(date +%s)
+                timeout -k 5 "$left" $cmd > "$4/precompile/$1.log" 2>&1
+                printf "%s\t%s\t%s\n" "$1" "$?" "$(( $(date +%s) - t0 ))" >> "$4/precompile/done.tsv"
+            ' _ {} "$JOBFILE" "$DEADLINE" "$OUT_DIR"
+        ) > "$OUT_DIR/precompile.log" 2>&1 &
+        PRE_PID=$!
+    fi
+fi
+
+# --- the GPU tests, one pytest run and one JUnit file per part, each test under its own
+# timeout; they run while precompile compiles.
+PYTEST=("$PY" -m pytest "${PYTEST_SELECT[@]}" -p no:cacheprovider -o addopts="" -ra)
+if [[ $DEVICE == cuda ]] && "$PY" -c "import pytest_timeout" > /dev/null 2>&1; then
+    PYTEST+=(--timeout "${GPU_CHECK_TEST_TIMEOUT_S:-60}")
 fi
 KERNEL_TESTS=(tests/test_ops_gpu.py tests/test_simota_kernels.py tests/test_fcos_assign.py
               tests/test_ops_yolo_targets.py tests/test_ops_ema.py)
 INDUCTOR_TEST=test_compiled_graph_step_at_benchmark_size_trains_like_eager
-part tests_kernels 120 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_kernels.xml" "${KERNEL_TESTS[@]}"
-part tests_capture 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_capture.xml" \
+part tests_kernels "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_kernels.xml" "${KERNEL_TESTS[@]}"
+part tests_capture "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_capture.xml" \
     tests/test_gpu_capture.py tests/test_gpu_step.py -k "not $INDUCTOR_TEST"
-part tests_triton 120 env FASTDET_OPS_BACKEND=triton "${PYTEST[@]}" \
-    --junitxml="$OUT_DIR/pytest_tests_triton.xml" tests/test_gpu_capture.py tests/test_gpu_step.py \
-    -k "not $INDUCTOR_TEST"
 
-# The trainer as a user runs it: one size, one loss variant (ATSS all along: the switch to
-# the task-aligned assigner lies beyond the run), so warm-up compiles and captures one
-# inductor graph; the demo set has 48 steps per epoch at batch 8.
-SMOKE=(--arch ppyoloe --size s --data demo --device "$DEVICE" --epochs 1 --max-steps 30
-       --log-interval 10 --set data.train_sizes=256 --set family.static_assigner_epoch=100
-       --set run.progress=false)
-if (( HAVE_DALI )); then
-    SMOKE+=(--loader dali)
-else
-    note "smoke: DALI is not installed, the smoke runs use the torch loader"
-    SMOKE+=(--loader torch)
-fi
-SMOKE_GPU=()
-[[ "$DEVICE" == cuda ]] && SMOKE_GPU=(--cuda-graphs --sync-debug)
-[[ "$DEVICE" == cpu ]] && SMOKE+=(--max-steps 2)  # a rehearsal of the script, not a check
-if (( HAVE_COCO )); then
-    part smoke 200 "$PY" -m fastdet.train "${SMOKE[@]}" "${SMOKE_GPU[@]}" --compile --channels-last \
-        --set model.freeze_bn=true --output-dir "$OUT_DIR/smoke"
-    part smoke_ddp 90 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastdet.train \
-        "${SMOKE[@]}" "${SMOKE_GPU[@]}" --output-dir "$OUT_DIR/smoke_ddp"
-else
-    for p in smoke smoke_ddp; do
-        skip "$p" "pycocotools is not installed: the trainer's final COCO evaluation needs it (carry its wheel: see the header)"
+# --- train: each family's trainer run, in parallel (a check that the trainer really takes
+# compiled, captured steps, not a timing): blocking warm-up loads the graphs precompile
+# compiled, then 40 steps and the final COCO evaluation. Checkpoints are deleted before
+# packing; the log, config and metrics.jsonl stay.
+train_all() {
+    local pids=() fam rc=0
+    # Cut at the part's limit: the trainers go too, or they would share the GPU with the timed parts.
+    trap 'kill "${pids[@]}" 2>/dev/null; wait; find "$OUT_DIR/train" -name "*.pth" -delete; exit 124' TERM
+    for fam in "${FAMILIES[@]}"; do
+        # shellcheck disable=SC2046
+        "$PY" -m fastdet.train $(train_flags "${fam%%:*}" "${fam#*:}") --output-dir "$OUT_DIR/train/${fam%%:*}" \
+            --exist-ok > "$OUT_DIR/train_${fam%%:*}.log" 2>&1 &
+        pids+=($!)
     done
+    for i in "${!pids[@]}"; do
+        if wait "${pids[$i]}"; then
+            echo "${FAMILIES[$i]}: ok"
+        else
+            rc=1
+            echo "${FAMILIES[$i]}: FAILED (train_${FAMILIES[$i]%%:*}.log)"
+        fi
+        grep -h -E "warm-up|runs compiled|captured|first step done" "$OUT_DIR/train_${FAMILIES[$i]%%:*}.log" | tail -n 4
+    done
+    find "$OUT_DIR/train" -name '*.pth' -delete
+    return $rc
+}
+if (( HAVE_COCO )); then
+    export -f train_all train_flags
+    export PY OUT_DIR DEVICE TRAIN_STEPS TRAIN_SIZE TRAIN_BATCH LOADER
+    export FAMILIES_LIST="${FAMILIES[*]}"
+    part train bash -c 'FAMILIES=($FAMILIES_LIST); TRAIN_GPU=('"${TRAIN_GPU[*]}"'); TRAIN_BACKEND=('"${TRAIN_BACKEND[*]}"'); train_all'
+else
+    skip train "pycocotools is not installed: the trainer's final COCO evaluation needs it (carry its wheel: bench/README.md)"
 fi
 
-part step 200 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes step \
-    --json "$OUT_DIR/${STEM}_throughput-step.json"
-part tests_inductor 120 "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_inductor.xml" \
-    tests/test_gpu_step.py -k "$INDUCTOR_TEST"
-part kernels 100 "$PY" bench/kernels.py "${BENCH_ARGS[@]}" --reps 20 --budget 3 \
-    --json "$OUT_DIR/${STEM}_kernels.json"
-part profile 120 "$PY" bench/profile_step.py "${BENCH_ARGS[@]}" --steps 3 --out "$OUT_DIR/profile"
-if [[ -n "$PREP_PID" ]]; then
-    wait "$PREP_PID" || note "prepare data: failed (see prepare_data.log)"
+# --- join_precompile: wait for the side lane. Every job is cut at precompile's deadline,
+# which the plan puts inside the window of the main parts up to this one (the test asserts
+# it): main parts that end early leave the graphs that time, never the budget more.
+if [[ -n "$PRE_PID" ]]; then
+    t0=$(date +%s)
+    wait "$PRE_PID" 2>/dev/null
+    pre_rc=0
+    [[ -f "$OUT_DIR/precompile/done.tsv" ]] || : > "$OUT_DIR/precompile/done.tsv"
+    while IFS=$'\t' read -r job rc secs; do
+        note "precompile: $job exit ${rc:-?} in ${secs:-?}s"
+        [[ "${rc:-1}" == 0 ]] || pre_rc=1
+    done < "$OUT_DIR/precompile/done.tsv"
+    (( $(wc -l < "$OUT_DIR/precompile/done.tsv") < $(wc -l < "$JOBFILE") )) && pre_rc=124
+    cat "$OUT_DIR"/precompile/*.log > "$OUT_DIR/precompile.log" 2>/dev/null
+    finish precompile "$pre_rc" "$T_PRE" "$PRE_LIM"
+    status_line join_precompile ok 0 "$(( $(date +%s) - t0 ))" "" "$(limit join_precompile)" main
+    record
+else
+    skip join_precompile "precompile did not run"
 fi
-part data_e2e 150 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes data,e2e --demo-images "$DEMO_IMAGES" \
-    --json "$OUT_DIR/${STEM}_throughput-data-e2e.json"
-part layout 120 "$PY" bench/throughput.py "${BENCH_ARGS[@]}" --modes layout \
-    --json "$OUT_DIR/${STEM}_throughput-layout.json"
+
+# --- the timed parts: every family's compiled + captured step at its published shape and
+# box padding, PP-YOLOE-s's other rows, batch 128; then the profile from the same cache.
+for p in "${STEP_PARTS[@]}"; do
+    # shellcheck disable=SC2086
+    part "$p" "$PY" ${STEP_CMD[$p]} --json "$OUT_DIR/${STEM}_throughput-${p#step_}.json"
+done
+# shellcheck disable=SC2086
+part profile "$PY" $PROFILE_CMD --out "$OUT_DIR/profile"
+
+# --- cold_compile: what is left of the budget, on an empty cache of its own; the timeline
+# stops itself 15 s before the part's limit, so it writes its JSON.
+COLD_S=$(allowed cold_compile)
+COLD_S=${COLD_S:-30}
+# shellcheck disable=SC2046
+part cold_compile env TORCHINDUCTOR_CACHE_DIR="$WORK_ROOT/inductor-cold-$START" "$PY" bench/compile_timeline.py \
+    --arch ppyoloe --size s "${COLD_ARGS[@]}" --phases cold \
+    --max-minutes "$(awk -v s="$(( COLD_S - 15 ))" 'BEGIN { printf "%.2f", (s > 10 ? s : 10) / 60 }')" \
+    --after-all 0 --json "$OUT_DIR/${STEM}_compile-timeline-cold.json"
 
 # --- the record of this run.
 note "done in $(elapsed)s; results in $OUT_DIR${PACK_TO:+ (packed into $PACK_TO/gpu_check.tgz)}"

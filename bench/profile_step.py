@@ -430,9 +430,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="s")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--quick", action="store_true", help="128 px, batch 2, 2 profiled steps (a CPU check)")
-    p.add_argument("--img-size", type=int, help="square input size (default 640; --quick 128)")
+    p.add_argument("--img-size", help="N or HxW (default: the recipe's published shape, as bench/throughput.py; "
+                                      "--quick 128)")
     p.add_argument("--batch-size", type=int, help="images per step (default 64; --quick 2)")
-    p.add_argument("--max-boxes", type=int, help="M of the padded ground truth (default 100; --quick 16)")
+    p.add_argument("--max-boxes", type=int,
+                   help="M of the padded ground truth (default: the recipe's data.max_boxes; --quick 16)")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--compile-backend", default="inductor")
@@ -447,11 +449,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     quick = dict(img_size=128, batch_size=2, max_boxes=16, warmup=1, iters=2, steps=2)
-    full = dict(img_size=640, batch_size=64, max_boxes=100, warmup=5, iters=10, steps=5)
+    full = dict(img_size=None, batch_size=64, max_boxes=None, warmup=5, iters=10, steps=5)
     for k, val in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, val)
-    for k in ("img_size", "batch_size", "max_boxes", "iters", "steps"):
+    for k in ("batch_size", "iters", "steps"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     if a.warmup < 0:
@@ -506,16 +508,22 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    targs = tp.parse_args(["--arch", a.arch, "--size", a.size, "--device", a.device, "--img-size", str(a.img_size),
-                           "--batch-size", str(a.batch_size), "--max-boxes", str(a.max_boxes), "--amp", a.amp,
+    # The step is built by bench/throughput.py's code from the same flags, so a graph a
+    # throughput run (or its --precompile) compiled loads from inductor's cache here.
+    targs = tp.parse_args(["--arch", a.arch, "--size", a.size, "--device", a.device,
+                           "--batch-size", str(a.batch_size), "--amp", a.amp,
                            "--compile-backend", a.compile_backend, "--seed", str(a.seed), "--modes", "step"]
+                          + (["--img-size", str(a.img_size)] if a.img_size is not None else [])
+                          + (["--max-boxes", str(a.max_boxes)] if a.max_boxes is not None else [])
                           + (["--channels-last"] if a.channels_last else []))
+    a.img_size, a.max_boxes = tp.hw_name(targs.img_size), targs.max_boxes
     bench = tp.Bench(targs)
     device = bench.device
     doc: dict[str, Any] = {
         "schema": SCHEMA, "kind": "profile", "command": " ".join(sys.argv),
         "env": env_info(device),
         "config": {"arch": a.arch, "size": a.size, "device": a.device, "img_size": a.img_size,
+                   "backend_flags": bench.backend_flags,
                    "batch_size": a.batch_size, "max_boxes": a.max_boxes, "amp": tp.amp_name(bench.amp_dtype),
                    "channels_last": a.channels_last, "compile_backend": a.compile_backend,
                    "steps": a.steps, "iters": a.iters, "warmup": a.warmup},

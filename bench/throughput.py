@@ -15,6 +15,7 @@ step   step_eager_fp32       the train step (forward + loss, backward, SGD, EMA)
        step_compile          torch.compile(fullgraph) with autocast
        step_compile_graphs   compiled and the whole step captured in CUDA graphs (CUDA only)
 layout step_eager_fp32_nhwc  step_eager_fp32 with model and images in channels-last (NHWC)
+       step_eager_amp_nhwc   step_eager_amp in channels-last
        step_compile_nhwc     step_compile in channels-last; each layout row's speedup is over
                              its NCHW twin in the same run, the figure data.channels_last
                              (the trainer's --channels-last) rests on
@@ -72,6 +73,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch
 
+from fastdet.engine.background import cache_counts, count_delta
 from bench.common import (SCHEMA, PeakMemory, dynamo_counts, env_info, format_table, fresh_dynamo,
                           one_line, release_memory, summarize, sync, time_windows, write_json)
 
@@ -93,13 +95,14 @@ STEP_VARIANTS: dict[str, StepVariant] = {
     "compile": StepVariant(compile=True, cuda_graphs=False, amp=True),
     "compile_graphs": StepVariant(compile=True, cuda_graphs=True, amp=True),
     "eager_fp32_nhwc": StepVariant(compile=False, cuda_graphs=False, amp=False, channels_last=True),
+    "eager_amp_nhwc": StepVariant(compile=False, cuda_graphs=False, amp=True, channels_last=True),
     "compile_nhwc": StepVariant(compile=True, cuda_graphs=False, amp=True, channels_last=True),
     "compile_dynamic": StepVariant(compile=True, cuda_graphs=False, amp=True, shapes="dynamic"),
 }
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "step": ("step_eager_fp32", "step_eager_amp", "step_compile", "step_compile_graphs"),
-    "layout": ("step_eager_fp32_nhwc", "step_compile_nhwc"),
+    "layout": ("step_eager_fp32_nhwc", "step_eager_amp_nhwc", "step_compile_nhwc"),
     "data": ("data_torch", "data_dali"),
     "e2e": ("e2e_seed", "e2e_torch", "e2e_dali"),
     "warmup": ("step_compile_dynamic", "warmup_cold", "warmup_warm"),
@@ -114,8 +117,9 @@ BASELINE_OF = {m: GROUP_BASELINES[g] if g in GROUP_BASELINES else m.removesuffix
 BASELINE_OF.update(step_compile_dynamic="step_compile", warmup_cold=None, warmup_warm=None)
 
 # Production defaults (the issue's targets are stated for these, on one H200) and the
-# small --quick configuration for a CPU.
-FULL = dict(img_size=640, batch_size=64, max_boxes=100, windows=5, iters=10, warmup=5, workers=16,
+# small --quick configuration for a CPU. Without --quick, --img-size and --max-boxes
+# default to the recipe's own (recipe_shape): its published input and box padding.
+FULL = dict(img_size=None, batch_size=64, max_boxes=None, windows=5, iters=10, warmup=5, workers=16,
             demo_images=400)
 QUICK = dict(img_size=128, batch_size=2, max_boxes=16, windows=3, iters=2, warmup=1, workers=2,
              demo_images=400)
@@ -136,9 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-classes", type=int, default=80,
                    help="classes of the model in every mode (default 80, COCO); the dataset's "
                         "labels must be below it")
-    p.add_argument("--img-size", type=int, help="square input size (default 640; --quick 128)")
+    p.add_argument("--img-size", type=parse_hw, metavar="N|HxW",
+                   help="input size: N (square) or HxW, e.g. 800x1344 (default: the recipe's published "
+                        "shape, e.g. 640, FCOS 800x1344; --quick 128)")
     p.add_argument("--batch-size", type=int, help="images per step (default 64; --quick 2)")
-    p.add_argument("--max-boxes", type=int, help="M of the padded ground truth (default 100; --quick 16)")
+    p.add_argument("--max-boxes", type=int,
+                   help="M of the padded ground truth (default: the recipe's data.max_boxes; --quick 16)")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
                    help="autocast dtype of the AMP and compiled modes (default auto, as the "
                         "trainer: bf16 on a GPU that supports it, fp32 on the CPU)")
@@ -168,6 +175,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--recipe-sizes", action="store_true",
                    help="warmup modes: the recipe's multi-scale size buckets (default: --img-size only)")
+    p.add_argument("--precompile", action="store_true",
+                   help="only compile the graphs of the compiled modes among --modes into inductor's "
+                        "cache, by the same code the timed modes use, and exit (bench/gpu_check.sh runs "
+                        "these in parallel, so its timed parts load every graph)")
     p.add_argument("--prepare-data", action="store_true",
                    help="only generate the demo set the data and e2e modes read (--demo-images), "
                         "print where it is and exit (bench/gpu_check.sh does this in the background)")
@@ -176,14 +187,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    for k in ("img_size", "batch_size", "max_boxes", "windows", "iters", "workers", "demo_images",
-              "num_classes"):
+    if args.img_size is None or args.max_boxes is None:
+        try:
+            hw, boxes = recipe_shape(args.arch, args.size)
+        except Exception as e:  # noqa: BLE001 - an unknown --arch / --size, said plainly
+            p.error(str(e))
+        args.img_size = args.img_size or hw
+        args.max_boxes = args.max_boxes or boxes
+    if isinstance(args.img_size, int):
+        args.img_size = (args.img_size, args.img_size)
+    for k in ("batch_size", "max_boxes", "windows", "iters", "workers", "demo_images", "num_classes"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
-    if args.img_size % 32:
-        p.error(f"--img-size must be a multiple of 32 (the largest stride), got {args.img_size}")
+    if any(x < 1 or x % 32 for x in args.img_size):
+        p.error(f"--img-size must be a multiple of 32 (the largest stride), got {hw_name(args.img_size)}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -198,6 +217,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             args.e2e_step = "eager_fp32" if args.amp in ("off", "auto") else "eager_amp"
     return args
+
+
+def parse_hw(text: str) -> tuple[int, int]:
+    """``640`` -> (640, 640); ``800x1344`` -> (800, 1344): height x width."""
+    parts = text.lower().split("x")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        h, w = (int(parts[0]), int(parts[-1]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or HxW, e.g. 640 or 800x1344, got {text!r}") from None
+    return h, w
+
+
+def hw_name(hw: tuple[int, int]) -> str:
+    return str(hw[0]) if hw[0] == hw[1] else f"{hw[0]}x{hw[1]}"
+
+
+def recipe_shape(arch: str, size: str) -> tuple[tuple[int, int], int]:
+    """The recipe's published training input (H, W) and its box padding (data.max_boxes):
+    its first size bucket at ``data.img_size`` (a square, or for keep-ratio resizing its
+    landscape canvas, FCOS's 800x1344) and the M its loader pads the ground truth to."""
+    from fastdet.config import apply_overrides
+    from fastdet.engine.background import bucket_sizes
+    from fastdet.recipes import get_preset
+
+    cfg = get_preset(arch, size)
+    one = apply_overrides(cfg, {"data.train_sizes": (cfg.data.img_size,), "data.multiscale": False})
+    return bucket_sizes(one)[0], cfg.data.max_boxes
 
 
 def parse_modes(spec: str) -> list[str]:
@@ -228,7 +276,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace):
         from fastdet.config import apply_overrides
-        from fastdet.engine.step import resolve_amp
+        from fastdet.engine.step import backend_flags, resolve_amp
         from fastdet.recipes import get_preset
 
         self.args = args
@@ -237,11 +285,13 @@ class Bench:
         cfg = get_preset(args.arch, args.size)
         if args.cache_dir is not None:
             cfg = apply_overrides(cfg, {"data.cache_dir": args.cache_dir})
+        # The data and e2e modes' loader works at the short side (keep-ratio families make
+        # their canvases from it); the step modes at --img-size's H x W.
         self.cfg = apply_overrides(cfg, {
             "model.num_classes": args.num_classes,
             "data.data": args.data,
-            "data.img_size": args.img_size,
-            "data.train_sizes": (args.img_size,),
+            "data.img_size": min(args.img_size),
+            "data.train_sizes": (min(args.img_size),),
             "data.multiscale": False,
             "data.batch_size": args.batch_size,
             "data.max_boxes": args.max_boxes,
@@ -253,6 +303,8 @@ class Bench:
         self.dataset = None
         self.rows: list[dict[str, Any]] = []
         self.env: dict[str, Any] = {}
+        # cuDNN benchmark and TF32 as the trainer sets them (before env_info records them).
+        self.backend_flags = backend_flags(self.device, self.cfg.compile.tf32)
 
     # ------------------------------------------------------------------ pieces
     def variant_dtype(self, v: StepVariant) -> torch.dtype | None:
@@ -303,11 +355,13 @@ class Bench:
         schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
         return model, step, schedule, recipes.phase(cfg, self.args.epoch).loss_kwargs
 
-    def warm_step(self, step, kw: dict[str, Any], v: StepVariant) -> float:
-        """Compile / capture the one size bucket (TrainStep.warmup); seconds taken."""
+    def warm_step(self, step, kw: dict[str, Any], v: StepVariant,
+                  sizes: list[tuple[int, int]] | None = None) -> float:
+        """Compile / capture the size buckets (TrainStep.warmup; default the one --img-size);
+        seconds taken."""
         a = self.args
         t0 = time.perf_counter()
-        step.warmup([(a.img_size, a.img_size)], a.batch_size, a.max_boxes, [kw],
+        step.warmup(sizes or [a.img_size], a.batch_size, a.max_boxes, [kw],
                     channels_last=v.channels_last)
         sync(self.device)
         return time.perf_counter() - t0
@@ -318,7 +372,7 @@ class Bench:
 
         a = self.args
         gen = torch.Generator().manual_seed(a.seed + 1)
-        return [synthetic_batch(a.batch_size, a.img_size, a.img_size, a.max_boxes, self.device, gen,
+        return [synthetic_batch(a.batch_size, *a.img_size, a.max_boxes, self.device, gen,
                                 v.channels_last) for _ in range(n)]
 
     def data_paths(self):
@@ -379,7 +433,10 @@ class Bench:
             c0 = dynamo_counts()
             model, step, schedule, kw = self.build_step(v)
             batches = self.synthetic(v)
+            cache0 = cache_counts()
             compile_s = self.warm_step(step, kw, v)
+            # Whether the graph came from inductor's cache (a --precompile run's) or was compiled.
+            row["inductor_cache"] = count_delta(cache0, cache_counts()) if v.compile else None
             k = 0
 
             def run(n: int) -> int:
@@ -430,6 +487,7 @@ class Bench:
     def run_e2e_mode(self, name: str) -> dict[str, Any]:
         from fastdet.data.loader import build_train_loader
         from fastdet import recipes
+        from fastdet.engine.background import bucket_sizes
 
         backend, vname = {"e2e_seed": ("torch", "eager_fp32"), "e2e_torch": ("torch", self.args.e2e_step),
                           "e2e_dali": ("dali", self.args.e2e_step)}[name]
@@ -451,8 +509,11 @@ class Bench:
             c0 = dynamo_counts()
             model, step, schedule, kw = self.build_step(v)
             t0 = time.perf_counter()
-            compile_s = self.warm_step(step, kw, v) if (v.compile or v.cuda_graphs) else 0.0
             lcfg = self.loader_cfg(backend, v)
+            # Every canvas the loader yields (FCOS's keep-ratio: landscape, portrait, square):
+            # a captured step refuses a bucket it was not warmed up for.
+            compile_s = (self.warm_step(step, kw, v, bucket_sizes(lcfg)) if (v.compile or v.cuda_graphs)
+                         else 0.0)
             loader = build_train_loader(lcfg.data, ds, stages_for_epoch=lambda e: recipes.phase(lcfg, e).stages, rank=0,
                                         world_size=1, device=self.device, seed=a.seed)
             stream = EpochStream(loader)
@@ -543,7 +604,7 @@ class Bench:
                  "--set", f"compile.backend={a.compile_backend}", "--set", f"compile.cache_dir={cache}",
                  "--set", "run.eval_interval=1000000", "--set", "run.tensorboard=false"]
         if not a.recipe_sizes:
-            flags += ["--img-size", str(a.img_size), "--no-multiscale"]
+            flags += ["--img-size", str(min(a.img_size)), "--no-multiscale"]
         if a.channels_last:
             flags.append("--channels-last")
         return flags
@@ -593,6 +654,51 @@ class Bench:
         shutil.rmtree(root / "run", ignore_errors=True)
         return row
 
+    def precompile(self) -> list[dict[str, Any]]:
+        """--precompile: each distinct compiled step among --modes, built and warmed up by
+        the code its timed mode runs (so inductor's cache key is the same), without CUDA
+        graphs (the capture replays the same inductor graph) and without timing."""
+        from fastdet.engine.background import bucket_sizes
+
+        todo: dict[tuple, tuple[StepVariant, list[tuple[int, int]] | None]] = {}
+        for name in self.args.modes:
+            group = GROUP_OF[name]
+            if group in ("step", "layout"):
+                v, sizes = self.variant(name.removeprefix("step_")), None
+            elif group == "e2e" and name != "e2e_seed":
+                v = self.variant(self.args.e2e_step)
+                sizes = bucket_sizes(self.loader_cfg("torch", v))
+            else:
+                continue
+            if v.compile and self.skip_reason(replace(v, cuda_graphs=False)) is None:
+                v = replace(v, cuda_graphs=False)
+                todo.setdefault((v, tuple(sizes or [self.args.img_size])), (v, sizes))
+        rows = []
+        for v, sizes in todo.values():
+            t0 = time.perf_counter()
+            row: dict[str, Any] = {"mode": "precompile", "dtype": amp_name(self.variant_dtype(v)),
+                                   "channels_last": v.channels_last, "shapes": v.shapes,
+                                   "sizes": [list(hw) for hw in (sizes or [self.args.img_size])]}
+            try:
+                with fresh_dynamo():
+                    model, step, _, kw = self.build_step(v)
+                    c0 = cache_counts()
+                    row["compile_s"] = self.warm_step(step, kw, v, sizes)
+                    row["inductor_cache"] = count_delta(c0, cache_counts())
+                    del model, step
+                row["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - the timed mode then compiles it itself
+                traceback.print_exc(file=sys.stderr)
+                row.update(status="failed", reason=one_line(e))
+            finally:
+                release_memory(self.device)
+            row["wall_s"] = time.perf_counter() - t0
+            print(f"[precompile] {row['dtype']}{' nhwc' if v.channels_last else ''} {row['sizes']}: "
+                  f"{row['status']} in {row['wall_s']:.1f} s {row.get('inductor_cache') or row.get('reason')}",
+                  flush=True)
+            rows.append(row)
+        return rows
+
     def run_mode(self, name: str) -> dict[str, Any]:
         runner: Callable[[str], dict[str, Any]] = {
             "step": self.run_step_mode, "layout": self.run_step_mode, "data": self.run_data_mode,
@@ -627,7 +733,8 @@ class Bench:
             "command": " ".join(sys.argv),
             "env": self.env,
             "config": {
-                "arch": a.arch, "size": a.size, "num_classes": a.num_classes, "img_size": a.img_size,
+                "arch": a.arch, "size": a.size, "num_classes": a.num_classes, "img_size": min(a.img_size),
+                "hw": list(a.img_size), "backend_flags": self.backend_flags,
                 "batch_size": a.batch_size, "max_boxes": a.max_boxes, "amp": amp_name(self.amp_dtype),
                 "channels_last": a.channels_last, "compile_backend": a.compile_backend,
                 "e2e_step": a.e2e_step, "loss_kwargs_epoch": a.epoch, "warmup_iters": a.warmup,
@@ -686,7 +793,7 @@ def targets(rows: list[dict[str, Any]], bench: Bench) -> list[dict[str, Any]]:
 
     gpu = bench.env.get("gpu") or {}
     applies = (bench.device.type == "cuda" and "H200" in str(gpu.get("name")) and a.arch == "ppyoloe"
-               and a.size == "s" and a.img_size == 640 and a.batch_size == 64
+               and a.size == "s" and a.img_size == (640, 640) and a.batch_size == 64
                and bench.amp_dtype == torch.bfloat16 and a.compile_backend == "inductor")
     def spread(*modes: str) -> float | None:
         return sum(r[m]["spread_pct"] for m in modes) if all(m in r for m in modes) else None
@@ -809,9 +916,15 @@ def main(argv: list[str] | None = None) -> int:
         print(bench.data_paths().train_ann.parent.parent)
         return 0
     bench.env = env_info(bench.device)
+    if args.precompile:
+        rows = bench.precompile()
+        if args.json:
+            write_json(args.json, {**bench.document(), "kind": "precompile", "results": rows, "targets": []})
+        return 1 if any(r["status"] != "ok" for r in rows) else 0
     bench.load_start = machine_load()
     print(env_line(bench.env), flush=True)
-    print(f"{args.arch}-{args.size}, {args.img_size} px, batch {args.batch_size}, amp "
+    print(f"{args.arch}-{args.size}, {hw_name(args.img_size)} px, batch {args.batch_size}, "
+          f"{args.max_boxes} boxes, amp "
           f"{amp_name(bench.amp_dtype)}, {args.windows} windows x {args.iters} iterations after "
           f"{args.warmup} warm-up; modes: {', '.join(args.modes)}", flush=True)
     for name in args.modes:
@@ -840,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     if measured and not measured[0]["applies"]:
         print("targets not checked: they are stated for one H200 at ppyoloe-s/640/bf16/batch 64/inductor, "
               f"and this run is {env_line(bench.env).split(' | ')[0]} at {args.arch}-{args.size}/"
-              f"{args.img_size}/{amp_name(bench.amp_dtype)}/batch {args.batch_size}")
+              f"{hw_name(args.img_size)}/{amp_name(bench.amp_dtype)}/batch {args.batch_size}")
     elif measured:
         print("targets:")
         for t in measured:

@@ -56,7 +56,7 @@ def test_every_mode_ran_with_consistent_figures(quick_run):
 
     skipped = {m: r["reason"] for m, r in rows.items() if r["status"] == "skipped"}
     # --amp auto is fp32 on the CPU: eager AMP and e2e_torch would repeat other rows.
-    expected_skips = {"step_eager_amp", "step_compile_graphs", "e2e_torch"}
+    expected_skips = {"step_eager_amp", "step_eager_amp_nhwc", "step_compile_graphs", "e2e_torch"}
     if not HAS_DALI:
         expected_skips |= {"data_dali", "e2e_dali"}
     assert set(skipped) == expected_skips, skipped
@@ -113,6 +113,8 @@ def test_environment_and_config_block(quick_run):
     assert env["env_vars"]["FASTDET_OPS_BACKEND"] == "torch"
     cfg = doc["config"]
     assert (cfg["arch"], cfg["size"], cfg["img_size"], cfg["batch_size"]) == ("ppyoloe", "s", 64, 2)
+    assert cfg["hw"] == [64, 64] and cfg["max_boxes"] == 16
+    assert cfg["backend_flags"]["set_for"] == "cpu"
     assert cfg["amp"] == "fp32" and cfg["compile_backend"] == "eager" and cfg["quick"] is True
     assert cfg["dataset"]["images"] > 0
     # Targets are evaluated but marked as not applying to a CPU run.
@@ -227,3 +229,76 @@ def test_dali_check_summary_takes_medians_and_ratios():
     assert s["dali"]["images_per_s"] == 27.0 and s["dali"]["repeats"] == [30.0, 24.0, 27.0]
     assert s["torch"]["images_per_s"] == 11.0 and s["dali@before"]["peak_host_pss_mb"] == 790
     assert s["ratios"] == pytest.approx({"dali_over_torch": 27 / 11, "dali_over_dali@before": 27 / 18})
+
+def test_each_family_is_benched_at_its_published_shape_and_box_padding():
+    """Without --quick, --img-size and --max-boxes are the recipe's: FCOS's keep-ratio
+    canvas 800x1344 (not a square), YOLOX's 120 boxes, PP-YOLO's 608 px and 50 boxes."""
+    def shape(*argv):
+        a = throughput.parse_args(["--device", "cpu", *argv])
+        return a.img_size, a.max_boxes
+
+    assert shape() == ((640, 640), 100)
+    assert shape("--arch", "yolox", "--size", "s") == ((640, 640), 120)
+    assert shape("--arch", "ppyolo", "--size", "r50vd_dcn") == ((608, 608), 50)
+    assert shape("--arch", "fcos", "--size", "r50") == ((800, 1344), 100)
+    assert shape("--arch", "fcos", "--size", "r50", "--img-size", "1344x800", "--max-boxes", "7") == ((1344, 800), 7)
+    assert shape("--quick") == ((128, 128), 16)
+    for bad in ("64x100", "8x8x8", "wide"):
+        with pytest.raises(SystemExit):
+            throughput.parse_args(["--device", "cpu", "--img-size", bad])
+
+
+def test_a_non_square_step_runs_at_its_height_and_width(tmp_path):
+    b = throughput.Bench(throughput.parse_args(
+        ["--device", "cpu", "--quick", "--img-size", "64x96", "--windows", "1", "--iters", "1", "--warmup", "0",
+         "--modes", "step_eager_fp32", "--cache-dir", str(tmp_path)]))
+    v = b.variant("eager_fp32")
+    assert b.synthetic(v, n=1)[0]["images"].shape == (2, 3, 64, 96)
+    row = b.run_mode("step_eager_fp32")
+    assert row["status"] == "ok" and row["images_per_s"] > 0, row
+
+
+def test_benchmarks_set_cudnn_and_tf32_as_the_trainer_does(monkeypatch):
+    """One function sets the flags for the trainer, its compile workers and the benchmarks
+    (so "eager fp32" is the trainer's fp32), and the benchmark records them."""
+    import fastdet.engine.step as step_mod
+    from fastdet.engine import background, trainer
+
+    calls = []
+    real = step_mod.backend_flags
+    monkeypatch.setattr(step_mod, "backend_flags", lambda d, tf32: calls.append((d.type, tf32)) or real(d, tf32))
+    b = throughput.Bench(throughput.parse_args(["--device", "cpu", "--quick"]))
+    assert calls == [("cpu", False)] and b.backend_flags == real(torch.device("cpu"), False)
+    assert b.document()["config"]["backend_flags"] == b.backend_flags
+    assert trainer.backend_flags is real and "backend_flags(dev, cfg.compile.tf32)" in \
+        Path(background.__file__).read_text()
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+    try:
+        for tf32 in (False, True):
+            flags = real(torch.device("cuda"), tf32)  # setting the flags needs no GPU
+            assert flags == {"set_for": "cuda", "cudnn_benchmark": True, "tf32_cudnn": tf32, "tf32_matmul": tf32}
+            assert (cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32) == (True, tf32, tf32)
+    finally:
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+@pytest.mark.slow
+def test_precompile_fills_the_cache_that_the_timed_mode_then_loads(tmp_path):
+    """bench/gpu_check.sh compiles the timed parts' graphs first, in parallel processes
+    (--precompile): the timed mode must then hit inductor's cache, not compile again."""
+    env = {**os.environ, "FASTDET_OPS_BACKEND": "torch", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cmd = [sys.executable, str(REPO / "bench" / "throughput.py"), "--quick", "--device", "cpu", "--img-size", "64",
+           "--windows", "1", "--iters", "1", "--warmup", "0", "--modes", "step_compile",
+           "--cache-dir", str(tmp_path / "cache")]
+    docs = []
+    for extra, name in ((["--precompile"], "pre.json"), ([], "timed.json")):
+        r = subprocess.run([*cmd, *extra, "--json", str(tmp_path / name)], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=3600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        docs.append(json.loads((tmp_path / name).read_text()))
+    (pre,), (timed,) = docs[0]["results"], docs[1]["results"]
+    assert pre["status"] == "ok" and pre["inductor_cache"]["fx_miss"] > 0
+    assert timed["mode"] == "step_compile" and timed["status"] == "ok"
+    assert timed["inductor_cache"]["fx_miss"] == 0 and timed["inductor_cache"]["fx_hit"] > 0, timed["inductor_cache"]

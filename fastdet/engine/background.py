@@ -230,7 +230,7 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     ``ready_dir/<bucket.file_id>.json`` when given. ``report(record)`` is called after each."""
     from fastdet import recipes
     from fastdet.engine.optim import build_optimizer_and_ema
-    from fastdet.engine.step import TrainStep, resolve_amp
+    from fastdet.engine.step import TrainStep, backend_flags, resolve_amp
     from fastdet.engine.trainer import freeze_bn_stats
 
     if nice:
@@ -243,6 +243,10 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    # The trainer's cuDNN / TF32 flags: inductor's cache key holds the matmul precision, so
+    # a worker compiling with torch's defaults under compile.tf32=true fills entries the
+    # trainer never hits.
+    backend_flags(dev, cfg.compile.tf32)
     wrap = None
     if ddp:
         import torch.distributed as dist

@@ -37,7 +37,7 @@ from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.rundir import free_run_dir
-from fastdet.engine.step import TrainStep, resolve_amp
+from fastdet.engine.step import TrainStep, backend_flags, resolve_amp
 from fastdet.engine.summary import summarize_model, write_summary
 from fastdet.engine.sync_bn import convert_sync_batchnorm
 from fastdet.models.recipe import pretrained_backbone_note
@@ -95,12 +95,7 @@ class Trainer:
                                           timeout_minutes=cfg.run.dist_timeout_minutes)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
-            # The input sizes are a fixed set of buckets, so cuDNN's per-shape autotuning
-            # pays off; it runs at each bucket's first (warm-up) step. TF32 only on request:
-            # it changes results (10-bit mantissa in convolutions and matmuls).
-            torch.backends.cudnn.benchmark = True
-            torch.backends.cudnn.allow_tf32 = cfg.compile.tf32
-            torch.backends.cuda.matmul.allow_tf32 = cfg.compile.tf32
+            backend_flags(self.device, cfg.compile.tf32)
         asked = output_dir(cfg)
         # Rank 0 chooses (another rank could see the directory rank 0 just made as taken).
         self.out = dist.broadcast_object(

@@ -1,0 +1,122 @@
+# The machinery of bench/gpu_check.sh and bench/gpu_check_dali.sh (sourced by both): each
+# part's limit from the plan table in the sourcing script's header, the budget, the record
+# (<stem>_<KIND>.json) and the archive ($OUT/<KIND>.tgz, at most ARCHIVE_MB MiB), rewritten
+# after every part so a call cut short keeps what finished.
+#
+# The sourcing script sets: SELF (its own path, holding the plan), KIND, MODE (run, rehearse),
+# SCALE, BUDGET (already scaled), START, OUT_DIR, STATUS, PACK_TO (empty: no packing),
+# ARCHIVE_MB, PARTS, PY; STEM once known.
+
+# limit NAME / lane NAME: the part's row of the plan.
+plan_field() { awk -F'|' -v p="$1" -v f="$2" '/^#\| / { gsub(/ /, "", $2); if ($2 == p) { gsub(/ /, "", $(f)); print $(f); exit } }' "$SELF"; }
+limit() { echo $(( $(plan_field "$1" 4) * SCALE )); }
+lane() { plan_field "$1" 3; }
+plan_parts() { sed -n 's/^#| \([a-z_0-9]\+\) .*/\1/p' "$SELF" | grep -v '^part$' | paste -sd, -; }
+
+elapsed() { echo $(( $(date +%s) - START )); }
+wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
+note() { echo "[gpu_check $(elapsed)s] $*" | tee -a "$OUT_DIR/summary.txt"; }
+
+# pack: the archive, without checkpoints, cut to ARCHIVE_MB: first the largest profiler
+# traces, then the largest logs, each to its first and last 200 lines.
+TRIMMED=()
+pack() {
+    [[ -n "$PACK_TO" ]] || return 0
+    local max=$(( ARCHIVE_MB * 1024 * 1024 )) size victim
+    find "$OUT_DIR" -name '*.pth' -delete
+    while :; do
+        tar czf "$PACK_TO/${KIND//-/_}.tgz.tmp" --exclude='*.pth' --exclude='.parts.tsv' -C "$OUT_DIR" . 2>/dev/null
+        size=$(stat -c %s "$PACK_TO/${KIND//-/_}.tgz.tmp")
+        (( size <= max )) && break
+        victim=$(find "$OUT_DIR" -type f \( -name 'trace_*.json' -o -name '*.log' -o -name '*.jsonl' \) -size +64k \
+                     -printf '%s\t%p\n' | sort -rn | awk -F'\t' '{print $2}' \
+                 | grep -m1 'trace_' || find "$OUT_DIR" -type f -size +64k -printf '%s\t%p\n' | sort -rn | head -1 | cut -f2)
+        [[ -z "$victim" ]] && break
+        { head -n 200 "$victim"; echo "... cut by gpu_check.sh to fit the ${ARCHIVE_MB} MiB archive ..."; tail -n 200 "$victim"; } \
+            > "$victim.cut" && mv "$victim.cut" "$victim"
+        TRIMMED+=("${victim#"$OUT_DIR"/}")
+        note "pack: archive ${size} B > ${ARCHIVE_MB} MiB: cut ${victim#"$OUT_DIR"/}"
+    done
+    mv "$PACK_TO/${KIND//-/_}.tgz.tmp" "$PACK_TO/${KIND//-/_}.tgz"
+    ARCHIVE_BYTES=$size
+}
+
+# record: (re)write <stem>_<KIND>.json (every part: ran or not, status, why, exit code,
+# seconds, limit, lane; the parts never reached; the archive), then pack.
+ARCHIVE_BYTES=0
+record() {
+    pack
+    "$PY" - "$STATUS" "$OUT_DIR/${STEM:-unknown}_${KIND}.json" "$BUDGET" "$(elapsed)" "${STEM:-unknown}" \
+        "$PARTS" "$ARCHIVE_BYTES" "$ARCHIVE_MB" "$MODE" "${TRIMMED[*]:-}" "${KIND//-/_}" <<'EOF'
+import json, sys
+status, out, budget, elapsed, stem, wanted, archive, archive_mb, mode, trimmed, kind = sys.argv[1:]
+parts = []
+for line in open(status):
+    name, st, rc, secs, why, limit, lane = (line.rstrip("\n").split("\t") + [""] * 7)[:7]
+    parts.append({"part": name, "ran": st != "skipped", "status": st, "exit": int(rc) if rc else None,
+                  "seconds": int(secs or 0), "why": why or None, "limit_s": int(limit) if limit else None,
+                  "lane": lane or None})
+done = {p["part"] for p in parts}
+json.dump({"schema": "fastdet.bench/1", "kind": kind, "mode": mode, "stem": stem, "budget_s": int(budget),
+           "elapsed_s": int(elapsed), "parts": parts,
+           "not_reached": [p for p in wanted.split(",") if p and p not in done],
+           "archive": {"bytes": int(archive), "limit_mib": int(archive_mb), "trimmed": trimmed.split()}},
+          open(out, "w"), indent=1)
+EOF
+    if [[ -n "$PACK_TO" ]]; then
+        cp "$OUT_DIR/summary.txt" "$PACK_TO/summary.txt" 2>/dev/null
+        cp "$OUT_DIR/${STEM:-unknown}_${KIND}.json" "$PACK_TO/${KIND}.json" 2>/dev/null
+    fi
+    return 0
+}
+
+status_line() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS"; }
+
+# skip NAME WHY: record a part that does not run, and why.
+skip() {
+    wanted "$1" || return 0
+    note "$1: skipped: $2"
+    status_line "$1" skipped "" 0 "$2" "$(limit "$1")" "$(lane "$1")"
+    record
+}
+
+# allowed NAME: the part's limit from the plan, cut to what is left of the budget; the last
+# part (LAST_TAKES_REST, on a real run) takes all that is left. Empty when the budget no
+# longer fits it.
+allowed() {
+    local lim left
+    lim=$(limit "$1")
+    left=$(( BUDGET - $(elapsed) - 5 ))
+    [[ $1 == "${LAST_TAKES_REST:-}" && $MODE == run ]] && (( left > lim )) && lim=$left
+    (( left < lim )) && lim=$left
+    (( lim < 10 )) && return 0
+    echo "$lim"
+}
+
+# finish NAME RC T0 LIMIT: record a part's end.
+finish() {
+    local name=$1 rc=$2 t0=$3 lim=$4 status=ok why=
+    (( rc == 124 || rc == 137 )) && status=timeout && why="cut at its limit of ${lim}s"
+    (( rc != 0 && rc != 124 && rc != 137 )) && status=failed
+    note "$name: $status (exit $rc, $(( $(date +%s) - t0 ))s); log $name.log"
+    status_line "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" "$why" "$lim" "$(lane "$name")"
+    tail -n 25 "$OUT_DIR/$name.log" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
+    record
+}
+
+# part NAME CMD...: run CMD under the part's limit (the plan's, cut to the budget left).
+part() {
+    local name=$1 lim t0 rc
+    shift
+    wanted "$name" || return 0
+    lim=$(allowed "$name")
+    if [[ -z "$lim" ]]; then
+        skip "$name" "the budget of ${BUDGET}s is spent"
+        return 0
+    fi
+    note "$name: start (limit ${lim}s): $*"
+    t0=$(date +%s)
+    timeout -k 10 "$lim" "$@" > "$OUT_DIR/$name.log" 2>&1
+    rc=$?
+    finish "$name" "$rc" "$t0" "$lim"
+}
