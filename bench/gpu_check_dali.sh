@@ -50,7 +50,7 @@ SCALE=${GPU_CHECK_LIMIT_SCALE:-1}
 PARTS=${GPU_CHECK_PARTS:-$(plan_parts)}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 [[ $MODE == rehearse ]] && DEVICE=cpu
-DALI_CHECK=${GPU_CHECK_DALI_CHECK:-bench/dali_check.py}  # branch dali writes it
+DALI_CHECK=${GPU_CHECK_DALI_CHECK:-bench/dali_check.py}
 
 if [[ $DEVICE == cpu ]]; then
     E2E_ARGS=(--device cpu --quick --img-size 64 --windows 1 --iters 1 --warmup 0 --compile-backend eager
@@ -211,7 +211,7 @@ fi
 if [[ -f $DALI_CHECK ]]; then
     part dali_check "$PY" "$DALI_CHECK" "${DALI_ARGS[@]}" --json "$OUT_DIR/${STEM}_dali-check.json"
 else
-    skip dali_check "$DALI_CHECK is not in this tree (branch dali brings it): the pipeline-alone rows and the decode check wait for it"
+    skip dali_check "$DALI_CHECK is not in this tree: the pipeline-alone rows and the decode check need it"
 fi
 if [[ $DEVICE == cuda ]] && "$PY" -c "import pytest_timeout" > /dev/null 2>&1; then
     PYTEST_SELECT+=(--timeout 60)
