@@ -140,55 +140,13 @@ if [[ $MODE == plan ]]; then
     export PLAN_STEP_CMDS PLAN_TRAIN
     PLAN_STEP_CMDS=$(for p in "${STEP_PARTS[@]}"; do printf '%s\t%s\n' "$p" "${STEP_CMD[$p]}"; done; printf 'profile\t%s\n' "$PROFILE_CMD")
     PLAN_TRAIN=$(for fam in "${FAMILIES[@]}"; do printf '%s\t%s\n' "${fam%%:*}" "$(train_flags "${fam%%:*}" "${fam#*:}")"; done)
-    "$PY" - "$SELF" "$BUDGET" <<'EOF'
-import json, os, re, sys
-rows, cur = [], None
-for line in open(sys.argv[1]):
-    if not line.startswith("#| "):
-        continue
-    cells = [c.strip() for c in line[2:].split("|")]
-    name, lane, limit, returns, est = (cells + [""] * 5)[:5]
-    if name == "part":
-        continue
-    if name:
-        cur = {"part": name, "lane": lane, "limit_s": int(limit), "returns": returns, "gpu_estimate": est}
-        rows.append(cur)
-    else:
-        cur["returns"] += " " + returns
-        cur["gpu_estimate"] += " " + est
-cmds = dict(l.split("\t", 1) for l in os.environ["PLAN_STEP_CMDS"].splitlines())
-train = dict(l.split("\t", 1) for l in os.environ["PLAN_TRAIN"].splitlines())
-for r in rows:
-    r["command"] = cmds.get(r["part"])
-print(json.dumps({"budget_s": int(sys.argv[2]), "parts": rows, "train": train}, indent=1))
-EOF
+    PLAN_CMDS=$PLAN_STEP_CMDS print_plan
     exit 0
 fi
 
 # Under the device tool only 8 files come back from $OUT: work in $TMPDIR, pack into $OUT.
 WORK_ROOT=${TMPDIR:-/tmp}/fastdet-gpu-check
-PACK_TO=
-if [[ -z "${1:-}" && -n "${OUT:-}" ]]; then
-    PACK_TO=$OUT
-    OUT_DIR=$WORK_ROOT/out-$(date -u +%Y%m%dT%H%M%SZ)
-else
-    OUT_DIR=${1:-$REPO/bench/results/gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
-fi
-ARCHIVE_MB=${GPU_CHECK_ARCHIVE_MB:-8}
-BUDGET=$(( BUDGET * SCALE ))
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-START=$(date +%s)
-STATUS="$OUT_DIR/.parts.tsv"
-: > "$STATUS"
-
-export PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-# Kept out of OUT_DIR (large files), shared by every part, so what precompile compiles the
-# timed parts load. cold_compile has its own, empty one.
-export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
-mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+start_run out gpu-check "${1:-}"  # cold_compile has its own, empty inductor cache
 
 note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, mode $MODE, device $DEVICE, parts $PARTS"
 

@@ -78,49 +78,12 @@ E2E_PARTS=(e2e_ppyoloe e2e_yolox e2e_ppyolo e2e_fcos)
 if [[ $MODE == plan ]]; then
     PLAN_CMDS=$(for p in "${E2E_PARTS[@]}"; do printf '%s\t%s --demo-images %s\n' "$p" "${E2E_CMD[$p]}" "$DEMO_IMAGES"; done
                 printf 'dali_check\t%s %s\n' "$DALI_CHECK" "${DALI_ARGS[*]}") \
-        "$PY" - "$SELF" "$BUDGET" <<'EOF'
-import json, os, sys
-rows, cur = [], None
-for line in open(sys.argv[1]):
-    if not line.startswith("#| "):
-        continue
-    name, lane, limit, returns, est = ([c.strip() for c in line[2:].split("|")] + [""] * 5)[:5]
-    if name == "part":
-        continue
-    if name:
-        cur = {"part": name, "lane": lane, "limit_s": int(limit), "returns": returns, "gpu_estimate": est}
-        rows.append(cur)
-    else:
-        cur["returns"] = (cur["returns"] + " " + returns).strip()
-        cur["gpu_estimate"] = (cur["gpu_estimate"] + " " + est).strip()
-cmds = dict(l.split("\t", 1) for l in os.environ["PLAN_CMDS"].splitlines())
-for r in rows:
-    r["command"] = cmds.get(r["part"])
-print(json.dumps({"budget_s": int(sys.argv[2]), "parts": rows}, indent=1))
-EOF
+        print_plan
     exit 0
 fi
 
 WORK_ROOT=${TMPDIR:-/tmp}/fastdet-gpu-check  # bench/gpu_check.sh's: its caches serve this call
-PACK_TO=
-if [[ -z "${1:-}" && -n "${OUT:-}" ]]; then
-    PACK_TO=$OUT
-    OUT_DIR=$WORK_ROOT/dali-$(date -u +%Y%m%dT%H%M%SZ)
-else
-    OUT_DIR=${1:-$REPO/bench/results/gpu-check-dali-$(date -u +%Y%m%dT%H%M%SZ)}
-fi
-ARCHIVE_MB=${GPU_CHECK_ARCHIVE_MB:-8}
-BUDGET=$(( BUDGET * SCALE ))
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-START=$(date +%s)
-STATUS="$OUT_DIR/.parts.tsv"
-: > "$STATUS"
-export PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
-mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+start_run dali gpu-check-dali "${1:-}"
 note "repo $REPO, output $OUT_DIR, budget ${BUDGET}s, mode $MODE, device $DEVICE, parts $PARTS"
 
 # --- dali_install: the pieces bench/dali_carry.sh staged, one a call, into /tmp/dali.

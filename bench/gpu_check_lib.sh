@@ -13,6 +13,62 @@ limit() { echo $(( $(plan_field "$1" 4) * SCALE )); }
 lane() { plan_field "$1" 3; }
 plan_parts() { sed -n 's/^#| \([a-z_0-9]\+\) .*/\1/p' "$SELF" | grep -v '^part$' | paste -sd, -; }
 
+# print_plan: the plan table of $SELF as JSON, each part with its command from PLAN_CMDS
+# (lines "part<TAB>command"); PLAN_TRAIN (lines "family<TAB>flags"), when set, adds "train".
+print_plan() {
+    "$PY" - "$SELF" "$BUDGET" <<'EOF'
+import json, os, sys
+rows, cur = [], None
+for line in open(sys.argv[1]):
+    if not line.startswith("#| "):
+        continue
+    name, lane, limit, returns, est = ([c.strip() for c in line[2:].split("|")] + [""] * 5)[:5]
+    if name == "part":
+        continue
+    if name:
+        cur = {"part": name, "lane": lane, "limit_s": int(limit), "returns": returns, "gpu_estimate": est}
+        rows.append(cur)
+    else:  # a row continued on the next line
+        cur["returns"] = (cur["returns"] + " " + returns).strip()
+        cur["gpu_estimate"] = (cur["gpu_estimate"] + " " + est).strip()
+table = lambda name: dict(l.split("\t", 1) for l in os.environ.get(name, "").splitlines() if l)
+cmds = table("PLAN_CMDS")
+for r in rows:
+    r["command"] = cmds.get(r["part"])
+doc = {"budget_s": int(sys.argv[2]), "parts": rows}
+if os.environ.get("PLAN_TRAIN"):
+    doc["train"] = table("PLAN_TRAIN")
+print(json.dumps(doc, indent=1))
+EOF
+}
+
+# start_run WORK_NAME RESULT_NAME [OUT_DIR]: the output folder (under the device tool, $OUT
+# set and no OUT_DIR: $WORK_ROOT/WORK_NAME-<time>, packed into $OUT, since only 8 files come
+# back from $OUT; else OUT_DIR or bench/results/RESULT_NAME-<time>), the budget scaled, the
+# clock, the status file, and the caches every part shares (kept out of OUT_DIR: large
+# files; what precompile compiles the timed parts load).
+start_run() {
+    PACK_TO=
+    if [[ -z "${3:-}" && -n "${OUT:-}" ]]; then
+        PACK_TO=$OUT
+        OUT_DIR=$WORK_ROOT/$1-$(date -u +%Y%m%dT%H%M%SZ)
+    else
+        OUT_DIR=${3:-$REPO/bench/results/$2-$(date -u +%Y%m%dT%H%M%SZ)}
+    fi
+    ARCHIVE_MB=${GPU_CHECK_ARCHIVE_MB:-8}
+    BUDGET=$(( BUDGET * SCALE ))
+    mkdir -p "$OUT_DIR"
+    OUT_DIR=$(cd "$OUT_DIR" && pwd)
+    START=$(date +%s)
+    STATUS="$OUT_DIR/.parts.tsv"
+    : > "$STATUS"
+    export PYTHONUNBUFFERED=1
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+    export FASTDET_EXT_DIR=${FASTDET_EXT_DIR:-$WORK_ROOT/ext}
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK_ROOT/inductor}
+    mkdir -p "$FASTDET_EXT_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+}
+
 elapsed() { echo $(( $(date +%s) - START )); }
 wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 note() { echo "[gpu_check $(elapsed)s] $*" | tee -a "$OUT_DIR/summary.txt"; }
