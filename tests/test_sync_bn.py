@@ -14,8 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from ports import free_port
+from ports import spawn_gloo_ranks
 from torch import nn
 
 from fastdet.engine.sync_bn import FunctionalSyncBatchNorm, convert_sync_batchnorm
@@ -134,13 +133,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_worker, args=(2, free_port(), results), nprocs=2, start_method="spawn")
-        return dict(results)
+    return spawn_gloo_ranks(_worker)
 
 
 def test_compiled_sync_bn_equals_batchnorm_over_the_concatenated_batch(two_rank_results):
