@@ -25,8 +25,9 @@ from torch import Tensor
 
 from fastdet import recipes
 from fastdet.config import Config, ConfigError
+from fastdet.convert import load_any
 from fastdet.data.preprocess import Preprocess, boxes_to_original
-from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.engine.checkpoint import load_checkpoint, select_weights
 from fastdet.models import ARCHITECTURES, Detector
 
 
@@ -83,22 +84,10 @@ def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | N
     """``(checkpoint dict, config)`` of a fastdet checkpoint or, with ``arch``, of the authors'
     released file converted on load (see :func:`load_detector`)."""
     if arch is not None:
-        from fastdet.convert import load_any  # convert/ imports models/, api is above both
-
         ck, converted = load_any(path, arch, size, source)
         if converted:
             return ck, recipes.config_from_dict(ck["config"])
     return read_checkpoint(path)
-
-
-def select_weights(ck: dict[str, Any], ema: bool = True) -> tuple[dict[str, Any], str]:
-    """The state dict to load and which it is (``"ema"`` or ``"model"``): the EMA weights when
-    asked and present (what training evaluates), else the plain ones."""
-    use_ema = ema and isinstance(ck.get("ema"), dict)
-    weights = ck["ema"] if use_ema else ck["model"]
-    if "module" in weights:  # ModelEMA.state_dict() layout
-        weights = weights["module"]
-    return weights, "ema" if use_ema else "model"
 
 
 def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, ema: bool = True,

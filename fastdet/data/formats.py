@@ -53,7 +53,7 @@ import numpy as np
 import yaml
 
 from fastdet.config import DataConfig
-from fastdet.data import coco
+from fastdet.data import coco, demo
 from fastdet.data.coco import CocoDataset, DataError
 
 # ".jfif" and ".jpe": JPEGs as Windows and some cameras name them.
@@ -119,9 +119,7 @@ def train_num_classes(data_cfg: DataConfig) -> int:
     reader (``load_split`` without opening images), so the count cannot differ from training's.
     """
     if data_cfg.data == "demo" and data_cfg.train_ann is None:
-        from fastdet.data.demo import CATEGORIES  # demo imports the image writers, needed only here
-
-        return len(CATEGORIES)
+        return len(demo.CATEGORIES)
     return load_split(data_cfg, "train", check_images="none").num_classes
 
 

@@ -125,6 +125,16 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         raise ValueError(f"{path} is not a readable checkpoint ({first})") from None
 
 
+def select_weights(ck: dict[str, Any], ema: bool = True) -> tuple[dict[str, Any], str]:
+    """The state dict to load and which it is (``"ema"`` or ``"model"``): the EMA weights when
+    asked and present (what training evaluates), else the plain ones."""
+    use_ema = ema and isinstance(ck.get("ema"), dict)
+    weights = ck["ema"] if use_ema else ck["model"]
+    if "module" in weights:  # ModelEMA.state_dict() layout
+        weights = weights["module"]
+    return weights, "ema" if use_ema else "model"
+
+
 def load_weights_tolerant(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     """Load matching tensors; return the names skipped because their shape differs.
 

@@ -27,7 +27,8 @@ from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader, train_sizes
 from fastdet.engine import dist
 from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
-                                       previous_path, rng_state, save_checkpoint, set_rng_state)
+                                       previous_path, rng_state, save_checkpoint, select_weights,
+                                       set_rng_state)
 from fastdet.engine.evaluation import EvalRunner
 from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
                                    restart_count, resume_command)
@@ -313,9 +314,7 @@ class Trainer:
         from fastdet.convert import load_any  # also the authors' released files, converted
 
         ck, _ = load_any(path, self.cfg.model.arch, self.cfg.model.size)
-        weights = ck.get("ema") or ck.get("model") or ck
-        if isinstance(weights, dict) and "module" in weights:
-            weights = weights["module"]
+        weights, _ = select_weights(ck)
         skipped = load_weights_tolerant(self.model, weights)
         if self.ema is not None:
             self.ema.reset(self.model)
