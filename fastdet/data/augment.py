@@ -94,7 +94,9 @@ def decode_image(path: str) -> np.ndarray:
     sizes the data layer reads (``fastdet.data.coco._probe``), OpenCV's imread and viewers do."""
     try:
         with Image.open(path) as im:
-            return np.array(ImageOps.exif_transpose(im).convert("RGB"))
+            # In place: the usual picture, stored upright, is not copied once more.
+            ImageOps.exif_transpose(im, in_place=True)
+            return np.array(im.convert("RGB"))
     except (OSError, ValueError, SyntaxError) as e:
         raise ImageDecodeError(f"{path}: cannot decode image ({e})") from None
 

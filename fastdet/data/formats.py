@@ -276,7 +276,7 @@ def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[P
             files += images
             ignored += [("not an image file", str(f)) for f in found
                         if f.suffix.lower() not in IMAGE_EXTS and f not in labels]
-            label_dir = yolo_label_path(p / "x.jpg").parent
+            label_dir = yolo_label_path(p / "x.jpg").parent  # where this folder's images have their labels
             if label_dir != p and label_dir.is_dir():
                 ignored += [("label file without an image", str(t)) for t in sorted(label_dir.rglob("*.txt"))
                             if t not in labels]
