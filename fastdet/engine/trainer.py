@@ -442,7 +442,7 @@ class Trainer:
         if self.dist.is_main:
             log.info("steps %d-%d: longest gap between two steps %.1f s (step %d; evaluation and "
                      "checkpoints between epochs not counted)", steps_at_start + 1, self.step,
-                     self.gaps.longest, self.gaps.longest_step)
+                     round(self.gaps.longest, 3), self.gaps.longest_step)  # as metrics.jsonl rounds it
         if stats and self.dist.is_main:
             log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s; val predictions "
                      "drawn in %s)", stats["AP"], stats["AP50"], self.best_ap, self.out,
