@@ -276,7 +276,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace):
         from fastdet.config import apply_overrides
-        from fastdet.engine.step import backend_flags, resolve_amp
+        from fastdet.runtime.amp import backend_flags, resolve_amp
         from fastdet.recipes import get_preset
 
         self.args = args

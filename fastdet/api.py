@@ -27,7 +27,7 @@ from fastdet import recipes
 from fastdet.config import Config, ConfigError
 from fastdet.convert import load_any
 from fastdet.data.preprocess import Preprocess, boxes_to_original
-from fastdet.engine.checkpoint import load_checkpoint, select_weights
+from fastdet.runtime.checkpoint import load_checkpoint, select_weights
 from fastdet.models import ARCHITECTURES, Detector
 
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("fastdet")
     from fastdet import recipes
     from fastdet.engine import background as bgc
-    from fastdet.engine.dist import resolve_device
+    from fastdet.runtime.dist import resolve_device
     from fastdet.train import check_config, resolve_config
 
     try:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fastdet.api import CheckpointError, detect, load_detector
     from fastdet.data.augment import ImageDecodeError, decode_image
-    from fastdet.engine.dist import resolve_device
+    from fastdet.runtime.dist import resolve_device
     from fastdet.visualize import draw_detections, save_image
 
     try:

@@ -193,7 +193,7 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
     ConfigError naming it unless it is RESUMABLE."""
     from fastdet import recipes
     from fastdet.config import RunConfig
-    from fastdet.engine.checkpoint import load_checkpoint, load_with_fallback, previous_path
+    from fastdet.runtime.checkpoint import load_checkpoint, load_with_fallback, previous_path
 
     if overrides.get("run.ckpt"):
         path = Path(overrides["run.ckpt"]).expanduser()
@@ -269,7 +269,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
     if cfg.run.ckpt:
-        from fastdet.engine.checkpoint import is_checkpoint_archive
+        from fastdet.runtime.checkpoint import is_checkpoint_archive
 
         path = Path(cfg.run.ckpt).expanduser()
         if not path.is_file():

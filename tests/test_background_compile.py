@@ -24,8 +24,8 @@ from ports import free_port
 from fastdet import recipes
 from fastdet.config import ConfigError, apply_overrides
 from fastdet.engine import background as bgc
-from fastdet.engine.checkpoint import load_checkpoint
-from fastdet.engine.logging import Progress, setup_logging
+from fastdet.runtime.checkpoint import load_checkpoint
+from fastdet.runtime.logging import Progress, setup_logging
 from fastdet.engine.optim import build_optimizer_and_ema
 from fastdet.engine.step import TrainStep, compiled_graph_count, synthetic_batch
 

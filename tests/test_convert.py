@@ -274,7 +274,7 @@ def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp
     """What ``fastdet.train --ckpt yolox_nano.pth`` does (Trainer._finetune): the released file
     converted, everything but the 80-class predictors loaded into a 3-class model."""
     from fastdet.convert import load_any
-    from fastdet.engine.checkpoint import load_weights_tolerant
+    from fastdet.runtime.checkpoint import load_weights_tolerant
 
     ref = megvii_yolox("nano")
     src = tmp_path / "yolox_nano.pth"

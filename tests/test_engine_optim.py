@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from fastdet.config import OptimConfig
-from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
-                                       save_checkpoint, set_rng_state, unwrap)
+from fastdet.runtime.checkpoint import (load_checkpoint, load_weights_tolerant, rng_state,
+                                       save_checkpoint, set_rng_state, unwrap_model)
 from fastdet.engine.optim import (SCHEDULES, CapturableAdamW, CapturableSGD, LRSchedule, build_optimizer,
                                   build_optimizer_and_ema, build_param_groups)
 
@@ -272,7 +272,7 @@ def test_tolerant_load_skips_a_different_head():
 
 def test_unwrap_compiled_module():
     net = Net()
-    assert unwrap(torch.compile(net)) is net
+    assert unwrap_model(torch.compile(net)) is net
 
 
 def test_channels_last_step_matches_nchw():

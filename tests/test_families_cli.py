@@ -25,7 +25,7 @@ import torch
 from ports import free_port
 from test_train import assert_same_training  # tests/ is on sys.path (rootdir conftest)
 
-from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.runtime.checkpoint import load_checkpoint
 from fastdet.models import ARCHITECTURES
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}

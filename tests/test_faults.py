@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from fastdet.engine.checkpoint import load_with_fallback, previous_path, save_checkpoint
+from fastdet.runtime.checkpoint import load_with_fallback, previous_path, save_checkpoint
 from fastdet.engine.faults import StopControl, config_mismatch, resume_command
 
 
@@ -90,7 +90,7 @@ def test_resume_command_repeats_the_arguments_with_resume(monkeypatch):
 
 
 def _timeout_worker(rank: int, port: int, minutes: float, wait_s: float, results) -> None:
-    from fastdet.engine import dist as fdist
+    from fastdet.runtime import dist as fdist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))

@@ -51,7 +51,7 @@ class Tiny:
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def tiny(request, demo_small, tmp_path_factory) -> Tiny:
-    from fastdet.engine import dist
+    from fastdet.runtime import dist
     from fastdet.engine.trainer import Trainer
     from fastdet.train import build_parser, resolve_config
 

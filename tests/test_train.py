@@ -17,7 +17,7 @@ import pytest
 import torch
 from ports import free_port
 
-from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.runtime.checkpoint import load_checkpoint
 from fastdet.models import build_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
@@ -79,7 +79,7 @@ def test_demo_training_writes_checkpoint_tensorboard_and_ap(eager_run):
 
 
 def test_step_gaps_count_steps_not_the_time_between_epochs(monkeypatch):
-    from fastdet.engine import logging as L
+    from fastdet.runtime import logging as L
 
     clock = iter([0.0, 2.0, 3.0, 103.0, 110.0, 140.0, 141.0])
     monkeypatch.setattr(L.time, "perf_counter", lambda: next(clock))
@@ -255,7 +255,7 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
     the first step (PP-YOLO at 608 px: 12 s of a warm launch's 30 s); two images still run
     the loader, predict, collation of unequal images and pycocotools. A GPU evaluates the
     whole batch, which also shows that it fits in memory."""
-    from fastdet.engine import dist, preflight
+    from fastdet.runtime import dist, preflight
     from fastdet.engine.trainer import Trainer
     from fastdet.train import build_parser, resolve_config
 
@@ -400,7 +400,7 @@ def test_sync_debug_covers_the_loader_call(monkeypatch):
     from types import SimpleNamespace
 
     from fastdet.config import Config
-    from fastdet.engine.logging import Nvtx
+    from fastdet.runtime.logging import Nvtx
     from fastdet.engine.trainer import Trainer
 
     mode = ["default"]

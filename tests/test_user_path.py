@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdet.engine.checkpoint import load_checkpoint
+from fastdet.runtime.checkpoint import load_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
 

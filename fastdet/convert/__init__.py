@@ -24,7 +24,7 @@ import torch
 
 from fastdet.config import apply_overrides
 from fastdet.convert.io import UnsafeWeightsError, is_torch_file, read_weights, to_tensors
-from fastdet.engine.checkpoint import save_checkpoint
+from fastdet.runtime.checkpoint import save_checkpoint
 from fastdet.models import ARCHITECTURES, build_model
 
 log = logging.getLogger("fastdet.convert")

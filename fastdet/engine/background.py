@@ -230,7 +230,8 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     ``ready_dir/<bucket.file_id>.json`` when given. ``report(record)`` is called after each."""
     from fastdet import recipes
     from fastdet.engine.optim import build_optimizer_and_ema
-    from fastdet.engine.step import TrainStep, backend_flags, resolve_amp
+    from fastdet.engine.step import TrainStep
+    from fastdet.runtime.amp import backend_flags, resolve_amp
     from fastdet.engine.trainer import freeze_bn_stats
 
     if nice:

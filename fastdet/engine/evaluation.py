@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastdet.engine.checkpoint import save_checkpoint
+from fastdet.runtime.checkpoint import save_checkpoint
 from fastdet.eval.async_scoring import DEFAULT_SCORE_FN, AsyncScorer, ScoredJob
 from fastdet.eval.coco import gather_predictions, gt_source
 from fastdet.eval.plots import plot_results, read_png
@@ -58,7 +58,7 @@ class EvalRunner:
     Args:
         dataset: the val ``CocoDataset`` (its ground truth: ``coco_gt`` or ``ann_file``).
         out_dir: the run directory (``eval.jsonl``, ``best.pth``, the plots).
-        tb: ``fastdet.engine.logging.TensorBoard``.
+        tb: ``fastdet.runtime.logging.TensorBoard``.
         is_main: rank 0.
         async_eval: score in the background (False: wait inside :meth:`run`).
         on_scored: extra per-score work (the plots), called as ``on_scored(job)`` on rank 0.

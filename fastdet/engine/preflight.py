@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fastdet.data.coco import CocoDataset
-from fastdet.engine.checkpoint import rng_state, save_checkpoint, set_rng_state
+from fastdet.runtime.checkpoint import rng_state, save_checkpoint, set_rng_state
 from fastdet.eval import coco as coco_eval_mod
 
 log = logging.getLogger("fastdet")

@@ -51,7 +51,7 @@ def log_val_predictions(model: nn.Module, records: Sequence[Any], preprocess: Pr
     Args:
         model: the evaluated (EMA) model; put in eval mode here.
         records: the val set's ``ImageRecord``s (``.file``).
-        tb: ``fastdet.engine.logging.TensorBoard`` (``image(tag, chw_uint8, step)``).
+        tb: ``fastdet.runtime.logging.TensorBoard`` (``image(tag, chw_uint8, step)``).
     """
     imgs, kept = [], []
     for rec in preview_records(records):

@@ -25,20 +25,21 @@ from fastdet import recipes
 from fastdet.config import Config
 from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader, train_sizes
-from fastdet.engine import dist
-from fastdet.engine.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
+from fastdet.runtime import dist
+from fastdet.runtime.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
                                        previous_path, rng_state, save_checkpoint, select_weights,
                                        set_rng_state)
 from fastdet.engine.evaluation import EvalRunner
 from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
                                    restart_count, resume_command)
-from fastdet.engine.logging import (Nvtx, Progress, ProfilerWindow, StepGaps, TensorBoard, Timer,
+from fastdet.runtime.logging import (Nvtx, Progress, ProfilerWindow, StepGaps, TensorBoard, Timer,
                                     format_eta, memory_mb, setup_logging)
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
 from fastdet.engine.previews import log_val_predictions
 from fastdet.engine.rundir import free_run_dir
-from fastdet.engine.step import TrainStep, backend_flags, resolve_amp
+from fastdet.engine.step import TrainStep
+from fastdet.runtime.amp import backend_flags, resolve_amp
 from fastdet.engine.summary import summarize_model, write_summary
 from fastdet.engine.sync_bn import convert_sync_batchnorm
 from fastdet.models.recipe import pretrained_backbone_note

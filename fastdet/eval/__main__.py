@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     from fastdet.data.coco import DataError
     from fastdet.data.formats import load_split
     from fastdet.data.loader import build_eval_loader
-    from fastdet.engine import dist
-    from fastdet.engine.logging import setup_logging
-    from fastdet.engine.step import resolve_amp
+    from fastdet.runtime import dist
+    from fastdet.runtime.logging import setup_logging
+    from fastdet.runtime.amp import resolve_amp
     from fastdet.eval.coco import evaluate
 
     try:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1
     finally:
-        from fastdet.engine import dist as _d
+        from fastdet.runtime import dist as _d
 
         _d.shutdown()
     logging.getLogger("fastdet").info("evaluated %s on %s", args.ckpt, val.ann_file)

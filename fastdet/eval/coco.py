@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fastdet.data.preprocess import boxes_to_original
-from fastdet.engine import dist
+from fastdet.runtime import dist
 from fastdet.eval.scoring import STAT_NAMES, load_gt, score  # noqa: F401  (STAT_NAMES: part of this module's interface)
 
 log = logging.getLogger("fastdet")

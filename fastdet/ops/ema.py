@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from fastdet.ops import ema_update_
+from fastdet.runtime.checkpoint import unwrap_model
 
 
 def threshold_decay(n: Tensor, decay: float) -> Tensor:
@@ -64,17 +65,6 @@ EMA_FLAVOURS: dict[str, EMAFlavour] = {
     "ramp": EMAFlavour(lambda n, d, tau: ramp_decay(n + 1, d, tau)),
 }
 KINDS = tuple(EMA_FLAVOURS)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 class ModelEMA:

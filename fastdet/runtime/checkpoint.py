@@ -20,7 +20,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastdet.ops.ema import unwrap_model as unwrap  # the plain module under DDP / compile
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def rng_state() -> dict[str, Any]:
