@@ -133,7 +133,8 @@ def loss_float(t: Tensor) -> Tensor:
 
 def all_reduce_mean(x: Tensor) -> Tensor:
     """Mean of ``x`` over ranks (SUM then / world size) when a process group of more than
-    one rank is up; ``x`` unchanged otherwise.
+    one rank is up; ``x`` unchanged otherwise. Out of place and traceable inside compiled
+    code (``fastdet.runtime.dist.all_reduce_mean_`` is the blocking, in-place one).
 
     Uses the functional collective, which dynamo traces into the graph (no graph break,
     unlike ``dist.all_reduce`` on a tensor that is then read). ``x`` must not require grad:

@@ -103,8 +103,9 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean of ``t`` over ranks (in place when distributed); returns ``t``."""
+def all_reduce_mean_(t: torch.Tensor) -> torch.Tensor:
+    """Mean of ``t`` over ranks, in place (a blocking collective, outside compiled code;
+    ``fastdet.losses.all_reduce_mean`` is the traceable, out-of-place one); returns ``t``."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()
@@ -116,7 +117,7 @@ def mean_dict(values: dict[str, float], device: torch.device) -> dict[str, float
     if not values:
         return values
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    all_reduce_mean(t)
+    all_reduce_mean_(t)
     return dict(zip(values, t.tolist()))
 
 
@@ -132,7 +133,7 @@ def average_bn_stats(*modules: torch.nn.Module) -> None:
     if not stats:
         return
     flat = torch.cat([s.detach().reshape(-1).double() for s in stats])
-    all_reduce_mean(flat)
+    all_reduce_mean_(flat)
     with torch.no_grad():
         for s, v in zip(stats, flat.split([s.numel() for s in stats])):
             s.copy_(v.view_as(s))
