@@ -170,12 +170,12 @@ class _DeviceMemory:
 
 
 def _config(spec: dict[str, Any]):
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.config import apply_overrides
 
     arch = spec["family"]
-    size_name = next(iter(recipes.family(arch).sizes))
-    cfg = recipes.get_preset(arch, size_name)
+    size_name = next(iter(registry.family(arch).sizes))
+    cfg = registry.get_preset(arch, size_name)
     return apply_overrides(cfg, {
         "data.data": spec["data"], "data.batch_size": spec["batch_size"], "data.img_size": spec["size"],
         "data.train_sizes": (spec["size"],), "data.multiscale": False, "data.num_workers": spec["workers"],
@@ -191,12 +191,12 @@ def _row(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from bench.loaders import measure_loader
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.data.formats import load_split
 
     cfg, size_name = _config(spec)
     ds = load_split(cfg.data, "train", check_images="decode")
-    stages = recipes.phase(cfg, 0).stages
+    stages = registry.phase(cfg, 0).stages
     device = torch.device(spec["device"])
     mem = _DeviceMemory(device) if device.type == "cuda" else None
     out = measure_loader(cfg, ds, spec["backend"], device, spec["batches"], spec["warmup"],

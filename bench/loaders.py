@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make `fastdet` importable from
 
 import torch
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import Config, DataConfig
 from fastdet.data import stages as S
 from fastdet.data.loader import build_train_loader, dali_unavailable_reason
@@ -108,7 +108,7 @@ def measure_loader(
     windows = max(1, min(windows, n_batches))
     per_window = max(1, n_batches // windows)
     t0 = time.perf_counter()
-    stage_list = stages if stages is not None else recipes.phase(cfg, 0).stages
+    stage_list = stages if stages is not None else registry.phase(cfg, 0).stages
     loader = build_train_loader(cfg.data, dataset, stages_for_epoch=lambda e: stage_list, rank=0, world_size=1,
                                 device=device, seed=seed)
     stream = _Batches(loader)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if ratio is not None:
         print(f"  DALI / torch: {ratio:.2f}x on {args.device}"
               + (" (a CPU figure: the GPU target is >= 3x a 16-worker DataLoader)" if args.device == "cpu" else ""))
-    doc = {"stages": [repr(s) for s in (stage_list or recipes.phase(cfg, 0).stages)], "rows": rows,
+    doc = {"stages": [repr(s) for s in (stage_list or registry.phase(cfg, 0).stages)], "rows": rows,
            "dali_over_torch": ratio, "command": "python bench/loaders.py " + " ".join(argv or sys.argv[1:])}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -530,9 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         "matmul": matmul_tflops(device, a.matmul_n),
         "results": [],
     }
-    from fastdet import recipes
+    from fastdet import registry
 
-    kw = recipes.phase(bench.cfg, targs.epoch).loss_kwargs
+    kw = registry.phase(bench.cfg, targs.epoch).loss_kwargs
     flops = {}
     status = 0
     for name in a.variants:

@@ -241,7 +241,7 @@ def recipe_shape(arch: str, size: str) -> tuple[tuple[int, int], int]:
     landscape canvas, FCOS's 800x1344) and the M its loader pads the ground truth to."""
     from fastdet.config import apply_overrides
     from fastdet.engine.background import bucket_sizes
-    from fastdet.recipes import get_preset
+    from fastdet.registry import get_preset
 
     cfg = get_preset(arch, size)
     one = apply_overrides(cfg, {"data.train_sizes": (cfg.data.img_size,), "data.multiscale": False})
@@ -277,7 +277,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         from fastdet.config import apply_overrides
         from fastdet.runtime.amp import backend_flags, resolve_amp
-        from fastdet.recipes import get_preset
+        from fastdet.registry import get_preset
 
         self.args = args
         self.device = torch.device(args.device)
@@ -335,13 +335,13 @@ class Bench:
         """Model, optimizer, EMA and TrainStep as the trainer builds them.
 
         Returns (model, step, lr_schedule, loss_kwargs)."""
-        from fastdet import recipes
+        from fastdet import registry
         from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
         from fastdet.engine.step import TrainStep
 
         cfg, dev = self.cfg, self.device
         torch.manual_seed(self.args.seed)
-        model = recipes.build_detector(cfg).to(dev)
+        model = registry.build_detector(cfg).to(dev)
         if v.channels_last:
             model = model.to(memory_format=torch.channels_last)
         model.train()
@@ -353,7 +353,7 @@ class Bench:
                          shapes=v.shapes)
         # steps_per_epoch only shapes the schedule; the LR value does not change the cost.
         schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
-        return model, step, schedule, recipes.phase(cfg, self.args.epoch).loss_kwargs
+        return model, step, schedule, registry.phase(cfg, self.args.epoch).loss_kwargs
 
     def warm_step(self, step, kw: dict[str, Any], v: StepVariant,
                   sizes: list[tuple[int, int]] | None = None) -> float:
@@ -486,7 +486,7 @@ class Bench:
 
     def run_e2e_mode(self, name: str) -> dict[str, Any]:
         from fastdet.data.loader import build_train_loader
-        from fastdet import recipes
+        from fastdet import registry
         from fastdet.engine.background import bucket_sizes
 
         backend, vname = {"e2e_seed": ("torch", "eager_fp32"), "e2e_torch": ("torch", self.args.e2e_step),
@@ -514,7 +514,7 @@ class Bench:
             # a captured step refuses a bucket it was not warmed up for.
             compile_s = (self.warm_step(step, kw, v, bucket_sizes(lcfg)) if (v.compile or v.cuda_graphs)
                          else 0.0)
-            loader = build_train_loader(lcfg.data, ds, stages_for_epoch=lambda e: recipes.phase(lcfg, e).stages, rank=0,
+            loader = build_train_loader(lcfg.data, ds, stages_for_epoch=lambda e: registry.phase(lcfg, e).stages, rank=0,
                                         world_size=1, device=self.device, seed=a.seed)
             stream = EpochStream(loader)
             k, data_wait = 0, 0.0

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import Config, ConfigError
 from fastdet.convert import load_any
 from fastdet.data.preprocess import Preprocess, boxes_to_original
@@ -73,7 +73,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
                               "a plain state dict is not enough to rebuild the model)")
     try:
-        cfg = recipes.config_from_dict(ck["config"])
+        cfg = registry.config_from_dict(ck["config"])
     except (ConfigError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path}: its stored config does not load ({e})") from None
     return ck, cfg
@@ -86,7 +86,7 @@ def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | N
     if arch is not None:
         ck, converted = load_any(path, arch, size, source)
         if converted:
-            return ck, recipes.config_from_dict(ck["config"])
+            return ck, registry.config_from_dict(ck["config"])
     return read_checkpoint(path)
 
 
@@ -98,7 +98,7 @@ def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, 
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not registered here "
                               f"(available: {', '.join(sorted(ARCHITECTURES))})")
-    model = recipes.build_detector(cfg)
+    model = registry.build_detector(cfg)
     weights, which = select_weights(ck, ema)
     try:
         model.load_state_dict(weights)
@@ -114,7 +114,7 @@ def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, 
     model.info = DetectorInfo(
         arch=arch, size=cfg.model.size, class_names=names, cat_ids=cat_ids,
         preprocess=ARCHITECTURES[arch].preprocess, img_size=cfg.data.img_size,
-        predict_kwargs=recipes.predict_kwargs(cfg), weights=which, checkpoint=str(path))
+        predict_kwargs=registry.predict_kwargs(cfg), weights=which, checkpoint=str(path))
     return model.to(device)
 
 

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("fastdet")
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.engine import background as bgc
     from fastdet.runtime.dist import resolve_device
     from fastdet.train import check_config, resolve_config
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             from fastdet.data.formats import train_num_classes
 
             n = train_num_classes(cfg.data)
-        cfg = apply_overrides(recipes.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
+        cfg = apply_overrides(registry.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
         device = resolve_device(cfg.run.device)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fastdet.compile: error: {e}", file=sys.stderr)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", 0)
     cache = bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
     sizes = bgc.bucket_sizes(cfg)
-    variants = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)
+    variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
     every = bgc.train_buckets(sizes, variants)
     # What an earlier fastdet.compile or training launch compiled into this cache under the
     # same graph key is not compiled again: a stopped or repeated fill does only the rest.

@@ -3,9 +3,9 @@
 A run is described by one :class:`Config` made of six sections: five shared ones
 (model, data, optim, compile, run) and ``family``, the options of the model family
 (its type is the family's :class:`FamilyOptions` subclass, given by the registry:
-``fastdet.recipes``). The presets (the published recipes per architecture and size)
+``fastdet.registry``). The presets (the published recipes per architecture and size)
 and the demo overrides are declared by each family next to its model and resolved by
-``fastdet.recipes.get_preset``; this module knows no architecture. The command line
+``fastdet.registry.get_preset``; this module knows no architecture. The command line
 overrides any field with ``--set section.field=value`` (type-checked), family options
 included (``--set family.static_assigner_epoch=30``), or through the dedicated flags of
 ``fastdet.train``. The resolved config is written as YAML into the run directory and
@@ -227,7 +227,7 @@ class Config:
     def from_dict(cls, d: dict[str, Any], family: type[FamilyOptions] = FamilyOptions) -> "Config":
         """A config from its dict, with ``family`` the type of its ``family`` section.
 
-        ``fastdet.recipes.config_from_dict`` looks that type up from ``model.arch``. A dict
+        ``fastdet.registry.config_from_dict`` looks that type up from ``model.arch``. A dict
         written before the family section existed (family options such as
         ``model.static_assigner_epoch`` or ``data.flip_prob`` among the shared sections) is
         read with those fields moved into ``family``.

@@ -164,13 +164,13 @@ def scaled_sizes(sizes: tuple[int, ...], ref: int, img_size: int, div: int = 32)
 def resolve_config(args: argparse.Namespace) -> Config:
     """The family's preset, then its demo overrides (for --data demo), then flags, then --set.
     With --resume: the run's stored config, with only the RESUMABLE fields taken from the flags."""
-    from fastdet import recipes
+    from fastdet import registry
 
     overrides = explicit_overrides(args)
     if overrides.get("run.resume"):
         return resolve_resume(args, overrides)
     arch, size = args.arch or DEFAULT_ARCH, args.size or DEFAULT_SIZE
-    cfg = recipes.get_preset(arch, size)
+    cfg = registry.get_preset(arch, size)
     given = [f for f in DATA_PATH_FLAGS if FLAGS[f][0] in overrides]
     if given and "data.data" not in overrides:
         missing = [f for f in DATA_PATH_FLAGS if f not in given]
@@ -178,7 +178,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
             raise ConfigError(f"{' '.join(missing)} missing: without --data, {', '.join(DATA_PATH_FLAGS)} "
                               "name the dataset and all four are needed (or give --data COCO_ROOT)")
     elif overrides.get("data.data", cfg.data.data) == "demo":
-        cfg = apply_overrides(cfg, recipes.demo_overrides(arch))
+        cfg = apply_overrides(cfg, registry.demo_overrides(arch))
     ref_size, ref_sizes = cfg.data.img_size, cfg.data.train_sizes
     cfg = apply_overrides(cfg, overrides)
     if not cfg.data.multiscale:
@@ -191,7 +191,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
     """The config stored in the checkpoint being resumed; a flag that differs from it is a
     ConfigError naming it unless it is RESUMABLE."""
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.config import RunConfig
     from fastdet.runtime.checkpoint import load_checkpoint, load_with_fallback, previous_path
 
@@ -209,7 +209,7 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
         # latest.pth damaged by a kill mid-write: the trainer resumes from latest.prev.pth.
         # mmap: only the config is read here (the trainer loads the tensors).
         ck = load_with_fallback(path, mmap=True)[0] if fallback else load_checkpoint(path, mmap=True)
-        stored = recipes.config_from_dict(ck["config"])
+        stored = registry.config_from_dict(ck["config"])
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--resume: {path}: {e}") from None
     given = {"model.arch": args.arch, "model.size": args.size, **overrides}

@@ -5,7 +5,7 @@ run.
 
 The buckets come from the recipes themselves, so a new phase or canvas is covered
 without editing the tests: each loss variant of the whole schedule
-(``recipes.loss_variants``) times each canvas of the family's Resize at a tiny square
+(``registry.loss_variants``) times each canvas of the family's Resize at a tiny square
 size (keep-ratio: landscape, portrait and square). Models are the family's first
 (smallest) size with 4 classes; optimizer, EMA and clipping are the recipe's.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.data.loader import canvases_for
 from fastdet.data.stages import Resize
 from fastdet.engine.optim import build_optimizer_and_ema
@@ -42,10 +42,10 @@ class Case:
 
 def case(arch: str, square: int = 64) -> Case:
     size = ARCHITECTURES[arch].sizes[0]
-    cfg = recipes.get_preset(arch, size)
+    cfg = registry.get_preset(arch, size)
     cfg = replace(cfg, model=replace(cfg.model, num_classes=NUM_CLASSES))
-    variants = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)
-    rs = next(s for s in recipes.phase(cfg, 0).stages if isinstance(s, Resize))
+    variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
+    rs = next(s for s in registry.phase(cfg, 0).stages if isinstance(s, Resize))
     canvases = canvases_for(rs.mode, rs.short, rs.max_long).buckets(square)
     return Case(arch, size, cfg, variants, canvases)
 
@@ -55,7 +55,7 @@ def make_step(c: Case, device: torch.device, *, cuda_graphs: bool = False, seed:
     """The trainer's step for case ``c``: its model (or ``model``), optimizer, EMA, clipping; fp32."""
     torch.manual_seed(seed)
     if model is None:
-        model = recipes.build_detector(c.cfg).to(device).train()
+        model = registry.build_detector(c.cfg).to(device).train()
     batch = 2
     optimizer, ema, _ = build_optimizer_and_ema(c.cfg.optim, model, batch, device)
     return TrainStep(model, model, optimizer, ema, device, None, clip_grad_norm=c.cfg.optim.clip_grad_norm,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from ports import free_port
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import ConfigError, apply_overrides
 from fastdet.engine import background as bgc
 from fastdet.runtime.checkpoint import load_checkpoint
@@ -48,9 +48,9 @@ def test_workers_are_sized_to_the_cores_and_threads_do_not_oversubscribe():
 def test_buckets_are_the_recipes_sizes_times_its_loss_variants_in_order_of_use():
     counts = {}
     for arch, size in (("ppyoloe", "s"), ("yolox", "s"), ("ppyolo", "r50vd_dcn"), ("fcos", "r50")):
-        cfg = recipes.get_preset(arch, size)
+        cfg = registry.get_preset(arch, size)
         sizes = bgc.bucket_sizes(cfg)
-        variants = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)
+        variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
         buckets = bgc.train_buckets(sizes, variants)
         counts[arch] = len(buckets)
         assert buckets[0].kwargs == variants[0] and (buckets[0].h, buckets[0].w) == sizes[0]
@@ -70,7 +70,7 @@ def test_cache_dir_setting_then_environment_then_default(monkeypatch, tmp_path):
 def test_bad_compile_settings_are_one_clear_error():
     from fastdet.train import check_config
 
-    cfg = recipes.get_preset("ppyoloe", "s")
+    cfg = registry.get_preset("ppyoloe", "s")
     with pytest.raises(ConfigError, match="compile.warmup"):
         check_config(apply_overrides(cfg, {"compile.warmup": "later"}))
     with pytest.raises(ConfigError, match="compile.workers"):
@@ -104,9 +104,9 @@ def test_log_lines_print_above_the_progress_bar(monkeypatch):
 # --------------------------------------------------------------------------- the step
 
 def _step(background: bool):
-    cfg = apply_overrides(recipes.get_preset("ppyoloe", "s"), {"model.num_classes": 3})
+    cfg = apply_overrides(registry.get_preset("ppyoloe", "s"), {"model.num_classes": 3})
     torch.manual_seed(0)
-    model = recipes.build_detector(cfg).train()
+    model = registry.build_detector(cfg).train()
     opt, ema, _ = build_optimizer_and_ema(cfg.optim, model, 2, torch.device("cpu"))
     step = TrainStep(model, model, opt, ema, torch.device("cpu"), None, clip_grad_norm=cfg.optim.clip_grad_norm,
                      compile=background, backend="aot_eager", background=background)
@@ -387,7 +387,7 @@ def test_graph_key_holds_what_shapes_the_graph_and_nothing_else():
     """A relaunch that changes only the run (steps, schedule, data paths, warm-up) finds the
     graphs of the earlier launch; one that changes the graph (batch, classes, AMP, layout,
     DDP, threads on the CPU, the device) does not."""
-    cfg = recipes.get_preset("ppyoloe", "s")
+    cfg = registry.get_preset("ppyoloe", "s")
     key = bgc.graph_key(cfg, "cpu", False, 2)
     same = {"run.max_steps": 10, "optim.epochs": 3, "optim.base_lr": 0.1, "data.data": "/elsewhere",
             "compile.warmup": "blocking", "compile.workers": 3, "run.log_interval": 1,

@@ -9,7 +9,7 @@ import pytest
 
 from fastdet.config import Config, ConfigError, FamilyOptions, apply_overrides, parse_set_args
 from fastdet.models.ppyoloe import PPYOLOEOptions
-from fastdet.recipes import PRESETS, config_from_dict, demo_overrides, get_preset, load_config
+from fastdet.registry import PRESETS, config_from_dict, demo_overrides, get_preset, load_config
 
 DEMO_OVERRIDES = demo_overrides("ppyoloe")
 
@@ -176,7 +176,7 @@ def test_config_dict_of_the_previous_layout_still_loads():
 
 
 def test_bare_config_gets_the_family_defaults():
-    from fastdet.recipes import resolve
+    from fastdet.registry import resolve
 
     assert Config().family == FamilyOptions()
     assert resolve(Config()).family == PPYOLOEOptions()

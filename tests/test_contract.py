@@ -23,7 +23,7 @@ import copy
 import pytest
 import torch
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import apply_overrides
 from fastdet.data.stages import check_stages
 from fastdet.models import ARCHITECTURES
@@ -34,7 +34,7 @@ B, IMG = 2, 64
 
 def _smallest_preset(arch: str):
     fam = ARCHITECTURES[arch]
-    return apply_overrides(recipes.get_preset(arch, fam.sizes[0]), {"model.num_classes": NUM_CLASSES})
+    return apply_overrides(registry.get_preset(arch, fam.sizes[0]), {"model.num_classes": NUM_CLASSES})
 
 
 # A family without a recipe fails test_every_family_declares_a_recipe, not the collection.
@@ -46,7 +46,7 @@ def _cases() -> list[tuple[str, int]]:
     out = []
     for arch in WITH_RECIPE:
         cfg = _smallest_preset(arch)
-        for i, _ in enumerate(recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)):
+        for i, _ in enumerate(registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)):
             out.append((arch, i))
     return out
 
@@ -61,9 +61,9 @@ COMPILED_CASES = [(arch, max(i for a, i in CASES if a == arch)) for arch in dict
 
 def _model_and_kwargs(arch: str, i: int):
     cfg = _smallest_preset(arch)
-    kw = recipes.loss_variants(cfg, 0, cfg.optim.epochs - 1)[i]
+    kw = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)[i]
     torch.manual_seed(0)
-    return recipes.build_detector(cfg), kw
+    return registry.build_detector(cfg), kw
 
 
 def _batch(max_boxes: int = 4, junk: bool = False):
@@ -91,19 +91,19 @@ def test_every_family_declares_a_recipe():
 def test_recipe_resolves_and_phases_are_valid(arch):
     fam = ARCHITECTURES[arch]
     for size in fam.sizes:
-        cfg = recipes.get_preset(arch, size)
+        cfg = registry.get_preset(arch, size)
         assert isinstance(cfg.family, fam.recipe.options)
-        assert recipes.config_from_dict(cfg.to_dict()) == cfg
+        assert registry.config_from_dict(cfg.to_dict()) == cfg
     cfg = _smallest_preset(arch)
-    demo = apply_overrides(cfg, recipes.demo_overrides(arch))
+    demo = apply_overrides(cfg, registry.demo_overrides(arch))
     for c in (cfg, demo, apply_overrides(cfg, {"data.augment": False})):
         for e in range(c.optim.epochs):
-            p = recipes.phase(c, e)
+            p = registry.phase(c, e)
             assert check_stages(p.stages) == p.stages
         # Warm-up compiles every distinct set of loss arguments: keep them few.
-        assert 1 <= len(recipes.loss_variants(c, 0, c.optim.epochs - 1)) <= 4
-    model = recipes.build_detector(cfg).eval()
-    dets = model.predict(torch.zeros(1, 3, IMG, IMG), **recipes.predict_kwargs(cfg))
+        assert 1 <= len(registry.loss_variants(c, 0, c.optim.epochs - 1)) <= 4
+    model = registry.build_detector(cfg).eval()
+    dets = model.predict(torch.zeros(1, 3, IMG, IMG), **registry.predict_kwargs(cfg))
     assert len(dets) == 1 and {"boxes", "scores", "labels"} <= set(dets[0])
 
 

@@ -101,11 +101,11 @@ def assert_authors_function(ours, theirs, x: torch.Tensor) -> None:
 
 
 def load_converted(ck: dict, arch: str, size: str):
-    from fastdet import recipes
+    from fastdet import registry
 
-    cfg = recipes.config_from_dict(ck["config"])
+    cfg = registry.config_from_dict(ck["config"])
     assert (cfg.model.arch, cfg.model.size) == (arch, size)
-    model = recipes.build_detector(cfg)
+    model = registry.build_detector(cfg)
     model.load_state_dict(ck["model"])
     return model.eval()
 

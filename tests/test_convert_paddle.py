@@ -165,14 +165,14 @@ def test_fcos_backbone_weights_from_a_paddle_resnet_file(tmp_path, caplog):
 
 
 def test_published_presets_name_their_backbone_file_and_say_when_it_is_missing():
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.models.recipe import pretrained_backbone_note
 
-    r = recipes.recipe("ppyoloe")
+    r = registry.recipe("ppyoloe")
     assert r.backbone_files["s"] == "CSPResNetb_s_pretrained.pdparams"
     note = pretrained_backbone_note(r, "s", "/data/coco", None, None)
     assert note and "CSPResNetb_s_pretrained.pdparams" in note and "--backbone-weights" in note
     assert pretrained_backbone_note(r, "s", "/data/coco", "CSPResNetb_s_pretrained.pdparams", None) is None
     assert pretrained_backbone_note(r, "s", "/data/coco", None, "yolox_s.pth") is None
     assert pretrained_backbone_note(r, "s", "demo", None, None) is None
-    assert "ResNet50_vd_ssld" in recipes.recipe("ppyolo").backbone_files["r50vd_dcn"]
+    assert "ResNet50_vd_ssld" in registry.recipe("ppyolo").backbone_files["r50vd_dcn"]

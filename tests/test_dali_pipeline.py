@@ -23,7 +23,7 @@ import nvidia.dali.fn as fn  # noqa: E402
 import nvidia.dali.types as types  # noqa: E402
 from nvidia.dali import pipeline_def  # noqa: E402
 
-from fastdet import recipes  # noqa: E402
+from fastdet import registry  # noqa: E402
 from fastdet.config import Config, DataConfig  # noqa: E402
 from fastdet.data import augment as A  # noqa: E402
 from fastdet.data.coco import load_coco  # noqa: E402
@@ -43,7 +43,7 @@ from fastdet.pipelines.sources import EvalSource, TrainSource  # noqa: E402
 
 def train_loader(cfg, ds, **kw):
     """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
-    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages, **kw)
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: registry.phase(cfg, e).stages, **kw)
 
 
 def eval_loader(cfg, ds, **kw):

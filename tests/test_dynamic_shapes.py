@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 import pytest
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import apply_overrides
 from fastdet.engine.step import synthetic_batch
 from fastdet.ops import dispatch
@@ -31,9 +31,9 @@ def _head_and_feats(size: int, head, gen: torch.Generator):
 def test_dynamic_compile_of_the_ppyoloe_loss_is_one_graph(static_assigner):
     if static_assigner and dispatch.backend_for("atss_assign", "cpu", compiling=True) == "torch":
         pytest.skip("the C++ extension is not built here: the op under test is not the one dispatched")
-    cfg = apply_overrides(recipes.get_preset("ppyoloe", "s"), {"model.num_classes": 3})
+    cfg = apply_overrides(registry.get_preset("ppyoloe", "s"), {"model.num_classes": 3})
     torch.manual_seed(0)
-    head = recipes.build_detector(cfg).head.train()
+    head = registry.build_detector(cfg).head.train()
     ops_seen: set[str] = set()
     graphs = 0
 

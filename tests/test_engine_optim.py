@@ -278,19 +278,19 @@ def test_unwrap_compiled_module():
 def test_channels_last_step_matches_nchw():
     """`--channels-last` changes the memory layout only: one PPYOLOE-s train step in NHWC
     gives the losses and updated weights of the same step in NCHW."""
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.config import apply_overrides
     from fastdet.engine.step import TrainStep, synthetic_batch
     from fastdet.train import build_parser, resolve_config
 
     assert resolve_config(build_parser().parse_args(["--channels-last"])).data.channels_last is True
     assert resolve_config(build_parser().parse_args([])).data.channels_last is False
-    cfg = apply_overrides(recipes.get_preset("ppyoloe", "s"), {"model.num_classes": 4})
+    cfg = apply_overrides(registry.get_preset("ppyoloe", "s"), {"model.num_classes": 4})
     cpu = torch.device("cpu")
     results = []
     for nhwc in (False, True):
         torch.manual_seed(0)
-        model = recipes.build_detector(cfg)
+        model = registry.build_detector(cfg)
         if nhwc:
             model = model.to(memory_format=torch.channels_last)
         model.train()
@@ -298,7 +298,7 @@ def test_channels_last_step_matches_nchw():
         step = TrainStep(model, model, opt, ema, cpu, None, clip_grad_norm=cfg.optim.clip_grad_norm)
         batch = synthetic_batch(2, 64, 64, 8, cpu, torch.Generator().manual_seed(1), nhwc)
         assert batch["images"].is_contiguous(memory_format=torch.channels_last) == nhwc
-        step(batch, recipes.phase(cfg, 0).loss_kwargs)
+        step(batch, registry.phase(cfg, 0).loss_kwargs)
         results.append((step.read_losses(), [p.detach().clone() for p in model.parameters()]))
     (l0, p0), (l1, p1) = results
     assert l0.keys() == l1.keys() and l0

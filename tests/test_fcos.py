@@ -164,7 +164,7 @@ def test_contract(from_scratch):
 def test_predict_defaults_are_paddles(monkeypatch):
     """``predict()`` runs the base multiclass NMS (the one ``export --nms`` reproduces) at
     Paddle's values, the same as the recipe's post-processing settings."""
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.config import Config, ModelConfig
     from fastdet.export import has_standard_nms
     from fastdet.models import detector
@@ -182,8 +182,8 @@ def test_predict_defaults_are_paddles(monkeypatch):
     assert seen["args"] == (0.025, 0.6, 100, 1000, True)
     model.predict(torch.zeros(1, 3, 64, 64), score_thresh=0.3)
     assert seen["args"] == (0.3, 0.6, 100, 1000, True)
-    cfg = recipes.get_preset("fcos", "r50")
-    assert recipes.predict_kwargs(cfg) == dict(zip(("score_thresh", "iou_thresh", "max_det", "pre_nms_topk", "per_class_topk"),
+    cfg = registry.get_preset("fcos", "r50")
+    assert registry.predict_kwargs(cfg) == dict(zip(("score_thresh", "iou_thresh", "max_det", "pre_nms_topk", "per_class_topk"),
                                                    (0.025, 0.6, 100, 1000, True)))
 
 
@@ -455,37 +455,37 @@ def test_box_loss_is_paddles_smoothed_iou(compiled):
 
 
 def test_registered_with_its_recipe():
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.data.stages import Flip, Normalize, Resize
     from fastdet.engine.optim import LRSchedule
     from fastdet.models import ARCHITECTURES, build_model
 
     assert ARCHITECTURES["fcos"] is FAMILY
     assert isinstance(build_model("fcos", "r50", num_classes=2), type(build_fcos("r50", 2)))
-    cfg = recipes.get_preset("fcos", "r50")
+    cfg = registry.get_preset("fcos", "r50")
     o = cfg.optim
     assert (o.optimizer, o.momentum, o.weight_decay, o.base_lr, o.ref_batch, o.epochs) == ("sgd", 0.9, 1e-4, 0.01, 16, 12)
     assert (o.schedule, tuple(o.milestones), o.gamma, o.warmup_steps, o.ema) == ("piecewise", (8, 11), 0.1, 500, False)
     assert (cfg.data.batch_size, cfg.data.img_size, tuple(cfg.data.train_sizes)) == (2, 800, (800,))
-    stages = recipes.phase(cfg, 0).stages
+    stages = registry.phase(cfg, 0).stages
     assert stages == (Flip(0.5), Resize("keep_ratio", interp="linear", short=800, max_long=1333), Normalize())
-    assert recipes.phase(cfg, 11) == recipes.phase(cfg, 0) and recipes.phase(cfg, 0).loss_kwargs == {}
-    assert recipes.predict_kwargs(cfg) == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000,
+    assert registry.phase(cfg, 11) == registry.phase(cfg, 0) and registry.phase(cfg, 0).loss_kwargs == {}
+    assert registry.predict_kwargs(cfg) == dict(score_thresh=0.025, iou_thresh=0.6, max_det=100, pre_nms_topk=1000,
                                                per_class_topk=True)
     # lr 0.01 per 16 images: warm-up from 1/3 over 500 steps, x0.1 at epochs 8 and 11.
     sched = LRSchedule.from_config(o, 0.01, steps_per_epoch=1000)
     for step, lr in ((0, 0.01 / 3), (500, 0.01), (7999, 0.01), (8000, 0.001), (11000, 0.0001)):
         assert sched(step) == pytest.approx(lr), step
-    assert isinstance(recipes.build_detector(cfg, 2).backbone.bn1, FrozenBatchNorm2d)
+    assert isinstance(registry.build_detector(cfg, 2).backbone.bn1, FrozenBatchNorm2d)
 
 
 def test_demo_recipe_trains_from_scratch():
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.config import apply_overrides
 
-    cfg = apply_overrides(recipes.get_preset("fcos", "r50"), recipes.demo_overrides("fcos"))
+    cfg = apply_overrides(registry.get_preset("fcos", "r50"), registry.demo_overrides("fcos"))
     assert cfg.family.from_scratch and cfg.data.img_size < 800 and cfg.optim.epochs < 12
-    model = recipes.build_detector(cfg, 4)
+    model = registry.build_detector(cfg, 4)
     assert isinstance(model.backbone.bn1, torch.nn.BatchNorm2d)
     assert all(p.requires_grad for p in model.parameters())
 

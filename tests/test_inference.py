@@ -111,9 +111,9 @@ def test_load_detector_carries_names_preprocessing_and_nms(tiny, det):
     assert info.class_names == ("circle", "rectangle", "triangle", "cross")
     assert info.cat_ids == (1, 3, 7, 12)
     assert info.preprocess == ARCHITECTURES[tiny.arch].preprocess
-    from fastdet import recipes
+    from fastdet import registry
 
-    assert info.predict_kwargs == recipes.predict_kwargs(tiny.trainer.cfg)  # the recipe's NMS settings
+    assert info.predict_kwargs == registry.predict_kwargs(tiny.trainer.cfg)  # the recipe's NMS settings
 
 
 def test_detect_maps_boxes_to_original_pixels(det, demo_small):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import Config, DataConfig
 from fastdet.data import augment as A
 from fastdet.data.coco import load_coco
@@ -39,7 +39,7 @@ from fastdet.pipelines.adapter import DaliTrainLoader
 
 def train_loader(cfg, ds, **kw):
     """The loader API with the stages of cfg's recipe (PP-YOLOE) every epoch, as the trainer asks."""
-    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages, **kw)
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: registry.phase(cfg, e).stages, **kw)
 
 
 def eval_loader(cfg, ds, **kw):
@@ -48,7 +48,7 @@ def eval_loader(cfg, ds, **kw):
 
 def pp_stages(**family) -> tuple:
     """PP-YOLOE's stages with some of its augmentation options (the family section) set."""
-    return recipes.phase(Config(family=PPYOLOEOptions(**family)), 0).stages
+    return registry.phase(Config(family=PPYOLOEOptions(**family)), 0).stages
 
 
 BACKENDS = ("dali", "torch")
@@ -197,7 +197,7 @@ def test_geometry_flip(backend, rect_set, tmp_path):
 def test_recipe_stages_stage_by_stage():
     from fastdet.data import stages as S
 
-    assert recipes.phase(Config(data=DataConfig(augment=False)), 0).stages == (
+    assert registry.phase(Config(data=DataConfig(augment=False)), 0).stages == (
         S.Resize("stretch", interp="linear"), S.Normalize())
     assert pp_stages() == (S.Distort(0.5), S.ExpandCrop(0.5, 4.0, True), S.Flip(0.5),
                            S.Resize("stretch", interp="random"), S.Normalize())
@@ -217,7 +217,7 @@ def test_config_augmentation_reaches_the_loader(backend, rect_set, tmp_path):
     sched = TrainSchedule(len(rect_set), 4, rank=0, world_size=1, seed=0, sizes=(128,), random_interp=False)
     cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
     kw = dict(seed=0, rank=0) if backend == "dali" else {}
-    loader = cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages,
+    loader = cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: registry.phase(cfg, e).stages,
                  device=torch.device("cpu"), **kw)
     by_id = {r.image_id: r for r in rect_set}
     checked = 0

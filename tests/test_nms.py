@@ -119,9 +119,9 @@ def test_per_class_topk_is_paddles_multiclass_nms():
 
 def test_the_paddle_families_take_their_top_k_per_class():
     """PP-YOLOE and FCOS evaluate as PaddleDetection's MultiClassNMS (nms_top_k per class)."""
-    from fastdet import recipes
+    from fastdet import registry
     for arch, size in (("ppyoloe", "s"), ("fcos", "r50")):
-        assert recipes.predict_kwargs(recipes.get_preset(arch, size))["per_class_topk"] is True
+        assert registry.predict_kwargs(registry.get_preset(arch, size))["per_class_topk"] is True
         assert build_model(arch, size, num_classes=2).predict_defaults["per_class_topk"] is True
 
 

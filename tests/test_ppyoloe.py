@@ -24,7 +24,7 @@ from fastdet.models import build_model, build_model_from_config
 from fastdet.models.flops import count_flops, count_params, profile
 from fastdet.models.layers import RepVGGBlock
 from fastdet.models.ppyoloe import PPYOLOEHead, PPYOLOEOptions
-from fastdet.recipes import build_detector, demo_overrides, get_preset, loss_variants, phase, predict_kwargs
+from fastdet.registry import build_detector, demo_overrides, get_preset, loss_variants, phase, predict_kwargs
 
 SIZES = ("s", "m", "l", "x")
 # PaddleDetection model zoo, 80 classes, 640x640: params (M), FLOPs (G).

@@ -4,7 +4,7 @@ The digests were taken on main before the loader took stage lists (commit 49ba6d
 ``TorchTrainLoader(cfg, records, schedule)`` with its built-in PP-YOLOE chain, and
 ``TorchEvalLoader`` with its bicubic stretch): random-pixel PNGs with a few boxes each,
 three epochs with and without augmentation over three sizes, and one evaluation pass.
-The stage list PP-YOLOE's recipe (``recipes.phase``) and ``Preprocess()`` must give the
+The stage list PP-YOLOE's recipe (``registry.phase``) and ``Preprocess()`` must give the
 same bytes for every field the old batch had.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import Config, DataConfig
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import ImageRecord
@@ -60,7 +60,7 @@ def test_train_batches_match_main(records):
         data = DataConfig(loader="torch", batch_size=4, train_sizes=(64, 96, 128), max_boxes=6, num_workers=0,
                           augment=aug)
         sched = TrainSchedule(8, 4, rank=0, world_size=1, seed=5, sizes=(64, 96, 128), random_interp=aug)
-        loader = TorchTrainLoader(data, records, sched, stages_for_epoch=lambda e: recipes.phase(Config(data=data), e).stages,
+        loader = TorchTrainLoader(data, records, sched, stages_for_epoch=lambda e: registry.phase(Config(data=data), e).stages,
                                   device=torch.device("cpu"))
         for e in range(3):
             loader.set_epoch(e)

@@ -3,7 +3,7 @@
 Every other CPU check of the step compares fastdet with itself (eager against compiled,
 resumed against uninterrupted), so a wrong weight decay, warm-up, clipping, loss scaling
 or optimizer/EMA order common to every path would pass them (issue 43, item 3). Here the
-step is built as the trainer builds it (``recipes.build_detector``,
+step is built as the trainer builds it (``registry.build_detector``,
 ``build_optimizer_and_ema``, ``LRSchedule.from_config``, ``TrainStep``) from each
 family's published recipe and its demo recipe, and driven as the trainer's loop drives
 it (``set_lr(schedule(step))``, then the step). The reference below calls the same
@@ -52,7 +52,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.data.layout import TARGET_KEYS
 from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
 from fastdet.engine.step import TrainStep, synthetic_batch
@@ -75,11 +75,11 @@ TOL = {"sgd": 1e-6, "adamw": 3e-5, "ema": 3e-5}
 
 def recipe_config(arch: str, which: str):
     """``arch``'s published recipe or its demo recipe, 4 classes."""
-    cfg = recipes.get_preset(arch, FAMILIES[arch])
+    cfg = registry.get_preset(arch, FAMILIES[arch])
     if which == "demo":
         from fastdet.config import apply_overrides
 
-        cfg = recipes.resolve(apply_overrides(cfg, recipes.demo_overrides(arch)))
+        cfg = registry.resolve(apply_overrides(cfg, registry.demo_overrides(arch)))
         # The demo clips at 10, which these small batches' gradients stay under for some
         # families (FCOS: ~4); clipping at 1 exercises it in every family.
         cfg = replace(cfg, optim=replace(cfg.optim, clip_grad_norm=1.0))
@@ -267,7 +267,7 @@ def check_step(arch: str, which: str) -> dict[str, float]:
     of each kind of state over the steps (asserting each step's)."""
     cfg = recipe_config(arch, which)
     torch.manual_seed(0)
-    model = recipes.build_detector(cfg).double().train()
+    model = registry.build_detector(cfg).double().train()
     ref_model = copy.deepcopy(model)
     optimizer, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, BATCH, CPU)
     schedule = LRSchedule.from_config(cfg.optim, base_lr, STEPS_PER_EPOCH)
@@ -279,7 +279,7 @@ def check_step(arch: str, which: str) -> dict[str, float]:
         ema.updates.fill_(first)  # as a run resumed at `first` has it
     ref = ReferenceStep(ref_model, cfg, arch, first)
     assert (ema is None) == (ref.ema is None)
-    kw = recipes.phase(cfg, 0).loss_kwargs
+    kw = registry.phase(cfg, 0).loss_kwargs
     armed = [False]
     hooks = [plant_inf(next(p for p in m.parameters() if p.requires_grad), armed) for m in (model, ref_model)]
     errs: dict[str, float] = {}
@@ -354,7 +354,7 @@ def test_yolox_step_matches_megvii_iteration():
     cfg = recipe_config("yolox", "published")
     o = cfg.optim
     torch.manual_seed(0)
-    model = recipes.build_detector(cfg).double().train()
+    model = registry.build_detector(cfg).double().train()
     ref_model = copy.deepcopy(model)
     optimizer, ema, base_lr = build_optimizer_and_ema(o, model, BATCH, CPU)
     schedule = LRSchedule.from_config(o, base_lr, STEPS_PER_EPOCH)
@@ -380,7 +380,7 @@ def test_yolox_step_matches_megvii_iteration():
     scaler = torch.amp.GradScaler("cpu")
     assert sorted(map(id, pg0 + pg1 + pg2)) == sorted(id(p) for p in ref_model.parameters())
 
-    kw = recipes.phase(cfg, 0).loss_kwargs
+    kw = registry.phase(cfg, 0).loss_kwargs
     armed = [False]
     hooks = [plant_inf(next(iter(m.parameters())), armed) for m in (model, ref_model)]
     errs: dict[str, float] = {}

@@ -51,7 +51,7 @@ def test_engine_and_data_name_no_family():
 
 
 def test_eval_cli_loads_without_the_trainer():
-    code = ("import sys, fastdet.eval.__main__ as m, fastdet.eval.coco, fastdet.recipes, fastdet.data.loader, "
+    code = ("import sys, fastdet.eval.__main__ as m, fastdet.eval.coco, fastdet.registry, fastdet.data.loader, "
             "fastdet.runtime.dist, fastdet.engine.step, fastdet.runtime.checkpoint; "
             "assert 'fastdet.engine.trainer' not in sys.modules, 'trainer imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import Config, DataConfig
 from fastdet.data import augment as A
 from fastdet.data.coco import load_coco
@@ -28,7 +28,7 @@ from fastdet.data.records import ImageRecord
 
 def train_loader(cfg, ds, **kw):
     """The loader API with DataConfig's PP-YOLOE stages every epoch (as the trainer asks today)."""
-    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: recipes.phase(cfg, e).stages, **kw)
+    return build_train_loader(cfg.data, ds, stages_for_epoch=lambda e: registry.phase(cfg, e).stages, **kw)
 
 
 def eval_loader(cfg, ds, **kw):

@@ -204,7 +204,7 @@ def test_loss_terms_and_normaliser():
 
 def test_recipe_phases_follow_megvii():
     from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffine, Resize
-    from fastdet.recipes import get_preset, loss_variants, phase
+    from fastdet.registry import get_preset, loss_variants, phase
 
     cfg = get_preset("yolox", "s")
     assert (cfg.optim.schedule, cfg.optim.nesterov, cfg.optim.ema_type, cfg.data.size_period) == (
@@ -227,7 +227,7 @@ def test_recipe_phases_follow_megvii():
 
 def test_recipe_rejects_a_bad_family_option():
     from fastdet.config import apply_overrides
-    from fastdet.recipes import get_preset, phase
+    from fastdet.registry import get_preset, phase
 
     cfg = apply_overrides(get_preset("yolox", "s"), {"family.mosaic_scale": "2,1"})
     with pytest.raises(ValueError, match="family.mosaic_scale"):
@@ -302,7 +302,7 @@ def test_postprocess_takes_every_point_above_the_threshold_as_megvii():
     """Megvii's COCO eval sends every point with obj x cls >= test_conf into the NMS (no
     pre-NMS top-k): 1000 overlapping best points collapse to one box, and the 200 weaker,
     disjoint ones behind them must survive as well."""
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.models.yolox import yolox_postprocess
 
     n_dup, n_far = 1000, 200
@@ -311,7 +311,7 @@ def test_postprocess_takes_every_point_above_the_threshold_as_megvii():
                        torch.arange(n_far) * 20.0 + 110, torch.full((n_far,), 10.0)], 1)
     boxes = torch.cat([dup, far])[None]
     scores = torch.cat([torch.full((n_dup, 1), 0.9), torch.full((n_far, 1), 0.5)])[None]
-    kw = recipes.predict_kwargs(recipes.get_preset("yolox", "s"))
+    kw = registry.predict_kwargs(registry.get_preset("yolox", "s"))
     assert kw["pre_nms_topk"] == 0 and kw["iou_thresh"] == 0.65 and kw["score_thresh"] == 0.01
     (d,) = yolox_postprocess(boxes, scores, **{**kw, "max_det": 1000})
     assert len(d["boxes"]) == 1 + n_far

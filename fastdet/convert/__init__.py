@@ -145,9 +145,9 @@ def convert(path: str | Path, arch: str, size: Optional[str] = None, source: Opt
     for k in own_order:  # fastdet's order; BatchNorm counters the file lacks start at 0
         model_state[k] = state[k].float() if k in state and state[k].is_floating_point() else \
             state.get(k, torch.tensor(0, dtype=torch.long))
-    from fastdet import recipes
+    from fastdet import registry
 
-    cfg = recipes.get_preset(arch, size)
+    cfg = registry.get_preset(arch, size)
     cfg = apply_overrides(cfg, {"model.num_classes": num_classes, **{f"family.{k}": v for k, v in ws.options.items()}})
     names, ids = coco_classes(ws.classes)
     if len(names) != num_classes:

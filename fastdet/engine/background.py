@@ -77,11 +77,11 @@ class Bucket:
 def bucket_sizes(cfg) -> list[tuple[int, int]]:
     """Every (H, W) the training loader of ``cfg`` can yield (without reading the data):
     each square size of ``data.train_sizes`` and, with keep-ratio resizing, its canvases."""
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.data import stages as S
     from fastdet.data.loader import canvases_for, train_sizes
 
-    rs = S.resize_of(S.check_stages(recipes.phase(cfg, 0).stages))
+    rs = S.resize_of(S.check_stages(registry.phase(cfg, 0).stages))
     canvases = canvases_for(rs.mode, rs.short, rs.max_long)
     return list(dict.fromkeys(hw for s in train_sizes(cfg.data) for hw in canvases.buckets(s)))
 
@@ -228,7 +228,7 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     """Compile ``buckets`` as the trainer's step would (forward + loss + backward, on a
     synthetic batch), filling inductor's caches; one record per bucket, also written to
     ``ready_dir/<bucket.file_id>.json`` when given. ``report(record)`` is called after each."""
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.engine.optim import build_optimizer_and_ema
     from fastdet.engine.step import TrainStep
     from fastdet.runtime.amp import backend_flags, resolve_amp
@@ -240,7 +240,7 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
         # inductor's CPU kernels, and so its cache key, depend on torch's thread count:
         # the worker uses the trainer's, or the trainer would miss every entry.
         torch.set_num_threads(torch_threads)
-    cfg = recipes.config_from_dict(cfg_dict)
+    cfg = registry.config_from_dict(cfg_dict)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -258,7 +258,7 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
             dist.init_process_group("gloo", store=dist.FileStore(store_file, 1), rank=0, world_size=1)
         wrap = (partial(torch.nn.parallel.DistributedDataParallel, device_ids=[dev.index])
                 if dev.type == "cuda" else torch.nn.parallel.DistributedDataParallel)
-    model = recipes.build_detector(cfg).to(dev)
+    model = registry.build_detector(cfg).to(dev)
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model.train()

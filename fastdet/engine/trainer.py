@@ -1,6 +1,6 @@
 """The plain training loop: data -> step -> log, with checkpoints and evaluation.
 
-Nothing here names an architecture: the family's recipe (``fastdet.recipes``) says what
+Nothing here names an architecture: the family's recipe (``fastdet.registry``) says what
 changes during training (``phase(cfg, epoch)``: the loss arguments, the augmentation
 stages, schedule switches) and the loop passes it on.
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from fastdet import recipes
+from fastdet import registry
 from fastdet.config import Config
 from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader, train_sizes
@@ -69,7 +69,7 @@ class Trainer:
     :meth:`train`."""
 
     def __init__(self, cfg: Config):
-        cfg = recipes.resolve(cfg)
+        cfg = registry.resolve(cfg)
         self._setup_process(cfg)
         cfg = replace(cfg, run=replace(cfg.run, output_dir=str(self.out)))  # the directory chosen
         cfg = self._auto_resume(cfg)
@@ -127,10 +127,10 @@ class Trainer:
     def _build_model(self) -> None:
         """The detector on the device, the AMP dtype, the optimizer and the EMA."""
         cfg = self.cfg
-        self.model = recipes.build_detector(cfg).to(self.device)
+        self.model = registry.build_detector(cfg).to(self.device)
         if cfg.model.backbone_weights and not cfg.run.resume:  # a resumed run has them in its state
             self.model.load_backbone_weights(cfg.model.backbone_weights)
-        note = pretrained_backbone_note(recipes.recipe(cfg.model.arch), cfg.model.size, cfg.data.data,
+        note = pretrained_backbone_note(registry.recipe(cfg.model.arch), cfg.model.size, cfg.data.data,
                                         cfg.model.backbone_weights, cfg.run.ckpt or cfg.run.resume)
         if note and self.dist.is_main:
             log.info(note)
@@ -147,11 +147,11 @@ class Trainer:
         # The family's phase decides each epoch's augmentation; the loader rebuilds its
         # chain only when the stage list changes.
         self.train_loader = build_train_loader(cfg.data, self.train_set,
-                                               stages_for_epoch=lambda epoch: recipes.phase(cfg, epoch).stages,
+                                               stages_for_epoch=lambda epoch: registry.phase(cfg, epoch).stages,
                                                rank=d.rank, world_size=d.world_size, device=self.device,
                                                seed=cfg.run.seed)
         self.val_loader = build_eval_loader(cfg.data, self.val_set,
-                                            preprocess=recipes.family(cfg.model.arch).preprocess,
+                                            preprocess=registry.family(cfg.model.arch).preprocess,
                                             rank=d.rank, world_size=d.world_size,
                                             device=self.device)
         self.steps_per_epoch = len(self.train_loader)
@@ -356,13 +356,13 @@ class Trainer:
         self._average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
         rng = rng_state()  # evaluation must not perturb the training's random streams
-        self.evals.run(model, self.val_loader, self.amp_dtype, recipes.predict_kwargs(self.cfg),
+        self.evals.run(model, self.val_loader, self.amp_dtype, registry.predict_kwargs(self.cfg),
                        step=self.step, epoch=self.epoch, state=self._weights_state,
                        current_step=lambda: self.step)
         if self.dist.is_main:
             self.val_predictions = log_val_predictions(
-                model, self.val_set.records, recipes.family(self.cfg.model.arch).preprocess,
-                self.cfg.data.img_size, recipes.predict_kwargs(self.cfg), self.val_set.class_names,
+                model, self.val_set.records, registry.family(self.cfg.model.arch).preprocess,
+                self.cfg.data.img_size, registry.predict_kwargs(self.cfg), self.val_set.class_names,
                 self.tb, self.out, self.step)
         set_rng_state(rng)
         self._collect_evals()
@@ -419,7 +419,7 @@ class Trainer:
             if epoch_done or last:
                 self.save("latest")
             # The phase of the epoch just finished may switch the interval (YOLOX: every epoch at the end).
-            interval = recipes.phase(cfg, self.epoch - 1).eval_interval or run.eval_interval
+            interval = registry.phase(cfg, self.epoch - 1).eval_interval or run.eval_interval
             if last or (epoch_done and self.epoch % interval == 0):
                 self.evaluate()
             if self._stop_requested and not last:  # stopped at an epoch's end: saved above
@@ -480,12 +480,12 @@ class Trainer:
         (fastdet/engine/preflight.py), so that they fail in the first minute."""
         cfg, d = self.cfg, self.dist
         model = self.ema.averaged() if self.ema is not None else self.model
-        build = partial(build_eval_loader, cfg.data, preprocess=recipes.family(cfg.model.arch).preprocess,
+        build = partial(build_eval_loader, cfg.data, preprocess=registry.family(cfg.model.arch).preprocess,
                         rank=d.rank, world_size=d.world_size, device=self.device)
         per_rank = preflight_images(cfg.data.eval_batch_size, self.device)
         try:
             secs = check_end_of_run_path(model, self.val_set, build, self.amp_dtype,
-                                         recipes.predict_kwargs(cfg), per_rank * d.world_size,
+                                         registry.predict_kwargs(cfg), per_rank * d.world_size,
                                          self._state, self.out, d.is_main)
         except PreflightError as e:
             raise TrainingError(str(e)) from e
@@ -502,7 +502,7 @@ class Trainer:
             last_epoch = min(last_epoch, (cfg.run.max_steps - 1) // self.steps_per_epoch)
         # Every phase the rest of the run goes through: its distinct loss arguments x the
         # loader's size buckets, so that nothing compiles after warm-up.
-        variants = recipes.loss_variants(cfg, self.epoch, last_epoch)
+        variants = registry.loss_variants(cfg, self.epoch, last_epoch)
         if cfg.compile.compile and cfg.compile.warmup == "background":
             self._start_background(list(sizes), variants)
             return
@@ -636,7 +636,7 @@ class Trainer:
         self.train_loader.set_epoch(self.epoch)
         self.gaps.restart()
         skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
-        kw = recipes.phase(cfg, self.epoch).loss_kwargs
+        kw = registry.phase(cfg, self.epoch).loss_kwargs
         timer, data_time, n_images = Timer(), 0.0, 0
         it = iter(self.train_loader)
         while True:

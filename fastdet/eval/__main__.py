@@ -70,7 +70,7 @@ def category_ids_by_name(ck: dict, num_classes: int, val) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fastdet import recipes
+    from fastdet import registry
     from fastdet.api import detector_from_checkpoint, read_any_checkpoint
     from fastdet.data.coco import DataError
     from fastdet.data.formats import load_split
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         val = replace(val, cat_ids=category_ids_by_name(ck, cfg.model.num_classes, val))
         # Unfused: evaluation scores the weights as trained (fusing changes only float rounding).
         model = detector_from_checkpoint(ck, cfg, args.ckpt, ema=args.weights == "ema", fuse=False, device=device)
-        loader = build_eval_loader(cfg.data, val, preprocess=recipes.family(cfg.model.arch).preprocess,
+        loader = build_eval_loader(cfg.data, val, preprocess=registry.family(cfg.model.arch).preprocess,
                                    rank=info.rank, world_size=info.world_size, device=device)
-        stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), recipes.predict_kwargs(cfg))
+        stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), registry.predict_kwargs(cfg))
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:  # CheckpointError, ConvertError too
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1

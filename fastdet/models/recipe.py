@@ -15,7 +15,7 @@ A family's :class:`Recipe` holds everything about training it that is not the ne
 - ``predict(options) -> dict``: the keyword arguments of ``Detector.predict``
   (post-processing: NMS thresholds, kind).
 
-The trainer asks the recipe through ``fastdet.recipes`` and never names a family. A
+The trainer asks the recipe through ``fastdet.registry`` and never names a family. A
 new family declares, in its model module::
 
     @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A run's config and its model family's recipe: what the CLI, the trainer and evaluation ask.
+"""The registry: where a config's ``model.arch`` is looked up, and what a run asks of its family.
 
 The architecture named by ``cfg.model.arch`` is looked up here, once per question, in
 ``fastdet.models.ARCHITECTURES``; the answers come from the family's
