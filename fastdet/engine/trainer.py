@@ -26,10 +26,10 @@ from fastdet.config import Config
 from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader, train_sizes
 from fastdet.runtime import dist
-from fastdet.runtime.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
-                                       previous_path, rng_state, save_checkpoint, select_weights,
-                                       set_rng_state)
+from fastdet.runtime.checkpoint import (load_checkpoint, load_with_fallback, previous_path, rng_state,
+                                       save_checkpoint, set_rng_state)
 from fastdet.engine.evaluation import EvalRunner
+from fastdet.engine.finetune import load_for_finetune
 from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
                                    restart_count, resume_command)
 from fastdet.runtime.logging import (Nvtx, Progress, ProfilerWindow, StepGaps, TensorBoard, Timer,
@@ -315,18 +315,10 @@ class Trainer:
         from fastdet.convert import load_any  # also the authors' released files, converted
 
         ck, _ = load_any(path, self.cfg.model.arch, self.cfg.model.size)
-        weights, _ = select_weights(ck)
-        skipped = load_weights_tolerant(self.model, weights)
+        msg = load_for_finetune(self.model, ck, self.train_set.class_names)
         if self.ema is not None:
             self.ema.reset(self.model)
-        msg = f"fine-tuning from {path}"
-        theirs = ck.get("class_names") if isinstance(ck, dict) else None
-        if skipped and isinstance(theirs, list) and len(theirs) != self.train_set.num_classes:
-            msg += (f"; the checkpoint has {len(theirs)} classes and this dataset {self.train_set.num_classes}: "
-                    f"{len(skipped)} classification tensors start fresh ({', '.join(skipped[:4])})")
-        elif skipped:
-            msg += f"; {len(skipped)} tensors of another shape start fresh: {', '.join(skipped[:4])}"
-        log.info(msg)
+        log.info("fine-tuning from %s; %s", path, msg)
 
     # ------------------------------------------------------------------ checkpoints / eval
     def _average_bn_stats(self) -> None:

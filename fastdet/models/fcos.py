@@ -163,6 +163,10 @@ class FCOSHead(nn.Module):
             ``"giou"``, torchvision's plain GIoU (both weighted by the centerness targets).
     """
 
+    # Its layers with one output row per class (fine-tuning maps them by class name:
+    # fastdet.engine.finetune): one 3x3 conv shared by the levels, weight [C, 256, 3, 3], bias [C].
+    class_layers = ("cls_logits",)
+
     def __init__(
         self,
         channels: int = 256,

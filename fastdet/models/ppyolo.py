@@ -304,6 +304,18 @@ class YOLOv3Head(nn.Module):
             paddle_conv_init_(conv)
             self.outputs.append(conv)
 
+    def class_rows(self, num_classes: int) -> dict[str, Tensor]:
+        """Fine-tuning's map of the class channels (``fastdet.engine.finetune``): for each
+        output conv's weight and bias, the rows holding each class, ``[C, na]`` (one per anchor).
+        Channels are ``[iou x na] + na x [x, y, w, h, obj, class 0..C-1]`` (``_level``)."""
+        out = {}
+        for i, mask in enumerate(self.anchor_masks):
+            na = len(mask)
+            first = na if self.iou_aware else 0
+            rows = first + torch.arange(na)[None, :] * (num_classes + 5) + 5 + torch.arange(num_classes)[:, None]
+            out[f"outputs.{i}.weight"] = out[f"outputs.{i}.bias"] = rows
+        return out
+
     def _level(self, i: int, feat: Tensor) -> tuple[Tensor | None, Tensor]:
         """-> IoU logits [B, na, H, W] (or None), predictions [B, na, 5 + C, H, W] (float32, float64
         for a float64 model)."""

@@ -162,6 +162,10 @@ class PPYOLOEHead(nn.Module):
         loss_weights: class (VFL), iou (GIoU), dfl.
     """
 
+    # Its layers with one output row per class (fine-tuning maps them by class name:
+    # fastdet.engine.finetune): per level a 3x3 conv, weight [C, c, 3, 3], bias [C].
+    class_layers = ("pred_cls",)
+
     def __init__(
         self,
         in_channels: Sequence[int],

@@ -122,6 +122,10 @@ class YOLOXHead(nn.Module):
         center_radius, topk, iou_weight: SimOTA's settings.
     """
 
+    # Its layers with one output row per class (fine-tuning maps them by class name:
+    # fastdet.engine.finetune): per level a 1x1 conv, weight [C, width, 1, 1], bias [C].
+    class_layers = ("cls_preds",)
+
     def __init__(
         self,
         in_channels: Sequence[int],
