@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -118,7 +117,8 @@ def test_many_fresh_classes_are_named_then_counted():
     ck = checkpoint("yolox", ["a"])
     names = [f"n{i}" for i in range(13)]
     msg = load_for_finetune(fresh("yolox", 13), ck, names)
-    assert msg == f"0 of 13 classes matched by name to the checkpoint's 1; start fresh: {', '.join(names[:10])} and 3 more"
+    fresh_ones = ", ".join(names[:10])
+    assert msg == f"0 of 13 classes matched by name to the checkpoint's 1; start fresh: {fresh_ones} and 3 more"
 
 
 def test_the_coco_and_yolo_forms_of_a_set_start_alike(demo_small, tmp_path):
@@ -136,8 +136,9 @@ def test_the_coco_and_yolo_forms_of_a_set_start_alike(demo_small, tmp_path):
         img.symlink_to(demo_small / "train2017" / im["file_name"])
         W, H = im["width"], im["height"]
         yolo_label_path(img).write_text("".join(
-            f"{label[a['category_id']]} {(a['bbox'][0] + a['bbox'][2] / 2) / W} {(a['bbox'][1] + a['bbox'][3] / 2) / H} "
-            f"{a['bbox'][2] / W} {a['bbox'][3] / H}\n" for a in doc["annotations"] if a["image_id"] == im["id"]))
+            f"{label[a['category_id']]} {(a['bbox'][0] + a['bbox'][2] / 2) / W} "
+            f"{(a['bbox'][1] + a['bbox'][3] / 2) / H} {a['bbox'][2] / W} {a['bbox'][3] / H}\n"
+            for a in doc["annotations"] if a["image_id"] == im["id"]))
     names = [c["name"] for c in doc["categories"]]
     (root / "data.yaml").write_text(yaml.safe_dump({"train": "images", "val": "images", "names": names}))
     yolo = load_split(replace(DataConfig(), data=str(root / "data.yaml")), "train", check_images="none")

@@ -97,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"fastdet.data: error: --splits takes train and val, got {sorted(bad)[0]}", file=sys.stderr)
         return 1
-    print(f"{args.data}: {data_format(args.data).upper()} format" if args.data is not None else "COCO files")
     try:
-        for split in splits:
+        for i, split in enumerate(splits):
             ds = load_split(cfg, split, train=False)
+            if i == 0:  # once the set reads, so that an export refused by load_split is not called COCO
+                print(f"{args.data}: {data_format(args.data).upper()} format" if args.data is not None
+                      else "COCO files")
             print(f"{split}: {ds.ann_file}")
             print(split_report(ds))
     except DataError as e:

@@ -144,7 +144,9 @@ IMAGE_REASONS = ("missing file", "corrupt", "size mismatch", "without boxes")
 CHANGE_REASONS = ("clipped to the image",)
 UPRIGHT = "turned upright by their EXIF orientation"
 IMAGE_CHANGE_REASONS = (UPRIGHT,)
-FILE_REASONS = ("label file without an image", "not an image file")
+# Phones save HEIC (iPhone) or DNG (raw) pictures beside JPEGs; no decoder here reads them.
+CAMERA_FORMAT = "camera format not read (HEIC, HEIF, DNG: save as JPEG)"
+FILE_REASONS = ("label file without an image", CAMERA_FORMAT, "not an image file")
 _SHOWN_EXAMPLES = 3  # image paths named per reason in the summary
 
 

@@ -10,6 +10,10 @@
   ``class cx cy w h`` normalised to 0..1; an image without a txt, or an empty one, is
   background; a line of more than 5 values is a polygon ``class x1 y1 x2 y2 ...`` and
   its bounding box is used);
+- a ``.data`` file, or a directory holding ``obj.data``: darknet's layout as CVAT's
+  "YOLO 1.1" export writes it (``obj.data``: ``names = obj.names``, ``train = train.txt``,
+  ``valid = valid.txt``; the lists name images in ``obj_<subset>_data/``, each with its
+  txt beside it), read as the data.yaml it stands for (:func:`_read_darknet`);
 - a directory with ``Annotations/`` and ``ImageSets/Main/``: Pascal VOC
   (``ImageSets/Main/{train,val}.txt`` list the image ids, ``Annotations/<id>.xml`` their
   objects, ``JPEGImages/<id>.jpg`` the pictures). Classes: ``label_list.txt`` in the root
@@ -30,8 +34,11 @@ quoted numbers, Roboflow's ``train: ../train/images`` (retried inside the set's 
 ultralytics does), YOLO coordinates up to 0.01 past an edge (clipped), VOC XMLs without
 ``<size>`` (the image's header gives it), ``.jfif`` JPEGs. The report counts what was
 changed (boxes clipped to the image) and what was not read (label files without an
-image, files of other types in an image folder), with examples that name the file and
-line (YOLO) or XML and object (VOC).
+image, a phone's HEIC/DNG pictures, files of other types in an image folder), with
+examples that name the file and line (YOLO) or XML and object (VOC). Exports that name no
+splits (LabelImg's and Label Studio's YOLO ``classes.txt`` folders, LabelImg's XMLs beside
+the images, a folder holding a COCO export's JSON) are refused by :func:`export_hint` in
+one line saying what to write or pass instead.
 
 Bad input is one :class:`~fastdet.data.coco.DataError` line naming the file (and line):
 a label line that is not numbers, a class id not in ``names``, a coordinate further
@@ -58,6 +65,7 @@ from fastdet.data.coco import CocoDataset, DataError
 
 # ".jfif" and ".jpe": JPEGs as Windows and some cameras name them.
 IMAGE_EXTS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".tif", ".tiff")
+CAMERA_EXTS = (".heic", ".heif", ".dng")  # pictures a phone saves that are not read: counted as such
 VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
                "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
                "train", "tvmonitor")
@@ -75,14 +83,41 @@ def data_format(data: str) -> str:
     if data == "demo":
         return "coco"
     p = Path(data).expanduser()
-    if p.suffix in (".yaml", ".yml"):
+    if p.suffix in (".yaml", ".yml", ".data"):
         return "yolo"
     if p.is_dir():
         if (p / "Annotations").is_dir() and (p / "ImageSets").is_dir():
             return "voc"
-        if (p / "data.yaml").is_file() and not (p / "annotations").is_dir():
+        if ((p / "data.yaml").is_file() or (p / "obj.data").is_file()) and not (p / "annotations").is_dir():
             return "yolo"
     return "coco"
+
+
+def export_hint(data: str, split: str) -> Optional[str]:
+    """For a ``--data`` directory that is no COCO root (no
+    ``annotations/instances_<split>2017.json``) but an annotation tool's export fastdet does
+    not read as it is: one line saying what to change; None otherwise."""
+    root = Path(data).expanduser()
+    if data == "demo" or not root.is_dir() or next(root.glob("annotations/instances_*2017.json"), None):
+        return None  # a COCO root, whole or missing a split: resolve_data says which file is missing
+    classes = next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
+    if classes is not None:
+        names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
+        images = "images" if (root / "images").is_dir() else "."
+        return (f"--data {data}: a YOLO export without a data.yaml ({classes.name}: LabelImg's or Label Studio's "
+                f"YOLO export), which names no train and val images; write {root / 'data.yaml'} with "
+                f"'train: {images}', 'val: <held-out images, or {images}>' and 'names: {names}'")
+    if next(root.glob("*.xml"), None) or next(root.glob("*/*.xml"), None):
+        return (f"--data {data}: VOC XMLs beside their images (LabelImg's PascalVOC save), not a VOC root; "
+                "arrange it as one: Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt "
+                "and val.txt listing the ids of each split")
+    jsons = sorted(str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")])
+    if jsons:
+        return (f"--data {data}: not a COCO root (no annotations/instances_{split}2017.json); it holds "
+                f"{', '.join(jsons[:3])} (CVAT's COCO export writes annotations/instances_default.json, Label "
+                "Studio's result.json): name a COCO export's files with --train-ann/--train-images and "
+                "--val-ann/--val-images")
+    return None
 
 
 def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None,
@@ -97,6 +132,9 @@ def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None
     keep_empty = data_cfg.keep_empty_train if train else None
     fmt = data_format(data_cfg.data)
     if fmt == "coco":
+        hint = None if getattr(data_cfg, f"{split}_ann") else export_hint(data_cfg.data, split)
+        if hint:
+            raise DataError(hint)
         paths = coco.resolve_data(data_cfg, splits=(split,))
         return coco.load_coco(getattr(paths, f"{split}_ann"), getattr(paths, f"{split}_images"), train=train,
                               keep_empty=keep_empty, check_images=check, cache_dir=data_cfg.cache_dir)
@@ -197,7 +235,7 @@ def read_text(path: Path) -> str:
 def _yolo_yaml(data: str) -> Path:
     p = Path(data).expanduser()
     if p.is_dir():
-        p = p / "data.yaml"
+        p = p / "obj.data" if (p / "obj.data").is_file() and not (p / "data.yaml").is_file() else p / "data.yaml"
     if not p.is_file():
         raise DataError(f"--data {data}: {p} not found")
     return p
@@ -212,6 +250,46 @@ def _read_yaml(path: Path) -> dict:
         raise DataError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
     if not isinstance(doc, dict):
         raise DataError(f"{path}: expected a mapping with path, train, val, names")
+    return doc
+
+
+def _darknet_path(root: Path, value: str) -> Path:
+    """A path in darknet's files: relative to darknet's working directory, which holds the
+    set in ``data/`` (``data/obj.names``, ``data/obj_train_data/x.jpg``, as older CVAT
+    versions write them); tried as written inside the set's root, then without ``data/``."""
+    p = Path(value).expanduser()
+    p = p if p.is_absolute() else root / p
+    if not p.exists() and value.startswith("data/"):
+        p = root / value[len("data/"):]
+    return p
+
+
+def _read_darknet(path: Path) -> dict:
+    """darknet's ``obj.data`` (CVAT's "YOLO 1.1" export): ``key = value`` lines naming the
+    class list (``names``) and the ``train`` and ``valid`` image lists, as the data.yaml
+    document they stand for (``path``: the file's folder; ``val``: ``valid``)."""
+    fields: dict[str, str] = {}
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if "=" not in line:
+            raise DataError(f"{path}:{n}: expected 'key = value' (names, train, valid), got {line!r}")
+        key, value = (t.strip() for t in line.split("=", 1))
+        fields[key] = value
+    for key in ("names", "train"):
+        if not fields.get(key):
+            raise DataError(f"{path}: no '{key} = ...' line")
+    names_file = _darknet_path(path.parent, fields["names"])
+    if not names_file.is_file():
+        raise DataError(f"{path}: names = {fields['names']}: {names_file} not found")
+    names = [ln.strip() for ln in read_text(names_file).splitlines() if ln.strip()]
+    doc: dict[str, Any] = {"path": str(path.parent), "names": names,
+                           "train": str(_darknet_path(path.parent, fields["train"]))}
+    if fields.get("valid"):
+        doc["val"] = str(_darknet_path(path.parent, fields["valid"]))
+    if fields.get("classes", "").isdigit():
+        doc["nc"] = int(fields["classes"])
     return doc
 
 
@@ -274,8 +352,8 @@ def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[P
             images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
             labels = {yolo_label_path(f) for f in images}
             files += images
-            ignored += [("not an image file", str(f)) for f in found
-                        if f.suffix.lower() not in IMAGE_EXTS and f not in labels]
+            ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS else "not an image file", str(f))
+                        for f in found if f.suffix.lower() not in IMAGE_EXTS and f not in labels]
             label_dir = yolo_label_path(p / "x.jpg").parent  # where this folder's images have their labels
             if label_dir != p and label_dir.is_dir():
                 ignored += [("label file without an image", str(t)) for t in sorted(label_dir.rglob("*.txt"))
@@ -285,7 +363,10 @@ def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[P
                 line = line.strip()
                 if line:
                     q = Path(line)
-                    files.append(q if q.is_absolute() else (p.parent / q if line.startswith("./") else root / q))
+                    q = q if q.is_absolute() else (p.parent / q if line.startswith("./") else root / q)
+                    if not q.exists() and line.startswith("data/"):  # darknet's, as CVAT writes them
+                        q = _darknet_path(root, line)
+                    files.append(q)
         else:
             raise DataError(f"{path}: field '{split}': {p} is neither an image folder nor a .txt list")
     if not files:
@@ -336,10 +417,14 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
               cache_dir=None) -> CocoDataset:
     """One split of an ultralytics ``data.yaml`` set (see the module docstring)."""
     path = _yolo_yaml(data)
-    doc = _read_yaml(path)
+    darknet = path.suffix == ".data"
+    doc = _read_darknet(path) if darknet else _read_yaml(path)
     names = yolo_names(path, doc)
     root = yolo_root(path, doc)
     if split not in doc or doc[split] is None:
+        if darknet:  # CVAT writes valid.txt only for a task with a Validation subset
+            raise DataError(f"{path}: no 'valid = ...' line (the val images): add one naming a list of "
+                            "held-out images, e.g. 'valid = valid.txt' as CVAT writes it for a Validation subset")
         raise DataError(f"{path}: no '{split}' entry (the {split} images)")
     files, ignored = _yolo_images(path, root, split, doc[split])
     sizes, skips, turned = _probe_sizes(files, check_images, cache_dir)

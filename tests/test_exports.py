@@ -1,0 +1,395 @@
+"""Sets shaped as annotation tools and phones leave them, made here from the small demo set:
+a Roboflow YOLO export, CVAT's COCO 1.0 and YOLO 1.1 exports, LabelImg's VOC XMLs beside
+the images and its YOLO txt + classes.txt, Label Studio's COCO and YOLO exports, and a
+phone's JPEGs (.jpg/.JPG/.jpeg, one stored sideways, one .HEIC).
+
+Each goes through ``python -m fastdet.data check`` (what the report says: counts, and
+examples naming the files), or is refused in one line saying what to change, after which
+the set as changed is read; one slow test trains every readable form for two steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from fastdet.data.__main__ import main as data_main
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+SPLITS = ("train", "val")
+
+
+def _coco(demo_small: Path, split: str) -> dict:
+    return json.loads((demo_small / "annotations" / f"instances_{split}2017.json").read_text())
+
+
+def _names(demo_small: Path) -> list[str]:
+    return [c["name"] for c in _coco(demo_small, "train")["categories"]]
+
+
+def _yolo_lines(doc: dict, im: dict) -> str:
+    label = {c["id"]: i for i, c in enumerate(doc["categories"])}
+    W, H = im["width"], im["height"]
+    return "".join(f"{label[a['category_id']]} {(a['bbox'][0] + a['bbox'][2] / 2) / W!r} "
+                   f"{(a['bbox'][1] + a['bbox'][3] / 2) / H!r} {a['bbox'][2] / W!r} {a['bbox'][3] / H!r}\n"
+                   for a in doc["annotations"] if a["image_id"] == im["id"])
+
+
+def _copy(demo_small: Path, split: str, im: dict, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(demo_small / f"{split}2017" / im["file_name"], dst)
+
+
+def _counts(demo_small: Path) -> dict[str, tuple[int, int]]:
+    """(images, boxes) per split of the demo set."""
+    return {s: (len(d["images"]), len(d["annotations"])) for s in SPLITS for d in [_coco(demo_small, s)]}
+
+
+# ----------------------------------------------------------------------------- the exports
+
+def roboflow(demo_small: Path, root: Path) -> list[str]:
+    """Roboflow's "YOLOv8" export: ``train/``, ``valid/`` each with ``images/`` and
+    ``labels/``, renamed files (``<stem>_jpg.rf.<hash>.jpg``), README files, and a data.yaml
+    whose split paths start with ``../`` and that carries a ``roboflow:`` block."""
+    for split, folder in zip(SPLITS, ("train", "valid")):
+        doc = _coco(demo_small, split)
+        for k, im in enumerate(doc["images"]):
+            stem = f"{Path(im['file_name']).stem}_jpg.rf.{k:08x}ab12cd34"
+            _copy(demo_small, split, im, root / folder / "images" / f"{stem}.jpg")
+            lines = _yolo_lines(doc, im)
+            (root / folder / "labels").mkdir(parents=True, exist_ok=True)
+            if lines:
+                (root / folder / "labels" / f"{stem}.txt").write_text(lines)
+    (root / "README.roboflow.txt").write_text("Exported via roboflow.com\n")
+    (root / "data.yaml").write_text(
+        "train: ../train/images\nval: ../valid/images\ntest: ../test/images\n\n"
+        f"nc: 4\nnames: {_names(demo_small)!r}\n\nroboflow:\n  workspace: ws\n  project: shapes\n"
+        "  version: 1\n  license: CC BY 4.0\n  url: https://universe.roboflow.com/ws/shapes/dataset/1\n")
+    return ["--data", str(root / "data.yaml")]
+
+
+def cvat_coco(demo_small: Path, root: Path) -> list[str]:
+    """CVAT's "COCO 1.0": one export per task, ``annotations/instances_default.json`` (with
+    attributes, empty segmentations, licence fields) beside ``images/``."""
+    args = []
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        task = root / f"task_{split}"
+        for im in doc["images"]:
+            _copy(demo_small, split, im, task / "images" / im["file_name"])
+            im.update(license=0, flickr_url="", coco_url="", date_captured=0)
+        for a in doc["annotations"]:
+            a.update(attributes={"occluded": False}, segmentation=[])
+        doc.update(licenses=[{"name": "", "id": 0, "url": ""}], info={"contributor": "", "version": ""})
+        (task / "annotations").mkdir()
+        (task / "annotations" / "instances_default.json").write_text(json.dumps(doc))
+        args += [f"--{split}-ann", str(task / "annotations" / "instances_default.json"),
+                 f"--{split}-images", str(task / "images")]
+    return args
+
+
+def cvat_yolo(demo_small: Path, root: Path) -> list[str]:
+    """CVAT's "YOLO 1.1" (darknet): ``obj.data``, ``obj.names``, ``obj_<subset>_data/``
+    holding each image with its txt, and ``train.txt`` / ``valid.txt`` listing the images
+    (the valid list in older CVAT's ``data/`` form)."""
+    for split, subset in zip(SPLITS, ("train", "valid")):
+        doc = _coco(demo_small, split)
+        listed = []
+        for im in doc["images"]:
+            img = root / f"obj_{subset}_data" / im["file_name"]
+            _copy(demo_small, split, im, img)
+            img.with_suffix(".txt").write_text(_yolo_lines(doc, im))  # CVAT writes empty ones too
+            listed.append(f"{'data/' if subset == 'valid' else ''}obj_{subset}_data/{im['file_name']}")
+        (root / f"{subset}.txt").write_text("\n".join(listed) + "\n")
+    (root / "obj.names").write_text("\n".join(_names(demo_small)) + "\n")
+    (root / "obj.data").write_text("classes = 4\ntrain = data/train.txt\nvalid = data/valid.txt\n"
+                                   "names = data/obj.names\nbackup = backup/\n")
+    return ["--data", str(root)]
+
+
+def labelimg_yolo(demo_small: Path, root: Path) -> list[str]:
+    """LabelImg saving YOLO beside the images: ``<stem>.txt`` per image and ``classes.txt``,
+    one folder per split here."""
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        for im in doc["images"]:
+            _copy(demo_small, split, im, root / split / im["file_name"])
+            (root / split / im["file_name"]).with_suffix(".txt").write_text(_yolo_lines(doc, im))
+        (root / split / "classes.txt").write_text("\n".join(_names(demo_small)) + "\n")
+    shutil.copy(root / "train" / "classes.txt", root / "classes.txt")
+    return ["--data", str(root)]
+
+
+def labelimg_voc(demo_small: Path, root: Path) -> list[str]:
+    """LabelImg saving Pascal VOC: ``<stem>.xml`` beside each image (no Annotations/ or ImageSets/)."""
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        cat = {c["id"]: c["name"] for c in doc["categories"]}
+        for im in doc["images"]:
+            _copy(demo_small, split, im, root / split / im["file_name"])
+            objs = "".join(f"<object><name>{cat[a['category_id']]}</name><difficult>0</difficult><bndbox>"
+                           f"<xmin>{a['bbox'][0] + 1}</xmin><ymin>{a['bbox'][1] + 1}</ymin>"
+                           f"<xmax>{a['bbox'][0] + a['bbox'][2]}</xmax><ymax>{a['bbox'][1] + a['bbox'][3]}</ymax>"
+                           f"</bndbox></object>" for a in doc["annotations"] if a["image_id"] == im["id"])
+            (root / split / im["file_name"]).with_suffix(".xml").write_text(
+                f"<annotation><folder>{split}</folder><filename>{im['file_name']}</filename><size><width>"
+                f"{im['width']}</width><height>{im['height']}</height><depth>3</depth></size>{objs}</annotation>")
+    return ["--data", str(root)]
+
+
+def labelstudio_coco(demo_small: Path, root: Path) -> list[str]:
+    """Label Studio's "COCO" export: ``result.json`` beside ``images/``, file names with
+    that folder, category ids from 0, no ``area``; one export per project here."""
+    args = []
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        project = root / f"project_{split}"
+        remap = {c["id"]: i for i, c in enumerate(doc["categories"])}
+        for c in doc["categories"]:
+            c["id"] = remap[c["id"]]
+        for a in doc["annotations"]:
+            a["category_id"] = remap[a["category_id"]]
+            a.pop("area")
+        for im in doc["images"]:
+            _copy(demo_small, split, im, project / "images" / im["file_name"])
+            im["file_name"] = f"images/{im['file_name']}"
+        (project / "result.json").write_text(json.dumps(doc))
+        args += [f"--{split}-ann", str(project / "result.json"), f"--{split}-images", str(project)]
+    return args
+
+
+def labelstudio_yolo(demo_small: Path, root: Path) -> list[str]:
+    """Label Studio's "YOLO" export: ``classes.txt``, ``images/``, ``labels/``, ``notes.json``."""
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        for im in doc["images"]:
+            _copy(demo_small, split, im, root / "images" / split / im["file_name"])
+            (root / "labels" / split).mkdir(parents=True, exist_ok=True)
+            (root / "labels" / split / im["file_name"]).with_suffix(".txt").write_text(_yolo_lines(doc, im))
+    (root / "classes.txt").write_text("\n".join(_names(demo_small)) + "\n")
+    (root / "notes.json").write_text(json.dumps({"categories": [{"id": i, "name": n} for i, n in
+                                                                enumerate(_names(demo_small))],
+                                                 "info": {"year": 2026, "version": "1.0"}}))
+    return ["--data", str(root)]
+
+
+def phone(demo_small: Path, root: Path) -> list[str]:
+    """A phone's pictures copied off the camera roll: ``.jpg``, ``.JPG`` and ``.jpeg``
+    names, one picture stored sideways (EXIF orientation 6) under labels of the upright
+    picture, and one ``.HEIC`` (not read: counted)."""
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        for k, im in enumerate(doc["images"]):
+            name = f"IMG_{k:04d}" + (".jpg", ".JPG", ".jpeg")[k % 3]
+            dst = root / "images" / split / name
+            _copy(demo_small, split, im, dst)
+            if k == 1:  # stored sideways: turn 90° clockwise to view
+                upright = Image.open(dst)
+                exif = Image.Exif()
+                exif[0x0112] = 6
+                upright.transpose(Image.Transpose.ROTATE_90).save(dst, format="JPEG", exif=exif.tobytes(), quality=95)
+            (root / "labels" / split).mkdir(parents=True, exist_ok=True)
+            (root / "labels" / split / name).with_suffix(".txt").write_text(_yolo_lines(doc, im))
+        (root / "images" / split / "IMG_9999.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + bytes(64))
+    (root / "data.yaml").write_text(yaml.safe_dump({"path": str(root), "train": "images/train", "val": "images/val",
+                                                    "names": _names(demo_small)}))
+    return ["--data", str(root / "data.yaml")]
+
+
+def check(capsys, args: list[str]) -> tuple[int, str, str]:
+    rc = data_main(["check", *args, "--cache-dir", str(Path(args[1]).parent / "cache")])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def split_parts(out: str) -> dict[str, str]:
+    return {"train": out[out.index("train:"):out.index("\nval:")], "val": out[out.index("\nval:"):]}
+
+
+def assert_counts(out: str, counts: dict[str, tuple[int, int]]) -> None:
+    for split, (n_images, n_boxes) in counts.items():
+        part = split_parts(out)[split]
+        assert re.search(rf"\n  {n_images} images \(\d+ without boxes\), {n_boxes} boxes, 4 classes\n", part), part
+
+
+# ----------------------------------------------------------------------------- check, as they are
+
+def test_roboflow_export_checks_as_it_is(demo_small, tmp_path, capsys):
+    args = roboflow(demo_small, tmp_path / "rf")
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "YOLO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
+    assert_counts(out, _counts(demo_small))
+
+
+def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp_path, capsys):
+    args = cvat_coco(demo_small, tmp_path / "cvat")
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert out.count("problems: nothing dropped or skipped") == 2, out
+    assert_counts(out, _counts(demo_small))
+    rc, out, err = check(capsys, ["--data", str(tmp_path / "cvat" / "task_val")])
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert "it holds annotations/instances_default.json (CVAT's COCO export" in err and "--val-ann" in err, err
+
+
+def test_cvat_yolo_export_checks_as_it_is(demo_small, tmp_path, capsys):
+    args = cvat_yolo(demo_small, tmp_path / "cvat_yolo")
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "YOLO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
+    assert_counts(out, _counts(demo_small))
+    # Without a validation subset CVAT writes no valid.txt: one line saying what to add.
+    data = tmp_path / "cvat_yolo" / "obj.data"
+    data.write_text(data.read_text().replace("valid = data/valid.txt\n", ""))
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert f"{data}: no 'valid = ...' line" in err and "valid = valid.txt" in err, err
+
+
+def test_labelstudio_coco_export_checks_as_it_is_with_its_missing_areas_counted(demo_small, tmp_path, capsys):
+    args = labelstudio_coco(demo_small, tmp_path / "ls")
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    n = _counts(demo_small)
+    assert_counts(out, n)
+    for split, (_, boxes) in n.items():
+        assert f"problems: filled in {boxes} missing 'area'" in split_parts(out)[split], out
+    rc, out, err = check(capsys, ["--data", str(tmp_path / "ls" / "project_train")])
+    assert rc == 1 and "it holds result.json (CVAT's COCO export" in err and "--train-ann" in err, err
+
+
+def test_phone_pictures_check_with_the_heic_counted_and_the_sideways_one_turned(demo_small, tmp_path, capsys):
+    args = phone(demo_small, tmp_path / "phone")
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert_counts(out, _counts(demo_small))
+    for split in SPLITS:
+        part = split_parts(out)[split]
+        heic = tmp_path / "phone" / "images" / split / "IMG_9999.HEIC"
+        assert "1 turned upright by their EXIF orientation" in part and "IMG_0001.JPG" in part, part
+        assert "ignored 1 file: 1 camera format not read (HEIC, HEIF, DNG: save as JPEG)" in part, part
+        assert f"camera format not read (HEIC, HEIF, DNG: save as JPEG): {heic}" in part, part
+
+
+# ----------------------------------------------------------------------------- refused, then read as told
+
+def _data_yaml_from_hint(err: str, root: Path, val: str | None = None) -> Path:
+    """The data.yaml the one-line refusal asks for, written as it says."""
+    m = re.search(r"write (\S+) with 'train: (\S+)', 'val: <held-out images, or \S+>' and 'names: (\[.*\])'", err)
+    assert m, err
+    train, names = m.group(2), yaml.safe_load(m.group(3))
+    Path(m.group(1)).write_text(yaml.safe_dump({"train": train, "val": val or train, "names": names}))
+    assert Path(m.group(1)).parent == root
+    return Path(m.group(1))
+
+
+def test_labelstudio_yolo_export_is_refused_saying_what_to_write_then_reads(demo_small, tmp_path, capsys):
+    root = tmp_path / "lsy"
+    args = labelstudio_yolo(demo_small, root)
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert "a YOLO export without a data.yaml (classes.txt: LabelImg's or Label Studio's YOLO export)" in err
+    _data_yaml_from_hint(err, root)
+    spec = yaml.safe_load((root / "data.yaml").read_text())
+    assert spec["names"] == _names(demo_small) and spec["train"] == "images"
+    spec.update(train="images/train", val="images/val")
+    (root / "data.yaml").write_text(yaml.safe_dump(spec))
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert_counts(out, _counts(demo_small))
+    assert out.count("problems: nothing dropped or skipped") == 2, out
+
+
+def test_labelimg_yolo_is_refused_saying_what_to_write_then_reads_with_classes_txt_counted(demo_small, tmp_path,
+                                                                                            capsys):
+    root = tmp_path / "liy"
+    args = labelimg_yolo(demo_small, root)
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and "classes.txt: LabelImg's or Label Studio's YOLO export" in err, err
+    _data_yaml_from_hint(err, root)
+    spec = yaml.safe_load((root / "data.yaml").read_text())
+    assert spec["train"] == "." and spec["names"] == _names(demo_small)
+    spec.update(train="train", val="val")
+    (root / "data.yaml").write_text(yaml.safe_dump(spec))
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert_counts(out, _counts(demo_small))
+    for split in SPLITS:  # LabelImg's classes.txt beside the images: not an image, counted and named
+        assert f"not an image file: {root / split / 'classes.txt'}" in split_parts(out)[split], out
+
+
+def test_labelimg_voc_beside_the_images_is_refused_saying_how_to_arrange_it(demo_small, tmp_path, capsys):
+    root = tmp_path / "liv"
+    args = labelimg_voc(demo_small, root)
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert "VOC XMLs beside their images (LabelImg's PascalVOC save)" in err, err
+    assert "Annotations/<id>.xml" in err and "JPEGImages/<id>.jpg" in err and "ImageSets/Main/train.txt" in err
+    # Arranged as it says, the same images and boxes.
+    for d in ("Annotations", "JPEGImages", "ImageSets/Main"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        ids = []
+        for img in sorted((root / split).glob("*.jpg")):
+            shutil.move(img, root / "JPEGImages" / img.name)
+            shutil.move(img.with_suffix(".xml"), root / "Annotations" / f"{img.stem}.xml")
+            ids.append(img.stem)
+        (root / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "VOC format" in out
+    assert_counts(out, _counts(demo_small))
+
+
+# ----------------------------------------------------------------------------- a short training on each
+
+# Each readable form and the loaders its short training runs with: the loaders alternate
+# over the forms (a DALI run on the CPU costs about a minute here, and every form reaches the
+# loaders as the same records), and the phone's pictures, whose sideways one each loader must
+# decode upright, run both.
+TRAININGS = [(roboflow, "torch"), (cvat_coco, "dali"), (cvat_yolo, "torch"), (labelstudio_coco, "dali"),
+             (phone, "torch"), (phone, "dali")]
+
+
+@pytest.mark.slow
+def test_every_readable_export_trains_a_few_steps(demo_small, tmp_path):
+    """Two steps of ``python -m fastdet.train`` on each form (DALI on the CPU, skipped as
+    tests/test_formats.py skips it: without nvidia.dali); each run after the first
+    fine-tunes from the previous one's checkpoint, its classes matched by name."""
+    try:
+        import nvidia.dali  # noqa: F401  (optional: the DALI runs need it)
+        has_dali = True
+    except ImportError:
+        has_dali = False
+    previous, made = None, {}
+    for make, loader in TRAININGS:
+        if loader == "dali" and not has_dali:
+            continue
+        name = make.__name__
+        if name not in made:
+            made[name] = make(demo_small, tmp_path / name)
+        out = tmp_path / "runs" / f"{name}_{loader}"
+        cmd = [sys.executable, "-m", "fastdet.train", "--arch", "yolox", "--size", "nano", *made[name],
+               "--device", "cpu", "--img-size", "64", "--no-multiscale", "--batch-size", "4", "--epochs", "1",
+               "--max-steps", "2", "--output-dir", str(out), "--workers", "0", "--loader", loader,
+               "--set", "optim.warmup_steps=2", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+        if previous is not None:
+            cmd += ["--ckpt", str(previous)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+        assert r.returncode == 0, (name, loader, r.stdout[-3000:] + r.stderr[-3000:])
+        assert f"loader {loader}" in r.stdout and "COCO AP" in r.stdout, (name, loader)
+        if previous is not None:
+            assert f"fine-tuning from {previous}; 4 of 4 classes matched by name to the checkpoint's 4" in r.stdout, \
+                (name, r.stdout[-3000:])
+        previous = out / "latest.pth"
+        assert previous.is_file()
