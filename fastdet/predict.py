@@ -30,7 +30,9 @@ import json
 import sys
 from pathlib import Path
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+# The suffixes the set readers take (fastdet.data.formats.IMAGE_EXTS; that module is not imported
+# here, so that --help and flag errors come before numpy and the readers load).
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,3 +158,15 @@ def test_predict_draws_and_writes_the_checkpoints_own_names_and_ids(coco_model, 
     results = json.loads((out / "predictions.json").read_text())
     assert len(results) == len(labels) and [r["category_id"] for r in results] == [COCO_IDS[c] for c in labels]
     assert results[0]["category_id"] == COCO_IDS[truth[0][0][0]]
+
+
+def test_predict_finds_the_image_files_the_set_readers_read(tmp_path):
+    """A folder predict is pointed at yields the files training would read from it (a
+    Windows ``.jfif`` JPEG included), and not a phone's HEIC."""
+    from fastdet.data.formats import IMAGE_EXTS
+    from fastdet.predict import IMAGE_SUFFIXES, find_images
+
+    assert sorted(IMAGE_SUFFIXES) == sorted(IMAGE_EXTS)
+    for name in ("a.jpg", "b.JPG", "c.jfif", "d.HEIC", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [f.name for f in find_images(str(tmp_path))] == ["a.jpg", "b.JPG", "c.jfif"]
