@@ -269,14 +269,14 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
     if cfg.run.ckpt:
-        from fastdet.runtime.checkpoint import is_checkpoint_archive
+        from fastdet.runtime.checkpoint import is_torch_file
 
         path = Path(cfg.run.ckpt).expanduser()
         if not path.is_file():
             raise ConfigError(f"--ckpt {path}: no such file")
         with open(path, "rb") as f:
             pickled = f.read(1) == b"\x80"  # a Paddle .pdparams (fastdet.convert reads it)
-        if not is_checkpoint_archive(path) and not pickled:
+        if not is_torch_file(path) and not pickled:
             raise ConfigError(f"--ckpt {path} is not a checkpoint: torch.save writes a zip archive "
                               "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
         if not cfg.run.resume and not cfg.run.ckpt_partial:
@@ -289,7 +289,7 @@ def check_same_model(path: Path, cfg: Config) -> None:
     import torch
 
     try:  # mmap: only the config is read, not the tensors
-        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ck = load_torch_file(path, mmap=True)
     except Exception:
         return  # an unreadable file is named by the loader, with its reason
     model = (ck.get("config") or {}).get("model") if isinstance(ck, dict) else None
