@@ -30,6 +30,14 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from fastdet.api import CheckpointError, detect, load_detector
+from fastdet.data.augment import ImageDecodeError, decode_image
+from fastdet.runtime.dist import resolve_device
+from fastdet.visualize import draw_detections, save_image
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
@@ -110,13 +118,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
-    from fastdet.api import CheckpointError, detect, load_detector
-    from fastdet.data.augment import ImageDecodeError, decode_image
-    from fastdet.runtime.dist import resolve_device
-    from fastdet.visualize import draw_detections, save_image
-
     try:
         check_args(args)
         files = find_images(args.source)
@@ -134,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     skipped: list[str] = []
     done = 0
-    from tqdm import tqdm
-
     bar = tqdm(total=len(files), unit="img", disable=not sys.stderr.isatty(), dynamic_ncols=True)
     for start in range(0, len(files), args.batch_size):
         chunk = range(start, min(start + args.batch_size, len(files)))
