@@ -11,7 +11,7 @@ _API = ("load_detector", "detect", "preprocess_images", "DetectorInfo", "Checkpo
 
 def __getattr__(name: str):
     if name in _API:
-        from fastdet import api
+        from fastdet import api  # heavy (torch, every model family): `import fastdet` stays light
 
         return getattr(api, name)
     raise AttributeError(f"module 'fastdet' has no attribute {name!r}")

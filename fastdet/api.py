@@ -21,11 +21,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from fastdet import registry
 from fastdet.config import Config, ConfigError
 from fastdet.convert import load_any
+from fastdet.data.augment import ImageDecodeError, decode_image
 from fastdet.data.preprocess import Preprocess, boxes_to_original
 from fastdet.runtime.checkpoint import load_checkpoint, select_weights
 from fastdet.models import ARCHITECTURES, Detector
@@ -157,10 +159,6 @@ def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preproc
 
 def _one_rgb(image: Any, where: str) -> np.ndarray:
     """One image as RGB uint8 ``[H, W, 3]``; ``ValueError`` (one line) for what cannot be one."""
-    from PIL import Image
-
-    from fastdet.data.augment import ImageDecodeError, decode_image
-
     if isinstance(image, (str, Path)):
         try:
             return decode_image(str(image))

@@ -45,6 +45,9 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
+from fastdet.api import CheckpointError, load_detector, preprocess_images
+from fastdet.models import Detector
+
 OPSET = 18
 OUTPUTS_DENSE = ("boxes", "scores")
 OUTPUTS_NMS = ("boxes", "scores", "labels", "num_dets")
@@ -74,7 +77,7 @@ def _(boxes: Tensor, scores: Tensor, max_per_class: int, iou_thresh: float, scor
 
 
 def _nms_onnx(boxes, scores, max_per_class: int, iou_thresh: float, score_thresh: float):
-    from onnxscript import opset18 as op
+    from onnxscript import opset18 as op  # optional: the export extra
 
     return op.NonMaxSuppression(boxes, scores, op.Constant(value_ints=[max_per_class]),
                                 op.Constant(value_floats=[iou_thresh]),
@@ -131,14 +134,12 @@ class WithNMS(nn.Module):
 def has_standard_nms(detector: nn.Module) -> bool:
     """True when ``detector.predict`` is the base multiclass NMS that ``WithNMS`` reproduces
     (a family with its own NMS, e.g. Matrix NMS, overrides ``predict``)."""
-    from fastdet.models import Detector
-
     return type(detector).predict is Detector.predict
 
 def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_batch: bool = False,
                 nms: bool = False, predict_kwargs: dict[str, Any] | None = None) -> Path:
     """Write the ONNX model of ``detector`` (eval mode, on the CPU) to ``output``; checked with onnx.checker."""
-    import onnx
+    import onnx  # optional: the export extra (pip install 'fastdet[export]')
 
     output = Path(output)
     module: nn.Module = Dense(detector)
@@ -226,7 +227,7 @@ def compare_with_torch(detector: nn.Module, path: str | Path, images: Tensor, nm
     Those appear where candidate scores tie (an untrained model scores every anchor at
     its prior): the greedy NMS order, and so the kept boxes, then depend on rounding.
     """
-    import onnxruntime as ort
+    import onnxruntime as ort  # optional: the export extra
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     outs = sess.run(None, {"images": images.numpy()})
@@ -271,8 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fastdet.api import CheckpointError, load_detector, preprocess_images
-
     try:
         if args.img_size is not None and (args.img_size < 32 or args.img_size % 32):
             raise ValueError(f"--img-size: expected a positive multiple of 32, got {args.img_size}")

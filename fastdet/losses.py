@@ -143,7 +143,7 @@ def all_reduce_mean(x: Tensor) -> Tensor:
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         if world > 1:
-            from torch.distributed import _functional_collectives as funcol
+            from torch.distributed import _functional_collectives as funcol  # only where dist is built and running
 
             return funcol.all_reduce(x, "sum", dist.group.WORLD) / world
     return x

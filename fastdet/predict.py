@@ -30,9 +30,14 @@ import json
 import sys
 from pathlib import Path
 
-# The suffixes the set readers take (fastdet.data.formats.IMAGE_EXTS; that module is not imported
-# here, so that --help and flag errors come before numpy and the readers load).
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".webp", ".tif", ".tiff")
+import torch
+from tqdm import tqdm
+
+from fastdet.api import CheckpointError, detect, load_detector
+from fastdet.data.augment import ImageDecodeError, decode_image
+from fastdet.data.formats import IMAGE_EXTS as IMAGE_SUFFIXES  # the suffixes the set readers take
+from fastdet.runtime.dist import resolve_device
+from fastdet.visualize import draw_detections, save_image
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,13 +117,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
-    from fastdet.api import CheckpointError, detect, load_detector
-    from fastdet.data.augment import ImageDecodeError, decode_image
-    from fastdet.runtime.dist import resolve_device
-    from fastdet.visualize import draw_detections, save_image
-
     try:
         check_args(args)
         files = find_images(args.source)
@@ -136,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     skipped: list[str] = []
     done = 0
-    from tqdm import tqdm
-
     bar = tqdm(total=len(files), unit="img", disable=not sys.stderr.isatty(), dynamic_ncols=True)
     for start in range(0, len(files), args.batch_size):
         chunk = range(start, min(start + args.batch_size, len(files)))

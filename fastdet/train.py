@@ -19,7 +19,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
+import yaml
+
+from fastdet import registry
+from fastdet.config import Config, ConfigError, RunConfig, apply_overrides, parse_set_args
+from fastdet.data.augment import ImageDecodeError
+from fastdet.data.coco import DataError
+from fastdet.data.formats import train_num_classes
+from fastdet.data.schedule import LoaderError
+from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
+from fastdet.engine.trainer import TrainingError, train
+from fastdet.models import ARCHITECTURES
+from fastdet.models.detector import Detector
+from fastdet.runtime.checkpoint import (is_torch_file, load_checkpoint, load_torch_file, load_with_fallback,
+                                        previous_path)
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -123,8 +136,6 @@ RESUMABLE = frozenset({
 
 
 def _archs() -> dict[str, tuple[str, ...]]:
-    from fastdet.models import ARCHITECTURES
-
     return {a: tuple(f.sizes) for a, f in sorted(ARCHITECTURES.items())}
 
 
@@ -164,8 +175,6 @@ def scaled_sizes(sizes: tuple[int, ...], ref: int, img_size: int, div: int = 32)
 def resolve_config(args: argparse.Namespace) -> Config:
     """The family's preset, then its demo overrides (for --data demo), then flags, then --set.
     With --resume: the run's stored config, with only the RESUMABLE fields taken from the flags."""
-    from fastdet import registry
-
     overrides = explicit_overrides(args)
     if overrides.get("run.resume"):
         return resolve_resume(args, overrides)
@@ -191,10 +200,6 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Config:
     """The config stored in the checkpoint being resumed; a flag that differs from it is a
     ConfigError naming it unless it is RESUMABLE."""
-    from fastdet import registry
-    from fastdet.config import RunConfig
-    from fastdet.runtime.checkpoint import load_checkpoint, load_with_fallback, previous_path
-
     if overrides.get("run.ckpt"):
         path = Path(overrides["run.ckpt"]).expanduser()
     else:
@@ -238,8 +243,6 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
 def check_config(cfg: Config) -> None:
     """Reject values that would fail late (an epoch in, at evaluation) or silently (0 steps),
     before any data is read: one ConfigError naming the flag."""
-    from fastdet.models.detector import Detector
-
     div = Detector.size_divisor
     d, o = cfg.data, cfg.optim
     if d.batch_size < 1:
@@ -269,14 +272,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
     if cfg.run.ckpt:
-        from fastdet.runtime.checkpoint import is_checkpoint_archive
-
         path = Path(cfg.run.ckpt).expanduser()
         if not path.is_file():
             raise ConfigError(f"--ckpt {path}: no such file")
         with open(path, "rb") as f:
             pickled = f.read(1) == b"\x80"  # a Paddle .pdparams (fastdet.convert reads it)
-        if not is_checkpoint_archive(path) and not pickled:
+        if not is_torch_file(path) and not pickled:
             raise ConfigError(f"--ckpt {path} is not a checkpoint: torch.save writes a zip archive "
                               "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
         if not cfg.run.resume and not cfg.run.ckpt_partial:
@@ -286,10 +287,8 @@ def check_config(cfg: Config) -> None:
 def check_same_model(path: Path, cfg: Config) -> None:
     """Fine-tuning loads into the same family and size: a ConfigError naming both otherwise
     (its weights would mostly not fit, and training would start nearly from scratch)."""
-    import torch
-
     try:  # mmap: only the config is read, not the tensors
-        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ck = load_torch_file(path, mmap=True)
     except Exception:
         return  # an unreadable file is named by the loader, with its reason
     model = (ck.get("config") or {}).get("model") if isinstance(ck, dict) else None
@@ -305,9 +304,6 @@ def check_same_model(path: Path, cfg: Config) -> None:
 def with_dataset_classes(cfg: Config) -> tuple[Config, str]:
     """``cfg`` with ``model.num_classes`` of its training set (as training sets it), and a
     comment line when the set cannot be read."""
-    from fastdet.data.coco import DataError
-    from fastdet.data.formats import train_num_classes
-
     try:
         n = train_num_classes(cfg.data)
     except (DataError, OSError, ValueError) as e:
@@ -324,17 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastdet.train: error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
-
         cfg, note = with_dataset_classes(cfg)
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + note)
         return 0
-    from fastdet.data.augment import ImageDecodeError
-    from fastdet.data.coco import DataError
-    from fastdet.data.schedule import LoaderError
-    from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
-    from fastdet.engine.trainer import TrainingError, train
-
     try:
         stats = train(cfg)
     except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError,

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageDraw
 from torch import Tensor
 from torchvision.utils import draw_bounding_boxes, make_grid
 
@@ -67,8 +68,6 @@ def draw_ground_truth(image: np.ndarray | Tensor, boxes: Tensor, labels: Tensor,
 
 def titled(tile: Tensor, title: str, note: str | None = None, bar: int = 18) -> Tensor:
     """uint8 ``[3, H, W]`` with a ``title`` bar above it and, if given, a ``note`` boxed in its middle."""
-    from PIL import Image, ImageDraw
-
     h, w = tile.shape[-2:]
     canvas = Image.new("RGB", (w, h + bar), (40, 40, 40))
     canvas.paste(Image.fromarray(tile.permute(1, 2, 0).contiguous().numpy()), (0, bar))
@@ -103,6 +102,4 @@ def grid(images: Sequence[Tensor], tile: int = 320, nrow: int = 4) -> Tensor:
 
 def save_image(image: Tensor, path: str | Path, quality: int = 90) -> None:
     """Write uint8 ``[3, H, W]`` as a JPEG (or PNG by extension) with PIL."""
-    from PIL import Image
-
     Image.fromarray(image.permute(1, 2, 0).contiguous().numpy()).save(path, quality=quality)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fastdet.convert import ConvertError, convert
-from fastdet.convert.io import UnsafeWeightsError, load_pdparams, load_torch_file, read_weights
+from fastdet.runtime.checkpoint import UnsafeWeightsError, load_pdparams, load_torch_file, read_weights
 
 
 # --------------------------------------------------------------------------- loading runs no code

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastdet.convert import ConvertError, _fit, convert, unwrap
-from fastdet.convert.io import read_weights
+from fastdet.convert import ConvertError, convert, unwrap
+from fastdet.convert.core import _fit
+from fastdet.runtime.checkpoint import read_weights
 from fastdet.models import ARCHITECTURES, build_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "paddle"

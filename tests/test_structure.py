@@ -56,3 +56,17 @@ def test_eval_cli_loads_without_the_trainer():
             "assert 'fastdet.engine.trainer' not in sys.modules, 'trainer imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_one_weight_file_reader():
+    """Checkpoints, released files and backbone weights are all read by runtime/checkpoint.py:
+    one ``torch.load(weights_only=True)``, one pickle unpickler, one Paddle name table."""
+    readers = {"torch.load(": set(), "Unpickler": set(), '"StructuredToParameterName@@"': set()}
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        for needle, found in readers.items():
+            if needle in text:
+                found.add(path.relative_to(PKG).as_posix())
+    assert readers["torch.load("] == {"runtime/checkpoint.py"}
+    assert readers["Unpickler"] == {"runtime/checkpoint.py"}
+    assert readers['"StructuredToParameterName@@"'] == {"models/paddle_names.py"}

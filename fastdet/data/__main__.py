@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 import numpy as np
+
+from fastdet.config import DataConfig
+from fastdet.data.coco import DataError
+from fastdet.data.formats import data_format, load_split
 
 # Edges of the box-size histogram: sqrt(area) in pixels of the original image.
 SIZE_EDGES = (0, 8, 16, 32, 64, 96, 128, 256, 512, float("inf"))
@@ -76,12 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dataclasses import replace
-
-    from fastdet.config import DataConfig
-    from fastdet.data.coco import DataError
-    from fastdet.data.formats import data_format, load_split
-
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     named = {s: getattr(args, f"{s}_ann") is not None and getattr(args, f"{s}_images") is not None for s in splits}

@@ -44,6 +44,7 @@ from fastdet.data.schedule import (  # noqa: F401  (re-exported: the loader inte
     LoaderError,
     TrainSchedule,
 )
+from fastdet.data.torch_backend import TorchEvalLoader, TorchTrainLoader
 
 BACKENDS = ("auto", "dali", "torch")
 
@@ -131,14 +132,12 @@ def build_train_loader(data, dataset: Any, *, stages_for_epoch: StagesForEpoch, 
     )
     stages_for_epoch = _same_canvases(stages_for_epoch, schedule.canvases)
     if backend == "dali":
-        from fastdet.pipelines.adapter import DaliTrainLoader
+        from fastdet.pipelines.adapter import DaliTrainLoader  # optional: nvidia-dali
 
         loader = DaliTrainLoader(data, records, schedule, stages_for_epoch=stages_for_epoch, device=device,
                                  seed=seed, rank=rank)
         loader.left_out = left_out
         return loader
-    from fastdet.data.torch_backend import TorchTrainLoader
-
     return TorchTrainLoader(data, records, schedule, stages_for_epoch=stages_for_epoch, device=device,
                             report=getattr(dataset, "report", None))
 
@@ -175,13 +174,11 @@ def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, 
         aspects=_aspects(records), interp=INTERPS.index(preprocess.interp),
     )
     if backend == "dali":
-        from fastdet.pipelines.adapter import DaliEvalLoader
+        from fastdet.pipelines.adapter import DaliEvalLoader  # optional: nvidia-dali
 
         loader = DaliEvalLoader(data, records, schedule, preprocess=preprocess, device=device)
         loader.left_out = left_out
         return loader
-    from fastdet.data.torch_backend import TorchEvalLoader
-
     return TorchEvalLoader(data, records, schedule, preprocess=preprocess, device=device,
                            report=getattr(dataset, "report", None))
 
@@ -189,7 +186,7 @@ def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, 
 def _records_for(backend: str, dataset: Any, data) -> tuple[list, int]:
     """The records a back end may read: DALI only gets decode-verified ones (it cannot skip)."""
     if backend == "dali":
-        from fastdet.pipelines.adapter import verified_records
+        from fastdet.pipelines.adapter import verified_records  # optional: nvidia-dali
 
         return verified_records(dataset, data)
     return list(dataset.records), 0

@@ -19,6 +19,15 @@ from dataclasses import replace
 import torch
 
 from fastdet.config import ConfigError, apply_overrides
+from fastdet import registry
+from fastdet.api import detector_from_checkpoint, read_any_checkpoint
+from fastdet.data.coco import DataError
+from fastdet.data.formats import load_split
+from fastdet.data.loader import build_eval_loader
+from fastdet.eval.coco import evaluate
+from fastdet.runtime import dist
+from fastdet.runtime.amp import resolve_amp
+from fastdet.runtime.logging import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,16 +79,6 @@ def category_ids_by_name(ck: dict, num_classes: int, val) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fastdet import registry
-    from fastdet.api import detector_from_checkpoint, read_any_checkpoint
-    from fastdet.data.coco import DataError
-    from fastdet.data.formats import load_split
-    from fastdet.data.loader import build_eval_loader
-    from fastdet.runtime import dist
-    from fastdet.runtime.logging import setup_logging
-    from fastdet.runtime.amp import resolve_amp
-    from fastdet.eval.coco import evaluate
-
     try:
         if args.arch is None and (args.size or args.source):
             raise ValueError("--size and --from describe a released file: give --arch too")
@@ -111,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1
     finally:
-        from fastdet.runtime import dist as _d
-
-        _d.shutdown()
+        dist.shutdown()
     logging.getLogger("fastdet").info("evaluated %s on %s", args.ckpt, val.ann_file)
     print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}  "
           f"APs {stats['APs']:.4f}  APm {stats['APm']:.4f}  APl {stats['APl']:.4f}")

@@ -27,6 +27,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from fastdet.eval.plots import draw_evaluation
+from fastdet.eval.scoring import load_gt
+
 log = logging.getLogger("fastdet")
 
 DEFAULT_SCORE_FN = "fastdet.eval.scoring:score"
@@ -52,8 +55,6 @@ def _resolve(fn: str) -> Callable:
 def _worker(gt_source: Any, backend: Optional[str], score_fn: str, plot_dir: Optional[str], jobs: Any,
             done: Any) -> None:
     """The background process: load the ground truth once, then score (and draw) jobs until None."""
-    from fastdet.eval.scoring import load_gt
-
     try:
         gt = load_gt(gt_source, backend)
         fn = _resolve(score_fn)
@@ -76,8 +77,6 @@ def _worker(gt_source: Any, backend: Optional[str], score_fn: str, plot_dir: Opt
         extra: dict[str, Any] = {}
         if plot_dir is not None:
             try:
-                from fastdet.eval.plots import draw_evaluation
-
                 extra["plots"] = draw_evaluation(scores, plot_dir, step)
             except Exception as e:  # noqa: BLE001 - a failed drawing must not lose the score
                 extra["plot_error"] = f"{type(e).__name__}: {e}"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 PR_FILE, F1_FILE, CM_FILE, RESULTS_FILE = "PR_curve.png", "F1_curve.png", "confusion_matrix.png", "results.png"
 _MAX_LEGEND = 12  # classes named in a legend; more are drawn thin and grey
@@ -31,10 +32,10 @@ _RECALL = np.linspace(0, 1, 101)
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # heavy (~0.5 s): only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg"): no display needed
 
     return plt
 
@@ -200,8 +201,7 @@ def plot_results(run_dir: Path) -> Path | None:
 
 def read_png(path: str | Path):
     """uint8 ``[3, H, W]`` tensor of a PNG (for TensorBoard)."""
-    import torch
-    from PIL import Image
+    import torch  # heavy: the scoring process imports this module to draw, and needs no torch
 
     with Image.open(path) as im:
         return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)

@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from fastdet.data.coco import fill_coco_defaults
+
 log = logging.getLogger("fastdet")
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -41,7 +43,7 @@ def resolve_backend(choice: Optional[str] = None) -> str:
         raise ValueError(f"FASTDET_COCO_EVAL must be one of {', '.join(BACKENDS)}, got {choice!r}")
     if choice == "auto":
         try:
-            import faster_coco_eval  # noqa: F401
+            import faster_coco_eval  # noqa: F401  (optional back end: is it installed?)
         except ImportError:
             return "pycocotools"
         return "faster"
@@ -62,8 +64,6 @@ class GroundTruth:
 
 def load_gt(gt: str | Path | dict, backend: Optional[str] = None) -> GroundTruth:
     """The ground truth of an annotation file or an in-memory COCO document."""
-    from fastdet.data.coco import fill_coco_defaults
-
     backend = resolve_backend(backend)
     if isinstance(gt, dict):
         doc = copy.deepcopy(gt)
@@ -74,11 +74,11 @@ def load_gt(gt: str | Path | dict, backend: Optional[str] = None) -> GroundTruth
     fill_coco_defaults(doc)
     with contextlib.redirect_stdout(io.StringIO()):
         if backend == "faster":
-            from faster_coco_eval import COCO
+            from faster_coco_eval import COCO  # the back end chosen at run time (may be absent)
 
             coco = COCO(doc)
         else:
-            from pycocotools.coco import COCO
+            from pycocotools.coco import COCO  # the back end chosen at run time
 
             coco = COCO()
             coco.dataset = doc
@@ -138,12 +138,12 @@ def score(gt: GroundTruth | str | Path | dict, results: list[dict], image_ids: l
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         if gt.backend == "faster":
-            from faster_coco_eval import COCOeval_faster as COCOeval
+            from faster_coco_eval import COCOeval_faster as COCOeval  # chosen at run time (may be absent)
 
             dt = gt.coco.loadRes(copy.deepcopy(results))
             ev = COCOeval(gt.coco, dt, "bbox", print_function=print)
         else:
-            from pycocotools.cocoeval import COCOeval
+            from pycocotools.cocoeval import COCOeval  # the back end chosen at run time
 
             dt = gt.coco.loadRes(copy.deepcopy(results))
             ev = COCOeval(gt.coco, dt, "bbox")

@@ -44,6 +44,7 @@ from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.paddle_names import NAME_TABLE, bn_name, load_paddle_backbone
 from fastdet.models.recipe import DEMO_CPU, PaddleNMSOptions, Phase, Recipe, check_probabilities, paddle_nms_kwargs
 from fastdet.ops import fcos_assign
+from fastdet.runtime.checkpoint import is_torch_file
 
 SIZES = {"r50": 50}
 STRIDES = (8, 16, 32, 64, 128)
@@ -342,8 +343,6 @@ class FCOS(Detector):
         """``--backbone-weights``: a torchvision-format ResNet-50 state dict, or the authors'
         Paddle ImageNet ResNet-50 ``.pdparams`` (``ResNet50_cos_pretrained``, the FCOS
         recipe's start; names as in :func:`from_paddle`, classifier ignored and named)."""
-        from fastdet.convert.io import is_torch_file  # lazy: fastdet.convert imports the models
-
         if is_torch_file(path):
             load_backbone_weights(self.backbone, path)
         else:

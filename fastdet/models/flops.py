@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from fastdet.models import build_model
+
 
 def deploy_copy(model: nn.Module) -> nn.Module:
     """A copy with every multi-branch block (``fuse_first``, e.g. RepVGG) re-parameterised."""
@@ -66,8 +68,6 @@ def count_flops(model: nn.Module, img_size: int | tuple[int, int] = 640, deploy:
 
 def profile(arch: str, size: str, num_classes: int = 80, img_size: int = 640) -> tuple[int, int]:
     """``(params, flops)`` of ``build_model(arch, size, num_classes)`` in the published convention."""
-    from fastdet.models import build_model
-
     with torch.device("meta"):
         model = build_model(arch, size, num_classes)
     return count_params(model), count_flops(model, img_size)

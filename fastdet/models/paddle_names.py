@@ -1,11 +1,17 @@
 """PaddleDetection's naming conventions every Paddle-trained family shares (its converters,
-``fastdet.convert``): BatchNorm statistics and the ``backbone.`` prefix of ImageNet files."""
+``fastdet.convert``): the name table a ``.pdparams`` carries, BatchNorm statistics and the
+``backbone.`` prefix of ImageNet files. The one module that names them."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+
+from fastdet.runtime.checkpoint import read_weights, to_tensors
+
+log = logging.getLogger("fastdet.models")
 
 NAME_TABLE = "StructuredToParameterName@@"  # Paddle's structured -> internal name map, not weights
 
@@ -35,11 +41,6 @@ def load_paddle_backbone(backbone: torch.nn.Module, path: str, rename) -> tuple[
     and named in one log line; a shape mismatch or a file that fits nothing is one
     ``ValueError`` line. Returns ``(missing, ignored)``.
     """
-    import logging
-
-    from fastdet.convert.io import read_weights, to_tensors  # lazy: fastdet.convert imports the models
-
-    log = logging.getLogger("fastdet.models")
     state = to_tensors({k: v for k, v in read_weights(path).items() if k != NAME_TABLE})
     own = backbone.state_dict()
     keep, ignored = {}, []

@@ -122,7 +122,7 @@ def _torch_cuda_home() -> str | None:
     level = ext_log.level
     ext_log.setLevel(logging.ERROR)
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # heavy (setuptools, compilers' probing): only to build
     except Exception:  # noqa: BLE001 - no torch build tooling: no guess
         return None
     finally:
@@ -211,7 +211,7 @@ def build(variant: str | None = None, verbose: bool = False) -> Path:
     level = ext_log.level
     ext_log.setLevel(logging.ERROR)
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # heavy (setuptools, compilers' probing): only to build
     finally:
         ext_log.setLevel(level)
 

@@ -32,6 +32,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from fastdet.ops import _ext
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "cuda", "cpp", "torch")
@@ -207,11 +209,9 @@ def available(name: str, device_type: str, op: Optional[str] = None) -> bool:
     if name == "triton":
         if not triton_usable(device_type):
             return False
-        import fastdet.ops.triton  # noqa: F401  (registers the fastdet_triton ops)
+        import fastdet.ops.triton  # noqa: F401  (optional triton; importing it registers the fastdet_triton ops)
 
         return True
-    from fastdet.ops import _ext
-
     if not _ext.load():
         return False
     return name == "cpp" or _ext.has_cuda_kernels()
@@ -258,8 +258,6 @@ def backend_for(op: str, device_type: str, compiling: bool = False) -> str:
 def _unavailable_reason(name: str) -> str:
     if name == "triton":
         return "triton is not installed" if importlib.util.find_spec("triton") is None else "triton cannot run here"
-    from fastdet.ops import _ext
-
     if _ext.error() is not None:
         return f"the extension did not build: {_ext.error()}"
     return f"the extension was built without CUDA kernels (variant {_ext.variant()!r})"

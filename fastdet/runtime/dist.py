@@ -86,7 +86,7 @@ def _restart_store(rank: int, world_size: int, timeout: timedelta | None) -> dic
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt in ("", "0") or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return {}
-    from torch.distributed.rendezvous import _create_c10d_store
+    from torch.distributed.rendezvous import _create_c10d_store  # private torch API, only after a torchrun restart
 
     store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size,
                                timeout or timedelta(minutes=30))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 log = logging.getLogger("fastdet")
 
@@ -52,7 +53,7 @@ class TensorBoard:
         (a resumed run re-logs the steps after its checkpoint)."""
         self.writer = None
         if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy (tensorboard, protobuf): rank 0 only
 
             self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
@@ -82,8 +83,6 @@ class Progress:
     def __init__(self, total: int, enabled: bool, force: bool = False):
         self.bar = None
         if enabled and (force or sys.stdout.isatty()):
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, dynamic_ncols=True, leave=False, file=sys.stdout)
             Progress.active = tqdm
 

@@ -22,7 +22,6 @@ Two forms:
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 from typing import Mapping
 
@@ -30,6 +29,8 @@ import torch
 from torch import Tensor, nn
 from torchvision.models.resnet import Bottleneck, ResNet
 from torchvision.ops import FrozenBatchNorm2d
+
+from fastdet.runtime.checkpoint import load_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,9 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> tuple[list[s
     """
     path = Path(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-        raise ValueError(f"--backbone-weights {path}: cannot read a state dict ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from e
+        state = load_torch_file(path)
+    except (OSError, ValueError) as e:  # missing, damaged, or needs code to unpickle: one line from the reader
+        raise ValueError(f"--backbone-weights {path}: cannot read a state dict ({e})") from e
     if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
         state = state["state_dict"]
     if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):

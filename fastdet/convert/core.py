@@ -1,0 +1,174 @@
+"""Converting the authors' released weights: the logic behind ``python -m fastdet.convert``,
+``load_detector`` and ``fastdet.train --ckpt``.
+
+Each family owns its converters (``ArchFamily.weight_sources``: the authors' names to its
+own, the class count from the head, the family options the weights need); this module
+only reads the file safely (:mod:`fastdet.runtime.checkpoint`, the one weight-file reader),
+unwraps its layout, picks or checks the size against the shapes and returns a normal
+checkpoint (config, class names, COCO category ids). Nothing here names a family.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torchvision.models.detection import FCOS_ResNet50_FPN_Weights
+
+from fastdet import registry
+from fastdet.config import apply_overrides
+from fastdet.models import ARCHITECTURES, build_model
+from fastdet.models.paddle_names import NAME_TABLE
+from fastdet.runtime.checkpoint import UnsafeWeightsError, is_torch_file, read_weights, to_tensors
+
+log = logging.getLogger("fastdet.convert")
+
+
+class ConvertError(ValueError):
+    """The file cannot be converted; the message is one line naming the file."""
+
+
+def coco_classes(kind: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Class names and COCO category ids of the released COCO models: ``"coco80"`` (the 80
+    contiguous labels) or ``"coco91"`` (torchvision's: label = category id, unused ids "N/A")."""
+    cats = FCOS_ResNet50_FPN_Weights.COCO_V1.meta["categories"]  # 91 entries, index = COCO id
+    if kind == "coco91":
+        return tuple(cats), tuple(range(len(cats)))
+    ids = tuple(i for i, c in enumerate(cats) if c not in ("__background__", "N/A"))
+    return tuple(cats[i] for i in ids), ids
+
+
+def unwrap(raw: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The weights of a released or trainer file: ``{"model": ...}`` (Megvii's release and
+    trainer layouts), ``{"state_dict": ...}``, or a flat dict (torchvision, Paddle)."""
+    if not isinstance(raw, Mapping):
+        raise ConvertError(f"{path}: expected a dict of weights, found a {type(raw).__name__}")
+    for key in ("model", "state_dict"):
+        if isinstance(raw.get(key), Mapping):
+            others = sorted(k for k in raw if k != key)
+            if others:
+                log.info("%s: weights from its %r entry; ignored: %s", path, key, ", ".join(map(str, others)))
+            raw = raw[key]
+            break
+    raw = {k: v for k, v in raw.items() if k != NAME_TABLE}
+    state = to_tensors(raw)
+    extra = [k for k in raw if k not in state]
+    if extra:
+        raise ConvertError(f"{path}: {extra[0]!r} is not an array ({type(raw[extra[0]]).__name__}); "
+                           "expected a dict of weights")
+    if not state:
+        raise ConvertError(f"{path}: holds no weights")
+    return state
+
+
+def _fit(state: Mapping[str, torch.Tensor], arch: str, size: str, num_classes: int,
+         options: Mapping[str, Any]) -> Optional[str]:
+    """None if ``state`` fits ``arch``-``size`` exactly, else the first key that does not, and how."""
+    fam = ARCHITECTURES[arch]
+    build_opts = {k: v for k, v in options.items() if k in fam.config_fields}
+    with torch.device("meta"):  # shapes only: no memory, no init
+        own = build_model(arch, size, num_classes, **build_opts).state_dict()
+    for k, v in state.items():
+        if k not in own:
+            return f"{k}: no such tensor in {arch}-{size}"
+        if tuple(own[k].shape) != tuple(v.shape):
+            return f"{k}: shape {list(v.shape)}, {arch}-{size} expects {list(own[k].shape)}"
+    for k in own:
+        if k not in state and not k.endswith("num_batches_tracked"):
+            return f"{k}: {arch}-{size} needs it and the file lacks it"
+    return None
+
+
+def pick_source(arch: str, path: Path, source: Optional[str]) -> str:
+    fam = ARCHITECTURES[arch]
+    if not fam.weight_sources:
+        raise ConvertError(f"{path}: fastdet converts no released weights for {arch}")
+    if source is not None:
+        if source not in fam.weight_sources:
+            raise ConvertError(f"{path}: {arch} converts weights from {', '.join(sorted(fam.weight_sources))}, "
+                               f"not {source!r}")
+        return source
+    fmt = "torch" if is_torch_file(path) else "paddle"
+    names = [n for n, s in fam.weight_sources.items() if s.file_format == fmt]
+    if len(names) != 1:
+        raise ConvertError(f"{path}: a {fmt} file; {arch} reads {fmt} files from "
+                           f"{', '.join(names) or 'no source'}: say which with --from")
+    return names[0]
+
+
+def convert(path: str | Path, arch: str, size: Optional[str] = None, source: Optional[str] = None,
+            ) -> tuple[dict[str, Any], str]:
+    """Convert the authors' file at ``path`` for ``arch``; returns the fastdet checkpoint dict
+    and the size (inferred from the shapes when ``size`` is None)."""
+    path = Path(path)
+    if arch not in ARCHITECTURES:
+        raise ConvertError(f"unknown --arch {arch!r}: available are {', '.join(sorted(ARCHITECTURES))}")
+    fam = ARCHITECTURES[arch]
+    if size is not None and size not in fam.sizes:
+        raise ConvertError(f"unknown --size {size!r} for {arch}: available are {', '.join(fam.sizes)}")
+    source = pick_source(arch, path, source)
+    ws = fam.weight_sources[source]
+    try:
+        raw = read_weights(path)
+    except (UnsafeWeightsError, FileNotFoundError):
+        raise
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+    state = unwrap(raw, path)
+    try:
+        state, num_classes = ws.convert(state)
+    except KeyError as e:
+        raise ConvertError(f"{path}: not {source}'s {arch} ({e.args[0]})") from None
+    fits = {s: _fit(state, arch, s, num_classes, ws.options) for s in ([size] if size else fam.sizes)}
+    if size is None:
+        size = next((s for s, bad in fits.items() if bad is None), None)
+        if size is None:
+            raise ConvertError(f"{path}: fits no {arch} size ({fits[fam.sizes[0]]})")
+    elif fits[size] is not None:
+        like = [s for s in fam.sizes if s != size and _fit(state, arch, s, num_classes, ws.options) is None]
+        hint = f"; this looks like {arch}-{like[0]}" if like else ""
+        raise ConvertError(f"{path}: {fits[size]}{hint}")
+    own_order = _own_keys(arch, size, num_classes, ws.options)
+    model_state = {}
+    for k in own_order:  # fastdet's order; BatchNorm counters the file lacks start at 0
+        model_state[k] = state[k].float() if k in state and state[k].is_floating_point() else \
+            state.get(k, torch.tensor(0, dtype=torch.long))
+    cfg = registry.get_preset(arch, size)
+    cfg = apply_overrides(cfg, {"model.num_classes": num_classes, **{f"family.{k}": v for k, v in ws.options.items()}})
+    names, ids = coco_classes(ws.classes)
+    if len(names) != num_classes:
+        names, ids = tuple(str(i) for i in range(num_classes)), tuple(range(1, num_classes + 1))
+    ck = {"config": cfg.to_dict(), "model": model_state, "class_names": list(names), "cat_ids": list(ids),
+          "converted_from": {"file": str(path), "source": source}}
+    return ck, size
+
+
+def _own_keys(arch: str, size: str, num_classes: int, options: Mapping[str, Any]) -> list[str]:
+    fam = ARCHITECTURES[arch]
+    with torch.device("meta"):
+        return list(build_model(arch, size, num_classes,
+                                **{k: v for k, v in options.items() if k in fam.config_fields}).state_dict())
+
+
+def is_fastdet_checkpoint(raw: Any) -> bool:
+    return isinstance(raw, Mapping) and isinstance(raw.get("config"), Mapping) and "model" in raw
+
+
+def load_any(path: str | Path, arch: str, size: Optional[str] = None, source: Optional[str] = None
+             ) -> tuple[dict[str, Any], bool]:
+    """A fastdet checkpoint as it is, or the authors' released file converted for ``arch``
+    (logged once: which source, which size); returns ``(checkpoint dict, converted)``."""
+    path = Path(path)
+    if is_torch_file(path):
+        try:
+            raw = read_weights(path)
+        except ValueError as e:
+            raise ConvertError(str(e)) from None
+        if is_fastdet_checkpoint(raw):
+            return raw, False
+    ck, size = convert(path, arch, size, source)
+    log.info("%s: converted from %s's released %s weights (%s-%s, %d classes)", path, ck["converted_from"]["source"],
+             arch, arch, size, ck["config"]["model"]["num_classes"])
+    return ck, True
