@@ -138,7 +138,7 @@ def test_sources_run_in_worker_processes(demo_train, tmp_path, monkeypatch):
     loader = train_loader(cfg_for(tmp_path, num_workers=2), demo_train, rank=0, world_size=1, device="cpu", seed=0)
     n = sum(b["images"].shape[0] for b in loader)
     assert n == len(loader) * 2 and os.getpid() not in calls
-    pids = loader._pipe._py_pool.pids()
+    pids = loader._producer._py_pool.pids()
     assert pids
     loader.close()
 
