@@ -131,7 +131,15 @@ class _DaliLoader(Loader):
             else:
                 outs = self._producer.run()
         except RuntimeError as e:
-            raise self._explain(e) from None
+            err = self._explain(e)
+            # DALI stops a pipeline for good on an error. Release it (its threads and worker
+            # processes) now rather than through the garbage collector: a caller's traceback can
+            # hold this loader in a reference cycle, and DALI's own frames in e's traceback hold
+            # the pipeline (e stays err's __context__). A pipeline left for the collector
+            # deadlocks any process forked meanwhile (a DataLoader worker) that collects it there.
+            e.__traceback__ = None
+            self.close()
+            raise err from None
         self._served += 1
         named = dict(zip(OUTPUTS, outs))
         batch = {}

@@ -184,6 +184,32 @@ def test_dali_names_the_file_it_cannot_decode(set_with_corrupt, tmp_path):
     assert bad.file in msg and "check_images=decode" in msg and "\n" not in msg
 
 
+def test_a_failed_pipeline_is_released_at_once(set_with_corrupt, tmp_path, monkeypatch):
+    """DALI stops a pipeline for good on an error; the loader frees it then, though the error
+    (and so the loader, and DALI's frames) lives on. Left to the garbage collector, a pipeline
+    deadlocks a forked DataLoader worker that collects it (its threads do not exist there)."""
+    import weakref
+
+    from fastdet.pipelines import adapter
+
+    built = []
+    build = adapter.detection_pipeline
+
+    def recorded(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        built.append(weakref.ref(pipe))
+        return pipe
+
+    monkeypatch.setattr(adapter, "detection_pipeline", recorded)
+    ds, bad = set_with_corrupt
+    loader = eval_loader(cfg_for(tmp_path, check_images="decode", eval_batch_size=5), ds, rank=0, world_size=1,
+                         device="cpu")
+    with pytest.raises(LoaderError) as e:
+        list(loader)
+    assert bad.file in str(e.value)
+    assert len(built) == 1 and built[0]() is None
+
+
 def test_dali_names_the_file_a_worker_read(set_with_corrupt, tmp_path):
     """Training reads in worker processes: the error still names the file (from the schedule)."""
     ds, bad = set_with_corrupt
