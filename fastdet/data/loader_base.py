@@ -43,7 +43,7 @@ class Loader(ABC):
     """What both back ends and both uses share; see the module docstring.
 
     Args:
-        data: the run's ``DataConfig`` (``max_boxes``, ``channels_last``, ``num_workers``).
+        data: the run's ``DataConfig`` (the base reads ``max_boxes`` and ``channels_last``).
         records: the records the schedule's indices point into.
         schedule: a :class:`TrainSchedule` or :class:`EvalSchedule`.
         device: where batches are delivered.
@@ -53,8 +53,8 @@ class Loader(ABC):
 
     backend: str  # "torch" | "dali", set by each back end
 
-    def __init__(self, data, records: list[ImageRecord], schedule, *, device: torch.device, report: Any = None,
-                 left_out: int = 0) -> None:
+    def __init__(self, data, records: list[ImageRecord], schedule: TrainSchedule | EvalSchedule, *,
+                 device: torch.device, report: Any = None, left_out: int = 0) -> None:
         self.records = records
         self.schedule = schedule
         self.device = device
