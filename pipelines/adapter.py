@@ -1,11 +1,13 @@
 """DALI pipelines behind the loader interface of ``fastdet.data.loader``.
 
-Each loader owns one pipeline fed by an endless, iteration-keyed source (see
-``sources``): a pass runs it ``len(loader)`` times and turns the outputs into torch
-tensors without a copy (DLPack; on a GPU bound to torch's current stream, so no host
-synchronisation). Because the stream runs on across epochs, DALI keeps prefetching
-through epoch boundaries; ``set_epoch`` to an epoch the stream is not positioned at
-(resume, or a pass broken off early) rebuilds the pipeline there.
+The loaders are ``fastdet.data.loader_base``'s :class:`TrainLoader` /
+:class:`EvalLoader` (schedule, epochs, report, close) with a DALI pipeline as their
+producer, fed by an endless, iteration-keyed source (see ``sources``): a pass runs it
+``len(loader)`` times and turns the outputs into torch tensors without a copy (DLPack;
+on a GPU bound to torch's current stream, so no host synchronisation). Because the
+stream runs on across epochs, DALI keeps prefetching through epoch boundaries; a pass
+of an epoch the stream is not positioned at (``set_epoch`` for a resume, or after a
+pass broken off early) rebuilds the pipeline there, and so does a new stage list.
 
 DALI stops the pipeline for good on a file it cannot decode and cannot skip a sample,
 so its records must be decode-verified: :func:`verified_records` runs the COCO
@@ -18,15 +20,15 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from fastdet.data import stages as S
 from fastdet.data.augment import ImageDecodeError, decode_image, planned_prefix
-from fastdet.data.layout import BATCH_KEYS, empty_batch
-from fastdet.data.preprocess import Preprocess
+from fastdet.data.layout import BATCH_KEYS
+from fastdet.data.loader_base import EvalLoader, Loader, TrainLoader
 from fastdet.data.records import ImageRecord
 from fastdet.data.schedule import EvalSchedule, LoaderError, TrainSchedule
 from fastdet.pipelines.detection import OUTPUTS, detection_pipeline, unused_outputs
@@ -79,39 +81,33 @@ def verified_records(dataset: Any, data) -> tuple[list[ImageRecord], int]:
     return records, len(bad)
 
 
-class _DaliLoader:
+class _DaliLoader(Loader):
+    """The pipeline half of both DALI loaders: build, run, explain a failure."""
+
     backend = "dali"
 
-    def __init__(self, data, records: list[ImageRecord], *, device: torch.device) -> None:
-        d = data
-        self.records = records
-        self.device = device
-        self.max_boxes = d.max_boxes
-        self.channels_last = d.channels_last
-        self.stages: Optional[tuple] = None  # the stage list the pipeline is built from
-        self.num_threads = max(1, int(d.num_workers))
+    def __init__(self, data, records: list[ImageRecord], schedule, *, device: torch.device, **kw) -> None:
+        self.num_threads = max(1, int(data.num_workers))
         # Worker processes of the parallel source (reads + per-sample plans): light work
         # next to the pixels' num_threads, so a quarter of them.
         self.py_workers = max(1, -(-self.num_threads // 4))
-        self.boxes_truncated = 0  # boxes beyond max_boxes (the smallest ones)
-        self.left_out = 0  # records that failed the decode check (set by the builder)
         if device.type == "cuda":
             self._pixels = "gpu"
             self._device_id = device.index if device.index is not None else torch.cuda.current_device()
         else:
             self._pixels, self._device_id = "cpu", None
-        self._pipe = None
         self._source: _RecordSource | None = None
         self._served = 0  # batches taken from the pipeline since it was built
+        super().__init__(data, records, schedule, device=device, **kw)
 
-    def _build(self, source: _RecordSource, batch_size: int, seed: int) -> None:
+    def _build(self, source: _RecordSource, stage_list: tuple, batch_size: int, seed: int) -> None:
         self.close()
         self._source = source
-        self._pipe = detection_pipeline(
+        self._producer = detection_pipeline(
             source,
             device=self._pixels,
-            stage_list=self.stages,
-            evaluation=isinstance(self, DaliEvalLoader),
+            stage_list=stage_list,
+            evaluation=isinstance(self, EvalLoader),
             max_boxes=self.max_boxes,
             channels_last=self.channels_last,
             source_prefetch=_SOURCE_PREFETCH + self.py_workers,
@@ -125,17 +121,25 @@ class _DaliLoader:
             # GPU run always has it); spawn pickles the source (records and schedule, no handles).
             py_start_method="spawn" if self._pixels == "gpu" else "fork",
         )
-        self._pipe.build()
+        self._producer.build()
         self._served = 0
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         try:
             if self._pixels == "gpu":
-                outs = self._pipe.run(torch.cuda.current_stream(self.device))
+                outs = self._producer.run(torch.cuda.current_stream(self.device))
             else:
-                outs = self._pipe.run()
+                outs = self._producer.run()
         except RuntimeError as e:
-            raise self._explain(e) from None
+            err = self._explain(e)
+            # DALI stops a pipeline for good on an error. Release it (its threads and worker
+            # processes) now rather than through the garbage collector: a caller's traceback can
+            # hold this loader in a reference cycle, and DALI's own frames in e's traceback hold
+            # the pipeline (e stays err's __context__). A pipeline left for the collector
+            # deadlocks any process forked meanwhile (a DataLoader worker) that collects it there.
+            e.__traceback__ = None
+            self.close()
+            raise err from None
         self._served += 1
         named = dict(zip(OUTPUTS, outs))
         batch = {}
@@ -145,10 +149,7 @@ class _DaliLoader:
                     batch[k] = torch.from_dlpack(named[k].as_tensor())
             else:
                 batch[k] = torch.from_dlpack(named[k].as_tensor())
-        self.boxes_truncated += int(np.asarray(named["overflow"].as_tensor()).sum())
-        if self.channels_last:
-            batch["images"] = batch["images"].permute(0, 3, 1, 2)  # [B, 3, H, W] with channels-last strides
-        return batch
+        return self._deliver(batch, int(np.asarray(named["overflow"].as_tensor()).sum()))
 
     def _explain(self, err: RuntimeError) -> LoaderError:
         """A one-line error naming the file when DALI failed to decode one."""
@@ -168,122 +169,64 @@ class _DaliLoader:
                 )
         return LoaderError(f"DALI pipeline failed: {msg}")
 
-    def report(self) -> str:
-        """One line: what this loader left out or truncated so far."""
-        parts = []
-        if self.left_out:
-            parts.append(f"{self.left_out} images that do not decode left out")
-        if self.boxes_truncated:
-            parts.append(f"{self.boxes_truncated} boxes beyond max_boxes={self.max_boxes} dropped")
-        return "; ".join(parts) if parts else "nothing skipped"
-
-    def close(self) -> None:
-        """Release the pipeline (its worker processes and device memory)."""
-        self._pipe, self._source = None, None
+    def _stop(self, producer) -> None:
+        # Dropping the last reference shuts the pipeline's worker processes and frees its memory.
+        self._source = None
 
 
-class DaliTrainLoader(_DaliLoader):
-    """Training batches of a :class:`TrainSchedule`; successive passes are successive epochs."""
+class DaliTrainLoader(_DaliLoader, TrainLoader):
+    """Training batches of a :class:`TrainSchedule` from an endless pipeline (one stream across epochs)."""
 
-    def __init__(
-        self,
-        data,
-        records: list[ImageRecord],
-        schedule: TrainSchedule,
-        *,
-        stages_for_epoch,
-        device: torch.device,
-        seed: int,
-        rank: int,
-    ) -> None:
-        super().__init__(data, records, device=device)
-        self.schedule = schedule
-        self.stages_for_epoch = stages_for_epoch
-        self.seed = int(seed)
-        self.rank = int(rank)
-        self.chain_changes = 0  # stage lists taken so far (a test counts them)
-        self.epoch = 0
+    def __init__(self, data, records: list[ImageRecord], schedule: TrainSchedule, **kw) -> None:
+        self._head: tuple = ()  # the planned prefix of the stage list (see augment.planned_prefix)
         self._next: tuple[int, int] | None = None  # (epoch, step) the stream yields next
-        self.set_epoch(0)
+        super().__init__(data, records, schedule, **kw)
 
-    def __len__(self) -> int:
-        return self.schedule.steps_per_epoch
-
-    @property
-    def sizes(self) -> tuple[tuple[int, int], ...]:
-        return self.schedule.sizes
-
-    def set_epoch(self, epoch: int) -> None:
-        """Asks the epoch's stage list; a different tuple drops the pipeline (rebuilt at the next pass)."""
-        self.epoch = int(epoch)
-        stages = S.check_stages(self.stages_for_epoch(self.epoch))
-        if stages != self.stages:
-            try:
-                head = planned_prefix(stages)
-            except ValueError as e:
-                raise LoaderError(f"epoch {self.epoch}: {e}") from None
-            self.close()
-            self.stages, self._head = stages, head
-            self.chain_changes += 1
-            self.schedule.set_interp(S.resize_of(stages).interp)
+    def _use_stages(self, stages: tuple) -> None:
+        """A stage list DALI can plan; the pipeline of the old one is dropped (rebuilt at the next pass)."""
+        try:
+            head = planned_prefix(stages)
+        except ValueError as e:
+            raise LoaderError(f"epoch {self.epoch}: {e}") from None
+        self.close()
+        self._head = head
 
     def _restart(self, epoch: int) -> None:
+        s = self.schedule
         # The augmentation RNG differs per rank and per restart point, and is fixed by the seed.
-        seed = int(np.random.SeedSequence([self.seed, self.rank, epoch]).generate_state(1)[0] >> 1)
-        source = TrainSource(
-            self.records,
-            self.schedule,
-            epoch,
-            unused=unused_outputs(self.stages),
-            head=self._head,
-        )
-        self._build(source, self.schedule.batch_size, seed)
+        seed = int(np.random.SeedSequence([s.seed, s.rank, epoch]).generate_state(1)[0] >> 1)
+        source = TrainSource(self.records, s, epoch, unused=unused_outputs(self.stages), head=self._head)
+        self._build(source, self.stages, s.batch_size, seed)
         self._next = (epoch, 0)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        epoch, steps = self.epoch, self.schedule.steps_per_epoch
-        if self._pipe is None or self._next != (epoch, 0):
+    def _epoch_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        steps = self.schedule.steps_per_epoch
+        if self._producer is None or self._next != (epoch, 0):
             self._restart(epoch)
         for step in range(steps):
             batch = self._next_batch()
             self._next = (epoch, step + 1) if step + 1 < steps else (epoch + 1, 0)
             yield batch
-        self.epoch = epoch + 1
 
 
-class DaliEvalLoader(_DaliLoader):
-    """Evaluation batches of an :class:`EvalSchedule` (every record once over all ranks)."""
+class DaliEvalLoader(_DaliLoader, EvalLoader):
+    """Evaluation batches of an :class:`EvalSchedule` from a pipeline cycling over this rank's batches."""
 
-    def __init__(self, data, records: list[ImageRecord], schedule: EvalSchedule, *, preprocess: Preprocess,
-                 device: torch.device) -> None:
-        super().__init__(data, records, device=device)
-        self.schedule = schedule
-        p = preprocess
+    def __init__(self, data, records: list[ImageRecord], schedule: EvalSchedule, **kw) -> None:
+        self._next = -1  # the non-empty step the stream yields next (-1: no pipeline)
+        super().__init__(data, records, schedule, **kw)
+        p = self.preprocess
         # Preprocess.__call__ as a stage list; DALI's cubic kernel differs slightly from torch's.
         self.stages = (S.Resize(p.resize, pad_value=p.pad_value, interp=p.interp, short=p.short, max_long=p.max_long),
                        S.Normalize(p.mean, p.std))
-        self._next = -1  # the non-empty step the stream yields next (-1: no pipeline)
 
-    def __len__(self) -> int:
-        return self.schedule.steps
-
-    @property
-    def sizes(self) -> tuple[tuple[int, int], ...]:
-        return self.schedule.sizes
-
-    def set_epoch(self, epoch: int) -> None:
-        """Evaluation is the same every epoch."""
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         s = self.schedule
-        if s.nonempty_steps:
-            if self._pipe is None or self._next != 0:
-                source = EvalSource(self.records, s, unused=unused_outputs(self.stages))
-                self._build(source, s.batch_size, seed=0)
-                self._next = 0
-            for step in range(s.nonempty_steps):
-                batch = self._next_batch()
-                self._next = (step + 1) % s.nonempty_steps
-                yield batch
-        for _ in range(s.steps - s.nonempty_steps):
-            yield empty_batch(s.sizes[0], self.max_boxes, channels_last=self.channels_last, device=self.device)
+        if self._producer is None or self._next != 0:
+            source = EvalSource(self.records, s, unused=unused_outputs(self.stages))
+            self._build(source, self.stages, s.batch_size, seed=0)
+            self._next = 0
+        for step in range(s.nonempty_steps):
+            batch = self._next_batch()
+            self._next = (step + 1) % s.nonempty_steps
+            yield batch

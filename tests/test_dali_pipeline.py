@@ -138,7 +138,7 @@ def test_sources_run_in_worker_processes(demo_train, tmp_path, monkeypatch):
     loader = train_loader(cfg_for(tmp_path, num_workers=2), demo_train, rank=0, world_size=1, device="cpu", seed=0)
     n = sum(b["images"].shape[0] for b in loader)
     assert n == len(loader) * 2 and os.getpid() not in calls
-    pids = loader._pipe._py_pool.pids()
+    pids = loader._producer._py_pool.pids()
     assert pids
     loader.close()
 
@@ -182,6 +182,32 @@ def test_dali_names_the_file_it_cannot_decode(set_with_corrupt, tmp_path):
         list(loader)
     msg = str(e.value)
     assert bad.file in msg and "check_images=decode" in msg and "\n" not in msg
+
+
+def test_a_failed_pipeline_is_released_at_once(set_with_corrupt, tmp_path, monkeypatch):
+    """DALI stops a pipeline for good on an error; the loader frees it then, though the error
+    (and so the loader, and DALI's frames) lives on. Left to the garbage collector, a pipeline
+    deadlocks a forked DataLoader worker that collects it (its threads do not exist there)."""
+    import weakref
+
+    from fastdet.pipelines import adapter
+
+    built = []
+    build = adapter.detection_pipeline
+
+    def recorded(*args, **kwargs):
+        pipe = build(*args, **kwargs)
+        built.append(weakref.ref(pipe))
+        return pipe
+
+    monkeypatch.setattr(adapter, "detection_pipeline", recorded)
+    ds, bad = set_with_corrupt
+    loader = eval_loader(cfg_for(tmp_path, check_images="decode", eval_batch_size=5), ds, rank=0, world_size=1,
+                         device="cpu")
+    with pytest.raises(LoaderError) as e:
+        list(loader)
+    assert bad.file in str(e.value)
+    assert len(built) == 1 and built[0]() is None
 
 
 def test_dali_names_the_file_a_worker_read(set_with_corrupt, tmp_path):

@@ -174,3 +174,22 @@ def test_layout_and_schedule_sit_at_the_bottom():
     for back_end in ("fastdet.data.torch_backend", "fastdet.data.augment", "fastdet.pipelines.adapter",
                      "fastdet.pipelines.sources", "fastdet.pipelines.detection", "fastdet.pipelines.stages"):
         assert "fastdet.data.loader" not in graph[back_end], back_end
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for n in graph[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+def test_loader_base_sits_below_both_back_ends():
+    """Both back ends are loader_base's subclasses; the base reaches neither of them, nor the dispatcher."""
+    graph = _graph()
+    above = {"fastdet.data.loader", "fastdet.data.torch_backend"}
+    above |= {m for m in graph if m.startswith("fastdet.pipelines.")}
+    assert not _reachable(graph, "fastdet.data.loader_base") & above
+    assert "fastdet.data.loader_base" in graph["fastdet.data.torch_backend"]
+    assert "fastdet.data.loader_base" in graph["fastdet.pipelines.adapter"]

@@ -125,8 +125,7 @@ def geometry_loader(backend: str, records, spec: tuple, tmp: Path, seed: int = 0
     cfg = make_cfg(backend, tmp, batch_size=4, train_sizes=(128, 160))
     sched = TrainSchedule(len(records), 4, rank=0, world_size=1, seed=seed, sizes=(128, 160), random_interp=True)
     cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
-    kw = dict(seed=seed, rank=0) if backend == "dali" else {}
-    return cls(cfg.data, records, sched, stages_for_epoch=lambda e: spec, device=torch.device("cpu"), **kw)
+    return cls(cfg.data, records, sched, stages_for_epoch=lambda e: spec, device=torch.device("cpu"))
 
 
 def rect_pixel_box(img: np.ndarray, white: float) -> np.ndarray | None:
@@ -216,9 +215,8 @@ def test_config_augmentation_reaches_the_loader(backend, rect_set, tmp_path):
                   family=PPYOLOEOptions(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=1.0))
     sched = TrainSchedule(len(rect_set), 4, rank=0, world_size=1, seed=0, sizes=(128,), random_interp=False)
     cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
-    kw = dict(seed=0, rank=0) if backend == "dali" else {}
     loader = cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: registry.phase(cfg, e).stages,
-                 device=torch.device("cpu"), **kw)
+                 device=torch.device("cpu"))
     by_id = {r.image_id: r for r in rect_set}
     checked = 0
     for batch in loader:
@@ -359,6 +357,34 @@ def test_set_epoch_jumps_and_reshuffles(backend, demo_train, tmp_path):
     assert [b["image_ids"].tolist() for b in loader] == e1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pass_moves_on_to_the_next_epochs_stages(backend, rect_set, tmp_path):
+    """The pass after epoch 0 is epoch 1 with epoch 1's stage list, set_epoch(1) or not
+    (the DALI loader once went on with epoch 0's pipeline)."""
+    flip = pp_stages(distort_prob=0.0, expand_prob=0.0, crop=False, flip_prob=1.0)
+    cfg = make_cfg(backend, tmp_path, batch_size=4, train_sizes=(128,))
+    cls = DaliTrainLoader if backend == "dali" else TorchTrainLoader
+
+    def loader():
+        sched = TrainSchedule(len(rect_set), 4, rank=0, world_size=1, seed=0, sizes=(128,), random_interp=True)
+        return cls(cfg.data, rect_set, sched, stages_for_epoch=lambda e: flip if e else NO_AUG,
+                   device=torch.device("cpu"))
+
+    running = loader()
+    collect(running)
+    assert running.epoch == 1 and running.stages == flip and running.chain_changes == 2
+    implicit = collect(running)
+    jumped = loader()
+    jumped.set_epoch(1)
+    assert [b["image_ids"].tolist() for b in implicit] == [b["image_ids"].tolist() for b in collect(jumped)]
+    by_id = {r.image_id: r for r in rect_set}
+    for batch in implicit:
+        for b, i in enumerate(batch["image_ids"].tolist()):
+            x0, y0, x1, y1 = scaled(by_id[i], 128)
+            np.testing.assert_allclose(batch["gt_boxes"][b][0].numpy(), [128 - x1, y0, 128 - x0, y1],
+                                       atol=1e-3)
+
+
 # --------------------------------------------------------------------------- sharding
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -414,6 +440,24 @@ def test_eval_covers_every_image_once(backend, world, count, demo_val, tmp_path)
     rec = {r.image_id: r for r in ds.records}
     b = next(iter(loaders[0]))
     assert b["orig_sizes"].tolist() == [[rec[i].height, rec[i].width] for i in b["image_ids"].tolist()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_twice_then_a_pass_starts_again(backend, demo_val, tmp_path):
+    """close() releases the workers and may be called again; the next pass starts new ones."""
+    ds = SimpleNamespace(records=demo_val.records[:5], ann_file=demo_val.ann_file)
+    loader = eval_loader(make_cfg(backend, tmp_path, eval_batch_size=2, num_workers=1), ds, rank=0, world_size=1,
+                         device="cpu")
+    first = collect(loader)
+    assert loader._producer is not None
+    loader.close()
+    loader.close()
+    assert loader._producer is None
+    again = collect(loader)
+    assert len(again) == len(first) == 3
+    for x, y in zip(first, again):
+        for k in BATCH_KEYS:
+            assert torch.equal(x[k], y[k]), k
 
 
 # --------------------------------------------------------------------------- parity

@@ -96,9 +96,8 @@ def loader_for(backend: str, records, stages, *, seed: int = 0, size_period: int
                           canvases=canvases_for(rs.mode, rs.short, rs.max_long),
                           aspects=np.array([r.width / r.height for r in records]))
     fn = stages_for_epoch or (lambda e: stages)
-    if backend == "torch":
-        return TorchTrainLoader(data, records, sched, stages_for_epoch=fn, device=torch.device("cpu"))
-    return DaliTrainLoader(data, records, sched, stages_for_epoch=fn, device=torch.device("cpu"), seed=seed, rank=0)
+    cls = TorchTrainLoader if backend == "torch" else DaliTrainLoader
+    return cls(data, records, sched, stages_for_epoch=fn, device=torch.device("cpu"))
 
 
 def batches(loader, epochs: int = 1) -> list[dict]:
@@ -413,7 +412,7 @@ def test_gpu_mode_matches_cpu_mode(rects):
     def run(device):
         sched = TrainSchedule(len(rects), 4, rank=0, world_size=1, seed=0, sizes=(SIZE,), random_interp=False)
         ld = DaliTrainLoader(data, rects, sched, stages_for_epoch=lambda e: YOLOX_GEOMETRY,
-                             device=torch.device(device), seed=0, rank=0)
+                             device=torch.device(device))
         return [{k: v.cpu() for k, v in b.items()} for b in ld]
 
     for g, c in zip(run("cuda"), run("cpu")):

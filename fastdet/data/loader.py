@@ -2,13 +2,15 @@
 
 ``build_train_loader(data, dataset, *, stages_for_epoch, rank, world_size, device, seed)``
 and ``build_eval_loader(data, dataset, *, preprocess, rank, world_size, device)`` take
-the run's ``DataConfig`` (never the whole ``Config``) and return an object with
+the run's ``DataConfig`` (never the whole ``Config``) and return a
+``fastdet.data.loader_base`` :class:`TrainLoader` / :class:`EvalLoader`, with
 ``__iter__`` (batch dicts laid out as ``fastdet.data.layout``, on the training
 device), ``__len__`` (batches per pass on this rank), ``set_epoch(epoch)``,
 ``.backend`` (``"dali"`` or ``"torch"``), ``.sizes`` (every (H, W) its batches can
 have: the compile buckets) and ``report()`` (one line: images skipped, boxes
 truncated). Images the loader finds undecodable are also counted into
-``dataset.report``. Two back ends sit behind it:
+``dataset.report``. Two back ends sit behind it, each supplying only how batches are
+produced:
 
 - ``"dali"``: the pipelines in ``fastdet.pipelines`` (decode with nvJPEG on a GPU,
   augmentation and padding inside the DALI graph);
@@ -33,6 +35,7 @@ import torch
 
 from fastdet.data import stages as S
 from fastdet.data.layout import empty_batch  # noqa: F401  (part of the loader interface)
+from fastdet.data.loader_base import EvalLoader, TrainLoader
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.schedule import (  # noqa: F401  (re-exported: the loader interface's types)
     CUBIC,
@@ -98,7 +101,7 @@ def _aspects(records) -> np.ndarray:
 
 
 def build_train_loader(data, dataset: Any, *, stages_for_epoch: StagesForEpoch, rank: int, world_size: int,
-                       device: Any, seed: int):
+                       device: Any, seed: int) -> TrainLoader:
     """The training loader for ``dataset`` (a ``CocoDataset``) on this rank.
 
     Batches are full (``data.batch_size``); their square size comes from
@@ -131,15 +134,9 @@ def build_train_loader(data, dataset: Any, *, stages_for_epoch: StagesForEpoch, 
         aspects=_aspects(records),
     )
     stages_for_epoch = _same_canvases(stages_for_epoch, schedule.canvases)
-    if backend == "dali":
-        from fastdet.pipelines.adapter import DaliTrainLoader  # optional: nvidia-dali
-
-        loader = DaliTrainLoader(data, records, schedule, stages_for_epoch=stages_for_epoch, device=device,
-                                 seed=seed, rank=rank)
-        loader.left_out = left_out
-        return loader
-    return TorchTrainLoader(data, records, schedule, stages_for_epoch=stages_for_epoch, device=device,
-                            report=getattr(dataset, "report", None))
+    train_cls, _ = _loader_classes(backend)
+    return train_cls(data, records, schedule, stages_for_epoch=stages_for_epoch, device=device,
+                     report=getattr(dataset, "report", None), left_out=left_out)
 
 
 def _same_canvases(stages_for_epoch: StagesForEpoch, canvases: Canvases) -> StagesForEpoch:
@@ -156,7 +153,8 @@ def _same_canvases(stages_for_epoch: StagesForEpoch, canvases: Canvases) -> Stag
     return checked
 
 
-def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, world_size: int, device: Any):
+def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, world_size: int,
+                      device: Any) -> EvalLoader:
     """The evaluation loader: every record of ``dataset`` exactly once over all ranks.
 
     Images are fed as ``preprocess`` says (the family's resize mode, fill, normalisation
@@ -173,20 +171,26 @@ def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, 
         canvases=canvases_for(preprocess.resize, preprocess.short, preprocess.max_long),
         aspects=_aspects(records), interp=INTERPS.index(preprocess.interp),
     )
-    if backend == "dali":
-        from fastdet.pipelines.adapter import DaliEvalLoader  # optional: nvidia-dali
+    _, eval_cls = _loader_classes(backend)
+    return eval_cls(data, records, schedule, preprocess=preprocess, device=device,
+                    report=getattr(dataset, "report", None), left_out=left_out)
 
-        loader = DaliEvalLoader(data, records, schedule, preprocess=preprocess, device=device)
-        loader.left_out = left_out
-        return loader
-    return TorchEvalLoader(data, records, schedule, preprocess=preprocess, device=device,
-                           report=getattr(dataset, "report", None))
+
+def _loader_classes(backend: str) -> tuple[type[TrainLoader], type[EvalLoader]]:
+    """The back end's (train, eval) loader classes, both with loader_base's constructors."""
+    if backend == "dali":
+        # nvidia-dali is optional: imported only when the DALI back end is chosen.
+        from fastdet.pipelines.adapter import DaliEvalLoader, DaliTrainLoader
+
+        return DaliTrainLoader, DaliEvalLoader
+    return TorchTrainLoader, TorchEvalLoader
 
 
 def _records_for(backend: str, dataset: Any, data) -> tuple[list, int]:
     """The records a back end may read: DALI only gets decode-verified ones (it cannot skip)."""
     if backend == "dali":
-        from fastdet.pipelines.adapter import verified_records  # optional: nvidia-dali
+        # nvidia-dali is optional: imported only when the DALI back end is chosen.
+        from fastdet.pipelines.adapter import verified_records
 
         return verified_records(dataset, data)
     return list(dataset.records), 0

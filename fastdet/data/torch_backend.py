@@ -9,9 +9,11 @@ Sampling comes from ``fastdet.data.schedule`` (:class:`TrainSchedule` /
 :class:`EvalSchedule`): a batch sampler yields, per batch, items ``(record index,
 (H, W), interp, seed, partner indices)``, so every sample of a batch is resized to the
 batch's canvas in the worker, and each sample's augmentation draws from its own seed:
-a run is reproducible whatever the number of workers. The stage list is the
-DataLoader's: when ``set_epoch`` brings a different tuple, the DataLoader (and its
-workers) is rebuilt; otherwise it lives on.
+a run is reproducible whatever the number of workers. The loaders are
+``fastdet.data.loader_base``'s :class:`TrainLoader` / :class:`EvalLoader` with the
+DataLoader as their producer: when ``set_epoch`` brings a different stage list, the
+DataLoader (and its workers) is dropped and the next pass starts a new one; otherwise
+it lives on.
 
 Evaluation runs ``Preprocess.__call__`` (the family's resize mode, fill and
 normalisation) on each image; batches carry ``scale_factors`` for
@@ -19,15 +21,13 @@ normalisation) on each image; batches carry ``scale_factors`` for
 
 A file that fails to decode is never silent: in training another record (drawn from
 the sample's seed) takes its place, in evaluation the image is left out of its batch
-(so it is scored as having no detections); either way the loader counts it in
-``skipped`` and logs the file once.
+(so it is scored as having no detections); either way the worker sends the failure
+with the batch, and the loader counts it in ``skipped`` and logs the file once.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -35,12 +35,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fastdet.data import augment
 from fastdet.data import stages as S
-from fastdet.data.layout import BATCH_KEYS, BY_NAME, empty_batch
+from fastdet.data.layout import BATCH_KEYS, BY_NAME
+from fastdet.data.loader_base import EvalLoader, Loader, TrainLoader
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import ImageRecord
 from fastdet.data.schedule import EvalSchedule, TrainSchedule
-
-log = logging.getLogger(__name__)
 
 # Training: substitutes tried for a sample whose image does not decode.
 MAX_SUBSTITUTES = 10
@@ -214,155 +213,72 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-class _TorchLoader:
+class _TorchLoader(Loader):
+    """The DataLoader half of both torch loaders: its dataset and batch sampler, built lazily."""
+
     backend = "torch"
 
-    def __init__(self, data, *, device: torch.device, report: Any = None) -> None:
-        self.device = device
-        self._report = report  # the dataset's DataReport: undecodable images are counted there too
-        self.channels_last = data.channels_last
-        self.max_boxes = data.max_boxes
+    def __init__(self, data, records: list[ImageRecord], schedule, **kw) -> None:
         self.num_workers = max(int(data.num_workers), 0)
-        self.skipped: Counter = Counter()  # file -> times it failed to decode
-        self.dropped = 0  # evaluation images left out because they failed to decode
-        self.boxes_truncated = 0  # boxes beyond max_boxes (the smallest ones)
-        self._loader: Optional[DataLoader] = None
+        self._dataset: Optional[ImageDataset] = None
+        self._sampler: Optional[Sampler] = None
+        super().__init__(data, records, schedule, **kw)
 
-    def _make(self, dataset: Dataset, sampler: Sampler) -> None:
-        self.close()
-        w = self.num_workers
-        self._loader = DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=w,
-            collate_fn=collate,
-            pin_memory=self.device.type == "cuda",
-            worker_init_fn=_worker_init if w else None,
-            persistent_workers=w > 0,
-            prefetch_factor=2 if w else None,
-        )
+    def _loader(self) -> DataLoader:
+        """The running DataLoader (its workers persist from pass to pass until close())."""
+        if self._producer is None:
+            w = self.num_workers
+            self._producer = DataLoader(
+                self._dataset,
+                batch_sampler=self._sampler,
+                num_workers=w,
+                collate_fn=collate,
+                pin_memory=self.device.type == "cuda",
+                worker_init_fn=_worker_init if w else None,
+                persistent_workers=w > 0,
+                prefetch_factor=2 if w else None,
+            )
+        return self._producer
 
     def _to_device(self, raw: dict[str, Any], hw: tuple[int, int]) -> dict[str, torch.Tensor]:
-        for f, why, reason in raw["skipped"]:
-            if f not in self.skipped:
-                log.warning("%s; %s", why, self._skip_action)
-                if self._report is not None:
-                    self._report.count(self._report.image_skips, reason, 1, [f])
-            self.skipped[f] += 1
-        self.dropped += raw["dropped"]
-        self.boxes_truncated += raw["overflow"]
-        if "images" not in raw:
-            return empty_batch(hw, self.max_boxes, channels_last=self.channels_last, device=self.device)
+        self._count_skips(raw["skipped"], raw["dropped"])
+        if "images" not in raw:  # every image of an evaluation batch failed to decode
+            return self._empty(hw)
         nb = self.device.type == "cuda"
-        batch = {k: raw[k].to(self.device, non_blocking=nb) for k in BATCH_KEYS}
-        if self.channels_last:
-            batch["images"] = batch["images"].permute(0, 3, 1, 2)  # [B, 3, H, W] with channels-last strides
-        return batch
+        return self._deliver({k: raw[k].to(self.device, non_blocking=nb) for k in BATCH_KEYS}, raw["overflow"])
 
-    def close(self) -> None:
-        """Stop the worker processes (a later pass starts new ones)."""
-        if self._loader is None:
-            return
-        it = getattr(self._loader, "_iterator", None)
+    def _stop(self, producer: DataLoader) -> None:
+        it = getattr(producer, "_iterator", None)
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
-        self._loader._iterator = None
-
-    def report(self) -> str:
-        """One line: what this loader skipped or truncated so far."""
-        parts = []
-        if self.skipped:
-            parts.append(f"{sum(self.skipped.values())} undecodable image reads ({len(self.skipped)} files)")
-        if self.dropped:
-            parts.append(f"{self.dropped} evaluation images left out")
-        if self.boxes_truncated:
-            parts.append(f"{self.boxes_truncated} boxes beyond max_boxes={self.max_boxes} dropped")
-        return "; ".join(parts) if parts else "nothing skipped"
+        producer._iterator = None
 
 
-class TorchTrainLoader(_TorchLoader):
-    """Training batches of a :class:`TrainSchedule`; successive passes are successive epochs.
+class TorchTrainLoader(_TorchLoader, TrainLoader):
+    """Training batches of a :class:`TrainSchedule` from a DataLoader, rebuilt when the stage list changes."""
 
-    ``stages_for_epoch(e)`` is asked at every ``set_epoch``; the DataLoader is rebuilt
-    only when the tuple differs from the current one.
-    """
-
-    _skip_action = "another image takes its place"
-
-    def __init__(
-        self,
-        data,
-        records: list[ImageRecord],
-        schedule: TrainSchedule,
-        *,
-        stages_for_epoch: Callable[[int], tuple],
-        device: torch.device,
-        report: Any = None,
-    ) -> None:
-        super().__init__(data, device=device, report=report)
-        self.records = records
-        self.schedule = schedule
-        self.stages_for_epoch = stages_for_epoch
-        self.stages: Optional[tuple] = None
-        self.chain_changes = 0  # stage lists taken so far (a test counts them)
-        self.epoch = 0
-        self.set_epoch(0)
-
-    def __len__(self) -> int:
-        return self.schedule.steps_per_epoch
-
-    @property
-    def sizes(self) -> tuple[tuple[int, int], ...]:
-        return self.schedule.sizes
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-        stages = S.check_stages(self.stages_for_epoch(self.epoch))
-        if stages == self.stages:
-            return
-        self.stages = stages
-        self.schedule.set_interp(S.resize_of(stages).interp)
+    def _use_stages(self, stages: tuple) -> None:
+        self.close()
         augment_on = any(not isinstance(s, (S.Resize, S.Normalize)) for s in stages)
         self._sampler = _TrainBatches(self.schedule, augment_on, S.partners_needed(stages))
-        ds = ImageDataset(self.records, max_boxes=self.max_boxes, channels_last=self.channels_last, stages=stages)
-        self._make(ds, self._sampler)
-        self.chain_changes += 1
+        self._dataset = ImageDataset(self.records, max_boxes=self.max_boxes, channels_last=self.channels_last,
+                                     stages=stages)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        epoch = self.epoch
+    def _epoch_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         self._sampler.epoch = epoch
-        for step, raw in enumerate(self._loader):
+        for step, raw in enumerate(self._loader()):
             yield self._to_device(raw, self.schedule.batch(epoch, step).hw)
-        self.set_epoch(epoch + 1)
 
 
-class TorchEvalLoader(_TorchLoader):
-    """Evaluation batches of an :class:`EvalSchedule` (every record once over all ranks)."""
+class TorchEvalLoader(_TorchLoader, EvalLoader):
+    """Evaluation batches of an :class:`EvalSchedule` from a DataLoader running ``Preprocess``."""
 
-    _skip_action = "left out of the evaluation"
+    def __init__(self, data, records: list[ImageRecord], schedule: EvalSchedule, **kw) -> None:
+        super().__init__(data, records, schedule, **kw)
+        self._sampler = _EvalBatches(schedule)
+        self._dataset = ImageDataset(records, max_boxes=self.max_boxes, channels_last=self.channels_last,
+                                     preprocess=self.preprocess)
 
-    def __init__(
-        self, data, records: list[ImageRecord], schedule: EvalSchedule, *, preprocess: Preprocess,
-        device: torch.device, report: Any = None,
-    ) -> None:
-        super().__init__(data, device=device, report=report)
-        self.schedule = schedule
-        ds = ImageDataset(records, max_boxes=self.max_boxes, channels_last=self.channels_last, preprocess=preprocess)
-        self._make(ds, _EvalBatches(schedule))
-
-    def __len__(self) -> int:
-        return self.schedule.steps
-
-    @property
-    def sizes(self) -> tuple[tuple[int, int], ...]:
-        return self.schedule.sizes
-
-    def set_epoch(self, epoch: int) -> None:
-        """Evaluation is the same every epoch."""
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        s = self.schedule
-        for step, raw in enumerate(self._loader):
-            yield self._to_device(raw, s.batch(step).hw)
-        for _ in range(s.steps - s.nonempty_steps):
-            yield empty_batch(s.sizes[0], self.max_boxes, channels_last=self.channels_last, device=self.device)
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        for step, raw in enumerate(self._loader()):
+            yield self._to_device(raw, self.schedule.batch(step).hw)
