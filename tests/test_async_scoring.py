@@ -71,7 +71,7 @@ def test_scorer_round_trip_and_errors(demo_paths):
 def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(demo_small, tmp_path,
                                                                               monkeypatch):
     from fastdet.runtime import dist
-    from fastdet.engine.evaluation import EvalRunner
+    from fastdet.engine.eval_hook import EvalRunner
     from fastdet.engine.trainer import Trainer
     from fastdet.train import build_parser, resolve_config
 

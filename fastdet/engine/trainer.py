@@ -29,7 +29,7 @@ from fastdet.runtime import dist
 from fastdet.runtime.checkpoint import (load_checkpoint, load_weights_tolerant, load_with_fallback,
                                        previous_path, rng_state, save_checkpoint, select_weights,
                                        set_rng_state)
-from fastdet.engine.evaluation import EvalRunner
+from fastdet.engine.eval_hook import EvalRunner
 from fastdet.engine.faults import (Preempted, StopControl, config_mismatch, maybe_inject_fault,
                                    restart_count, resume_command)
 from fastdet.runtime.logging import (Nvtx, Progress, ProfilerWindow, StepGaps, TensorBoard, Timer,
@@ -177,7 +177,7 @@ class Trainer:
         # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint.
         self.tb = TensorBoard(self.out / "tb" if self.dist.is_main and cfg.run.tensorboard else None,
                               purge_step=self.step + 1 if cfg.run.resume else None)
-        # Evaluations are scored in a background process (engine/evaluation.py).
+        # Evaluations are scored in a background process (engine/eval_hook.py).
         self.evals = EvalRunner(self.val_set, self.out, self.tb, is_main=self.dist.is_main,
                                 async_eval=cfg.run.async_eval)
         self.evals.best_ap = self.best_ap
