@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
 
@@ -315,7 +315,9 @@ def with_dataset_classes(cfg: Config) -> tuple[Config, str]:
     return apply_overrides(cfg, {"model.num_classes": n}), ""
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
+    """The command; ``hooks``: ``fastdet.engine.hooks.Hook`` objects the trainer calls at its
+    named points (a launcher script's extra work, e.g. the tests' fault injection)."""
     args = build_parser().parse_args(argv)
     try:
         cfg = resolve_config(args)
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastdet.engine.trainer import TrainingError, train
 
     try:
-        stats = train(cfg)
+        stats = train(cfg, hooks)
     except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError,
             ImageDecodeError) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
