@@ -263,8 +263,9 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
     the first step (PP-YOLO at 608 px: 12 s of a warm launch's 30 s); two images still run
     the loader, predict, collation of unequal images and pycocotools. A GPU evaluates the
     whole batch, which also shows that it fits in memory."""
-    from fastdet.runtime import dist, preflight
+    from fastdet.engine import preflight
     from fastdet.engine.trainer import Trainer
+    from fastdet.runtime import dist
     from fastdet.train import build_parser, resolve_config
 
     seen = []

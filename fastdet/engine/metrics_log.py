@@ -7,7 +7,8 @@ progress bar, the time spent waiting for data and the gaps between steps
 (``runtime.logging.StepGaps``), and the run's files written at start (``config.yaml``,
 ``model_summary.txt``; a fresh run's ``metrics.jsonl`` / ``eval.jsonl`` start empty).
 
-The trainer calls it at named points: :meth:`~MetricsLog.start` (before the first step),
+The trainer calls it at named points: :meth:`~MetricsLog.start` (before the first step: the
+line that says what trains how),
 :meth:`~MetricsLog.epoch_begins`, :meth:`~MetricsLog.batch_loaded` and
 :meth:`~MetricsLog.step_done` (each step), :meth:`~MetricsLog.write` (log points),
 :meth:`~MetricsLog.close` and :meth:`~MetricsLog.report_gaps` (the end).
@@ -41,7 +42,8 @@ class MetricsLog:
     """Logging and metrics of one run (see the module docstring).
 
     Args:
-        cfg: the run's resolved config (``run.tensorboard``, ``run.progress``, ``run.resume``).
+        cfg: the run's resolved config (what the start line says; ``run.tensorboard``,
+            ``run.progress``, ``run.resume``).
         out: the run directory.
         device: the training device (memory use).
         dist_info: ``runtime.dist.init_distributed``'s answer (rank 0 writes; losses are
@@ -53,7 +55,8 @@ class MetricsLog:
 
     def __init__(self, cfg: Config, out: Path, device: torch.device, dist_info: Any,
                  schedule: Callable[[int], float], gaps: StepGaps, step: int):
-        self.out, self.device, self.dist, self.schedule, self.gaps = out, device, dist_info, schedule, gaps
+        self.cfg, self.out, self.device, self.dist = cfg, out, device, dist_info
+        self.schedule, self.gaps = schedule, gaps
         self.show_progress = cfg.run.progress and dist_info.is_main
         # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint.
         self.tb = TensorBoard(out / "tb" if dist_info.is_main and cfg.run.tensorboard else None,
@@ -81,8 +84,19 @@ class MetricsLog:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 (self.out / name).unlink(missing_ok=True)
 
-    def start(self, step: int, total_steps: int) -> Progress:
-        """Training begins at ``step`` of ``total_steps``: the clocks start; the progress bar."""
+    def start(self, step: int, total_steps: int, *, images: int, steps_per_epoch: int, lr: float,
+              amp_dtype: torch.dtype | None, loader: str) -> Progress:
+        """Training begins at ``step`` of ``total_steps``: the line that says what trains how
+        (``images`` in the training set, ``lr`` for the whole batch, the ``loader`` back end),
+        the clocks start; the progress bar."""
+        cfg = self.cfg
+        log.info("training %s-%s on %s: %d images, %d steps/epoch x %d epochs (%d steps), "
+                 "batch %d per rank x %d rank(s) = %d, lr %.4g, train sizes %s, eval size %d, "
+                 "amp %s, compile %s, cuda graphs %s, loader %s",
+                 cfg.model.arch, cfg.model.size, self.device, images, steps_per_epoch, cfg.optim.epochs,
+                 total_steps, cfg.data.batch_size, self.dist.world_size,
+                 cfg.data.batch_size * self.dist.world_size, lr, ",".join(map(str, cfg.data.train_sizes)),
+                 cfg.data.img_size, amp_dtype or "off", cfg.compile.compile, cfg.compile.cuda_graphs, loader)
         self.progress = Progress(total_steps - step, self.show_progress)
         self.t_start = self.last_log_t = time.perf_counter()
         self.steps_at_start, self.total_steps = step, total_steps

@@ -2,19 +2,11 @@
 
 Nothing here names an architecture: the family's recipe (``fastdet.registry``), looked up
 once, says what changes during training (``phase(epoch)``: the loss arguments, the
-augmentation stages, schedule switches) and the loop passes it on.
-
-:meth:`Trainer.train` reads top to bottom; each concern around the step is a collaborator
-called at the loop's named points (before training, after each step, after each epoch,
-after training):
-
-- ``metrics`` (``engine/metrics_log.py``): log lines, ``metrics.jsonl``, TensorBoard, the
-  progress bar, the gaps between steps;
-- ``evals`` (``engine/eval_hook.py``): when to evaluate, the background scoring, ``best.pth``;
-- ``checkpoints`` (``engine/checkpointer.py``): ``latest.pth``, resume and fine-tune;
-- ``control`` (``engine/faults.py``): signals, the ranks' agreement to stop or checkpoint;
-- ``hooks`` (``engine/hooks.py``): :class:`~fastdet.engine.hooks.Hook` objects given to the
-  trainer (the tests inject faults with one).
+augmentation stages, schedule switches) and the loop passes it on. Each concern around
+the step is one collaborator, called at the loop's named points (before training, after
+each step, after each epoch, after training): ``metrics`` (engine/metrics_log.py),
+``evals`` (engine/eval_hook.py), ``checkpoints`` (engine/checkpointer.py), ``control``
+(engine/faults.py) and the ``hooks`` a caller gives (engine/hooks.py).
 """
 
 from __future__ import annotations
@@ -251,16 +243,9 @@ class Trainer:
         # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
         self._train_mode()
         self._warmup()
-        log.info("training %s-%s on %s: %d images, %d steps/epoch x %d epochs (%d steps), "
-                 "batch %d per rank x %d rank(s) = %d, lr %.4g, train sizes %s, eval size %d, "
-                 "amp %s, compile %s, cuda graphs %s, loader %s",
-                 cfg.model.arch, cfg.model.size, self.device, len(self.train_set),
-                 self.steps_per_epoch, cfg.optim.epochs, total_steps, cfg.data.batch_size,
-                 self.dist.world_size, self.world_batch, self.base_lr,
-                 ",".join(map(str, cfg.data.train_sizes)), cfg.data.img_size,
-                 self.amp_dtype or "off", cfg.compile.compile, cfg.compile.cuda_graphs,
-                 self.train_loader.backend)
-        progress = self.metrics.start(self.step, total_steps)
+        progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
+                                      steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
+                                      amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
         for hook in self.hooks:
             hook.before_train(self)
         while self.step < total_steps:
