@@ -162,7 +162,7 @@ class RunConfig:
     log_interval: int = 20
     eval_interval: int = 10  # epochs; the last epoch is always evaluated
     # Score evaluations in a background process while training goes on (off: wait for
-    # each score before the next step; fastdet/engine/evaluation.py).
+    # each score before the next step; fastdet/engine/eval_hook.py).
     async_eval: bool = True
     ckpt_interval_steps: int = 0  # also write `latest` every N steps (0: per epoch only)
     # Also write `latest` when this many minutes of training have passed since the last

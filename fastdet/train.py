@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -311,7 +311,9 @@ def with_dataset_classes(cfg: Config) -> tuple[Config, str]:
     return apply_overrides(cfg, {"model.num_classes": n}), ""
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
+    """The command; ``hooks``: ``fastdet.engine.hooks.Hook`` objects the trainer calls at its
+    named points (a launcher script's extra work, e.g. the tests' fault injection)."""
     args = build_parser().parse_args(argv)
     try:
         cfg = resolve_config(args)
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + note)
         return 0
     try:
-        stats = train(cfg)
+        stats = train(cfg, hooks)
     except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError,
             ImageDecodeError) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fastdet.runtime.checkpoint import load_checkpoint
+from fastdet.engine.hooks import Hook
 from fastdet.eval import async_scoring
 from fastdet.eval.scoring import score
 
@@ -68,10 +69,29 @@ def test_scorer_round_trip_and_errors(demo_paths):
         bad.close()
 
 
+class PointRecorder(Hook):
+    """Records each named point the trainer calls, with its step and epoch."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []
+
+    def before_train(self, trainer):
+        self.calls.append(("before_train", trainer.step, trainer.epoch))
+
+    def after_step(self, trainer):
+        self.calls.append(("after_step", trainer.step, trainer.epoch))
+
+    def after_epoch(self, trainer):
+        self.calls.append(("after_epoch", trainer.step, trainer.epoch))
+
+    def after_train(self, trainer):
+        self.calls.append(("after_train", trainer.step, trainer.epoch))
+
+
 def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(demo_small, tmp_path,
                                                                               monkeypatch):
     from fastdet.runtime import dist
-    from fastdet.engine.evaluation import EvalRunner
+    from fastdet.engine.eval_hook import EvalRunner
     from fastdet.engine.trainer import Trainer
     from fastdet.train import build_parser, resolve_config
 
@@ -86,9 +106,10 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
         "--output-dir", str(out), "--workers", "0", "--log-interval", "1",
         "--set", "data.eval_batch_size=8", "--set", "optim.warmup_steps=2"])
     torch.manual_seed(0)
-    trainer = Trainer(resolve_config(args))
-    trainer.evals = EvalRunner(trainer.val_set, trainer.out, trainer.tb, is_main=True,
-                               score_fn=f"{__name__}:slow_score")
+    points = PointRecorder()
+    trainer = Trainer(resolve_config(args), hooks=[points])
+    trainer.evals.runner = EvalRunner(trainer.val_set, trainer.out, trainer.metrics.tb, is_main=True,
+                                      score_fn=f"{__name__}:slow_score")
     evaluated: dict[int, dict[str, torch.Tensor]] = {}
     evaluate = trainer.evaluate
 
@@ -102,6 +123,10 @@ def test_training_goes_on_while_scoring_and_best_holds_the_evaluated_weights(dem
     finally:
         dist.shutdown()
     assert sorted(evaluated) == [5, 6]
+    # The trainer's hooks ran at their named points: (point, step, epoch) in the order called.
+    assert points.calls == [("before_train", 0, 0), *[("after_step", s, 0) for s in range(1, 6)],
+                            ("after_epoch", 5, 1), ("after_step", 6, 1), ("after_epoch", 6, 1),
+                            ("after_train", 6, 1)]
     records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 6]
     # The first score arrived while training went on (it could not finish before step 6).

@@ -271,7 +271,7 @@ def test_cli_output_and_the_official_file_load_as_detectors(tmp_path, caplog):
 
 
 def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp_path):
-    """What ``fastdet.train --ckpt yolox_nano.pth`` does (Trainer._finetune): the released file
+    """What ``fastdet.train --ckpt yolox_nano.pth`` does (Checkpointer.finetune): the released file
     converted, everything but the 80-class predictors loaded into a 3-class model."""
     from fastdet.convert import load_any
     from fastdet.runtime.checkpoint import load_weights_tolerant

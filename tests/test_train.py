@@ -190,16 +190,24 @@ def one_process_compiled(demo_small, tmp_path_factory):
     return out, run(train_cmd(demo_small, out, *SAME_RUN, *COMPILE), timeout=1200)
 
 
+# What the fault tests launch in place of -m fastdet.train: the same command with the
+# fault of $FASTDET_FAULT injected through the trainer's hooks.
+FAULT_LAUNCH = Path(__file__).resolve().parent / "fault_launch.py"
+
+
 def two_ranks(data: Path, out: Path, *extra: str, port: int, launcher: tuple[str, ...] = (),
               env: dict | None = None) -> subprocess.CompletedProcess:
-    """``SAME_RUN`` under torchrun with 2 processes (gloo) of half the batch each."""
-    return run(two_ranks_cmd(data, out, *extra, port=port, launcher=launcher), timeout=1200, env=env)
+    """``SAME_RUN`` under torchrun with 2 processes (gloo) of half the batch each; with
+    ``FASTDET_FAULT`` in ``env``, through ``tests/fault_launch.py``."""
+    entry = (str(FAULT_LAUNCH),) if env and "FASTDET_FAULT" in env else ("-m", "fastdet.train")
+    return run(two_ranks_cmd(data, out, *extra, port=port, launcher=launcher, entry=entry), timeout=1200, env=env)
 
 
 def two_ranks_cmd(data: Path, out: Path, *extra: str, port: int | None,
-                  launcher: tuple[str, ...] = ("--nproc_per_node", "2")) -> list[str]:
+                  launcher: tuple[str, ...] = ("--nproc_per_node", "2"),
+                  entry: tuple[str, ...] = ("-m", "fastdet.train")) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", *(launcher or ("--nproc_per_node", "2")),
-                *(("--master_port", str(port)) if port else ()), "-m", "fastdet.train"]
+                *(("--master_port", str(port)) if port else ()), *entry]
     cmd = torchrun + train_cmd(data, out, *SAME_RUN, *extra)[3:]
     cmd[cmd.index("--batch-size") + 1] = "2"
     return cmd
@@ -256,8 +264,8 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
     the loader, predict, collation of unequal images and pycocotools. A GPU evaluates the
     whole batch, which also shows that it fits in memory."""
     from fastdet.engine import preflight
-    from fastdet.runtime import dist
     from fastdet.engine.trainer import Trainer
+    from fastdet.runtime import dist
     from fastdet.train import build_parser, resolve_config
 
     seen = []

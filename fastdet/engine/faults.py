@@ -12,22 +12,27 @@
 - :func:`restart_count` / :func:`config_mismatch`: the trainer resumes by itself under
   torchrun restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) or ``--resume auto`` when the
   run directory holds a checkpoint of the same config.
-- :func:`maybe_inject_fault`: ``FASTDET_FAULT="RANK:STEP[:SIGNAL]"`` sends that rank SIGNAL
-  (default KILL) after that step, in the first attempt of a run only (tests of
-  preemption and elastic restarts at an exact step).
+
+The trainer holds one :class:`StopControl` (``Trainer.control``): installed before the first
+step, polled after every step, finished and uninstalled at the end. The tests inject faults
+at an exact step through the trainer's hooks (``tests/fault_launch.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("fastdet")
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure ... the user is invited to retry".
 EXIT_PREEMPTED = 75
@@ -120,6 +125,8 @@ class StopControl:
 
     # -- signals
     def install(self) -> None:
+        """The handlers, before the first step; the time-sized checkpoints count from now."""
+        self._last_ckpt = time.monotonic()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handler)
 
@@ -164,15 +171,11 @@ class StopControl:
             self._pending.wait()
             self._pending = None
 
+    def preempted(self, step: int, epoch: int, steps_per_epoch: int, latest: Path) -> Preempted:
+        """What every rank raises once ``latest`` holds ``step`` (said once, by rank 0)."""
+        who = self.signame or "a signal on another rank"
+        if self.is_main:
+            log.warning("stopped by %s after step %d (step %d of %d in epoch %d); saved %s", who, step,
+                        step - epoch * steps_per_epoch, steps_per_epoch, epoch, latest)
+        return Preempted(who, step, str(latest), resume_command())
 
-def maybe_inject_fault(rank: int, step: int) -> None:
-    """``FASTDET_FAULT="RANK:STEP[:SIGNAL]"``: rank RANK sends itself SIGNAL (``KILL``, what a
-    crashed node looks like; ``TERM``, a preemption; ``INT``) once it has run step STEP, in
-    the first attempt only (a restarted or resumed run goes on)."""
-    spec = os.environ.get("FASTDET_FAULT")
-    if not spec or restart_count() > 0:
-        return
-    parts = spec.split(":")
-    if int(parts[0]) == rank and int(parts[1]) == step:
-        os.environ.pop("FASTDET_FAULT")  # once per process
-        os.kill(os.getpid(), getattr(signal, "SIG" + (parts[2] if len(parts) > 2 else "KILL")))

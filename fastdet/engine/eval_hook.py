@@ -1,6 +1,14 @@
-"""What the trainer does with an evaluation: predict, hand off, and act on the score when it comes.
+"""The trainer's evaluation and best checkpoint: when to evaluate, predict, hand off, and act on
+the score when it comes.
 
-``Trainer.evaluate`` calls :meth:`EvalRunner.run`: every rank predicts its val shard and
+:class:`EvalHook` is the trainer's collaborator (``Trainer.evals``): after an epoch it says
+whether an evaluation is due (:meth:`EvalHook.due`: the run's interval, or the interval of
+the family's phase), ``Trainer.evaluate`` hands it the model to score
+(:meth:`EvalHook.evaluate`: the val predictions drawn too, the training's random streams
+untouched), the log points collect the scores that arrived (:meth:`EvalHook.collect`), and
+the end of training waits for the last ones (:meth:`EvalHook.finish`).
+
+:meth:`EvalHook.evaluate` calls :meth:`EvalRunner.run`: every rank predicts its val shard and
 the detections are gathered on rank 0 (``fastdet.eval.coco.gather_predictions``); rank 0
 submits them, with the step, the epoch and a CPU copy of the evaluated state, to the
 background scorer (``fastdet.eval.async_scoring``) and training goes on. Scores are
@@ -33,7 +41,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastdet.runtime.checkpoint import save_checkpoint
+from fastdet.engine.previews import log_val_predictions
+from fastdet.runtime import dist
+from fastdet.runtime.checkpoint import rng_state, save_checkpoint, set_rng_state
 from fastdet.eval.async_scoring import DEFAULT_SCORE_FN, AsyncScorer, ScoredJob
 from fastdet.eval.coco import gather_predictions, gt_source
 from fastdet.eval.plots import plot_results, read_png
@@ -62,17 +72,18 @@ class EvalRunner:
         is_main: rank 0.
         async_eval: score in the background (False: wait inside :meth:`run`).
         on_scored: extra per-score work (the plots), called as ``on_scored(job)`` on rank 0.
+        best_ap: the best AP so far (a resumed run's); a score above it writes ``best.pth``.
     """
 
     def __init__(self, dataset: Any, out_dir: Path, tb: Any, *, is_main: bool, async_eval: bool = True,
                  score_fn: str = DEFAULT_SCORE_FN, on_scored: Optional[Callable[[ScoredJob], None]] = None,
-                 plots: bool = True):
+                 plots: bool = True, best_ap: float = -1.0):
         self.dataset, self.out, self.tb = dataset, Path(out_dir), tb
         self.is_main, self.async_eval, self.score_fn = is_main, async_eval, score_fn
         self.on_scored = on_scored
         self.plots = plots
         self.scorer: AsyncScorer | None = None
-        self.best_ap = -1.0
+        self.best_ap = best_ap  # a resumed run's, from its checkpoint
         self.best_changed = False  # a best.pth written since the trainer last saved latest.pth
         self.last_stats: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
@@ -84,7 +95,7 @@ class EvalRunner:
         return self.scorer
 
     def run(self, model, loader, amp_dtype, predict_kwargs: dict[str, Any], *, step: int, epoch: int,
-            state: Callable[[], dict[str, Any]], current_step: Callable[[], int]) -> None:
+            state: Callable[[], dict[str, Any]]) -> None:
         """Predict (every rank), gather, and submit on rank 0; ``state()`` is the checkpoint to keep."""
         t = time.perf_counter()
         gathered = gather_predictions(model, loader, self.dataset, amp_dtype, predict_kwargs)
@@ -94,7 +105,7 @@ class EvalRunner:
         meta = {"step": step, "epoch": epoch, "state": cpu_copy(state()), "predict_s": time.perf_counter() - t}
         self._scorer().submit(results, image_ids, meta)
         if not self.async_eval:
-            self.collect(current_step(), wait=True)
+            self.collect(step, wait=True)
 
     def collect(self, current_step: int, wait: bool = False) -> list[dict[str, float]]:
         """Act on the scores finished (all pending ones with ``wait``); returns their stats."""
@@ -160,3 +171,80 @@ class EvalRunner:
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None
+
+
+class EvalHook:
+    """When the trainer evaluates, with what, and what it does with the scores.
+
+    Args:
+        runner: the :class:`EvalRunner` that scores and keeps ``best.pth``.
+        val_loader: the eval loader (every rank predicts its shard).
+        amp_dtype: the training's autocast dtype, or None.
+        predict_kwargs: the family's post-processing (``registry.predict_kwargs``).
+        preprocess: the family's preprocessing, for the drawn val predictions.
+        img_size: the evaluation size.
+        phase: ``phase(epoch)``, the family's phase of an epoch (its ``eval_interval``).
+        eval_interval: ``run.eval_interval``, the interval of a phase that sets none.
+    """
+
+    def __init__(self, runner: EvalRunner, val_loader: Any, *, amp_dtype: torch.dtype | None,
+                 predict_kwargs: dict[str, Any], preprocess: Callable, img_size: int,
+                 phase: Callable[[int], Any], eval_interval: int):
+        self.runner, self.val_loader, self.amp_dtype = runner, val_loader, amp_dtype
+        self.predict_kwargs, self.preprocess, self.img_size = predict_kwargs, preprocess, img_size
+        self.phase, self.eval_interval = phase, eval_interval
+        self.val_predictions: Path | None = None  # the last drawn set (engine/previews.py)
+
+    @property
+    def best_ap(self) -> float:
+        return self.runner.best_ap
+
+    def due(self, epoch: int, epoch_done: bool, last: bool) -> bool:
+        """After the loop's epoch pass (``epoch``: the next one): the run's last step always,
+        else the end of every ``interval``-th epoch."""
+        # The phase of the epoch just finished may switch the interval (YOLOX: every epoch at the end).
+        interval = self.phase(epoch - 1).eval_interval or self.eval_interval
+        return last or (epoch_done and epoch % interval == 0)
+
+    def evaluate(self, model: torch.nn.Module, *, step: int, epoch: int,
+                 state: Callable[[], dict[str, Any]]) -> None:
+        """Predict on the val set (every rank) and hand the detections to the background
+        scorer; the score is acted on when it arrives (:meth:`collect`). ``state()``: the
+        checkpoint ``best.pth`` keeps if these weights score best."""
+        rng = rng_state()  # evaluation must not perturb the training's random streams
+        self.runner.run(model, self.val_loader, self.amp_dtype, self.predict_kwargs, step=step, epoch=epoch,
+                        state=state)
+        if self.runner.is_main:
+            ds = self.runner.dataset
+            self.val_predictions = log_val_predictions(
+                model, ds.records, self.preprocess, self.img_size, self.predict_kwargs, ds.class_names,
+                self.runner.tb, self.runner.out, step)
+        set_rng_state(rng)
+        self.collect(step)
+
+    def collect(self, step: int) -> None:
+        """Log, record and keep the best of the scores that have arrived (rank 0)."""
+        self.runner.collect(step)
+
+    def finish(self, step: int) -> tuple[bool, dict[str, float]]:
+        """The last scores waited for, the scorer closed and ``results.png`` drawn; every
+        rank gets (whether ``best.pth`` moved since the last ``latest.pth``, the last scores)."""
+        try:
+            self.runner.collect(step, wait=True)
+        finally:
+            self.runner.close()
+        # Rank 0 scored: every rank learns whether best.pth moved (the trainer's save is collective).
+        best_changed, stats = dist.broadcast_object(
+            (self.runner.best_changed, self.runner.last_stats) if self.runner.is_main else None)
+        self.runner.draw_results(step)
+        return best_changed, stats or {}
+
+    def report(self, stats: dict[str, float]) -> None:
+        if stats and self.runner.is_main:
+            log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s; val predictions "
+                     "drawn in %s)", stats["AP"], stats["AP50"], self.best_ap, self.runner.out,
+                     self.val_predictions)
+
+    def close(self) -> None:
+        """A stop or a failure: a scoring still running is lost (``latest.pth`` is saved)."""
+        self.runner.close()

@@ -1,0 +1,208 @@
+"""The trainer's checkpoints: what they hold, writing them, and starting from one.
+
+- :func:`auto_resume`: ``--resume auto`` or a torchrun restart picks this run directory's
+  ``latest.pth`` before any data is read (or refuses another config's checkpoint).
+- :class:`Checkpointer` (``Trainer.checkpoints``): the state of ``latest.pth`` and
+  ``best.pth`` (:meth:`~Checkpointer.state`, :meth:`~Checkpointer.weights_state`),
+  :meth:`~Checkpointer.save` (every rank calls it; rank 0 writes), :meth:`~Checkpointer.resume`
+  (``--resume``: weights, optimizer, counters, each rank's random streams) and
+  :meth:`~Checkpointer.finetune` (``--ckpt`` without ``--resume``: the weights that fit).
+- :func:`truncate_run_logs`: a resumed run drops the log lines written after its checkpoint.
+
+The file format and reading are ``fastdet.runtime.checkpoint``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fastdet.config import Config
+from fastdet.convert import load_any
+from fastdet.engine.faults import config_mismatch, restart_count
+from fastdet.engine.finetune import load_for_finetune
+from fastdet.runtime import dist
+from fastdet.runtime.checkpoint import (load_checkpoint, load_with_fallback, previous_path, rng_state,
+                                       save_checkpoint, set_rng_state)
+
+log = logging.getLogger("fastdet")
+
+# Where --resume starts from: (the checkpoint when rank 0 already read it, its path), or None
+# for ``--ckpt`` / ``latest.pth`` read when the model is built.
+ResumeFrom = tuple[dict[str, Any] | None, Path] | None
+
+
+def auto_resume(cfg: Config, out: Path, is_main: bool) -> tuple[Config, ResumeFrom]:
+    """``--resume auto`` or a torchrun restart: continue from ``out``'s ``latest.pth``
+    (``latest.prev.pth`` if it is damaged) when its config is this run's, start the run when
+    there is none, refuse a checkpoint of another config. Rank 0 decides and tells the
+    others. Returns ``cfg`` (with ``run.resume`` set when it continues) and where from."""
+    restarts = restart_count()
+    if cfg.run.resume or not (cfg.run.auto_resume or restarts > 0):
+        return cfg, None
+    why = f"torchrun restart {restarts}" if restarts > 0 else "--resume auto"
+    latest = out / "latest.pth"
+    decision: tuple[str | None, str | None] = (None, None)
+    loaded = None
+    if is_main and (latest.exists() or previous_path(latest).exists()):
+        try:
+            ck, path = load_with_fallback(latest, warn=log.warning)
+            bad = config_mismatch(ck.get("config") or {}, cfg.to_dict())
+            decision = (None, f"{why}: {path} is another run's ({'; '.join(bad)}): use another "
+                              "--output-dir") if bad else (str(path), None)
+            loaded = None if bad else ck
+        except (ValueError, FileNotFoundError) as e:
+            decision = (None, f"{why}: {e}")
+    path, error = dist.broadcast_object(decision)
+    if error:
+        raise ValueError(error)
+    if path is None:
+        log.info("%s: no checkpoint in %s: starting the run", why, out)
+        return cfg, None
+    log.info("%s: continuing from %s", why, path)
+    return replace(cfg, run=replace(cfg.run, resume=True, ckpt=None)), (loaded, Path(path))
+
+
+def truncate_run_logs(out: Path, step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` / ``eval.jsonl`` logged after ``step`` (a run
+    stopped after its last checkpoint), so a resumed run does not repeat steps."""
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        f = out / name
+        if not f.is_file():
+            continue
+        lines = f.read_text().splitlines()
+        keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(keep) != len(lines):
+            f.write_text("".join(line + "\n" for line in keep))
+            log.info("%s: dropped %d line(s) logged after step %d (the checkpoint resumed from)",
+                     f.name, len(lines) - len(keep), step)
+
+
+class Checkpointer:
+    """Checkpointing and the resume / fine-tune state of one run.
+
+    Args:
+        cfg: the run's resolved config (stored in every checkpoint).
+        out: the run directory.
+        dist_info: ``runtime.dist.init_distributed``'s answer (rank, world size).
+        model, ema, optimizer: what the checkpoints hold (``ema`` may be None). SyncBatchNorm
+            conversion later swaps modules inside ``model`` in place, so the reference holds.
+        train_set: the training set (its classes go into every checkpoint).
+    """
+
+    def __init__(self, cfg: Config, out: Path, dist_info: Any, model: nn.Module, ema: Any, optimizer: Any,
+                 train_set: Any):
+        self.cfg, self.out, self.dist = cfg, out, dist_info
+        self.model, self.ema, self.optimizer, self.train_set = model, ema, optimizer, train_set
+        # The train step's GradScaler (use_scaler), built after the weights are restored, and
+        # the state a resumed checkpoint holds for it.
+        self.scaler: Any = None
+        self.scaler_state: dict[str, Any] = {}
+
+    def use_scaler(self, scaler: Any) -> None:
+        """The train step's GradScaler: saved from now on, restored when resuming."""
+        self.scaler = scaler
+        if self.scaler_state:
+            scaler.load_state_dict(self.scaler_state)
+
+    def average_bn_stats(self) -> None:
+        """``model.all_reduce_bn_stats`` (YOLOX): per-rank BatchNorm statistics averaged over
+        the ranks, the model's and the EMA's, so evaluation and checkpoints see one model."""
+        if self.cfg.model.all_reduce_bn_stats and self.dist.world_size > 1 and not self.cfg.model.sync_bn:
+            dist.average_bn_stats(self.model, *([self.ema.module] if self.ema is not None else []))
+
+    def state(self, epoch: int, step: int, best_ap: float, rng_ranks: list[Any] | None = None) -> dict[str, Any]:
+        """What ``latest.pth`` holds: enough to resume exactly."""
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "epoch": epoch,
+            "step": step,
+            "best_ap": best_ap,
+            "config": self.cfg.to_dict(),
+            "cat_ids": list(self.train_set.cat_ids),
+            "class_names": list(self.train_set.class_names),
+            "rng": rng_state(),
+            # Every rank's random streams (rank r resumes with its own: PP-YOLO's DropBlock
+            # draws on each rank), gathered by save().
+            "rng_ranks": rng_ranks or [],
+            "world_size": self.dist.world_size,
+        }
+
+    def weights_state(self, epoch: int, step: int, best_ap: float) -> dict[str, Any]:
+        """What ``best.pth`` keeps: weights to use, not to resume (no optimizer state, which is
+        as large as the model)."""
+        return {k: v for k, v in self.state(epoch, step, best_ap).items()
+                if k not in ("optimizer", "scaler", "rng", "rng_ranks")}
+
+    def save(self, name: str, epoch: int, step: int, best_ap: float) -> None:
+        """``<name>.pth``: every rank calls it (BatchNorm statistics and random streams are
+        gathered), rank 0 writes."""
+        self.average_bn_stats()
+        rng_ranks = dist.all_gather_objects(rng_state()) if self.dist.world_size > 1 else None
+        if self.dist.is_main:
+            state = (self.weights_state(epoch, step, best_ap) if name == "best"
+                     else self.state(epoch, step, best_ap, rng_ranks))
+            # `latest` keeps the one before it (latest.prev.pth) to fall back on.
+            save_checkpoint(self.out / f"{name}.pth", state, keep_previous=name == "latest")
+
+    def _load_resume_checkpoint(self, source: ResumeFrom) -> tuple[dict[str, Any], Path]:
+        """The checkpoint to resume from: the one auto-resume chose, ``--ckpt``, or
+        ``latest.pth`` (falling back to ``latest.prev.pth``, with a warning)."""
+        if source is not None:
+            ck, path = source
+            return (ck if ck is not None else load_checkpoint(path)), path
+        if self.cfg.run.ckpt:
+            return load_checkpoint(self.cfg.run.ckpt), Path(self.cfg.run.ckpt)
+        latest = self.out / "latest.pth"
+        if not latest.is_file() and not previous_path(latest).is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {latest} (train once without --resume)")
+        return load_with_fallback(latest, warn=log.warning)
+
+    def resume(self, source: ResumeFrom, world_batch: int, base_lr: float,
+               steps_per_epoch: int) -> tuple[int, int, float]:
+        """Weights, EMA, optimizer and this rank's random streams from the checkpoint (the
+        scaler's state waits for :meth:`use_scaler`); returns its (epoch, step, best AP).
+        ``world_batch``, ``base_lr``, ``steps_per_epoch``: this run's, for the warning when
+        the number of processes changed."""
+        ck, path = self._load_resume_checkpoint(source)
+        if "optimizer" not in ck:
+            raise ValueError(f"--resume: {path} holds weights only (best.pth keeps no optimizer state): "
+                             "resume from latest.pth, or fine-tune from it with --ckpt and no --resume")
+        self.model.load_state_dict(ck["model"])
+        if self.ema is not None and ck.get("ema") is not None:
+            self.ema.load_state_dict(ck["ema"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scaler_state = ck.get("scaler") or {}
+        epoch, step, best_ap = ck["epoch"], ck["step"], ck.get("best_ap", -1.0)
+        if ck.get("world_size", 1) == self.dist.world_size:
+            ranks = ck.get("rng_ranks") or []
+            set_rng_state(ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ck["rng"])
+        else:
+            was = ck.get("world_size", 1)
+            log.warning("resuming a run trained on %d process(es) on %d: the total batch is now %d "
+                        "(was %d), the LR scales with it to %.4g, an epoch is %d steps, and the data "
+                        "order and augmentation draws differ from an uninterrupted run",
+                        was, self.dist.world_size, world_batch, self.cfg.data.batch_size * was,
+                        base_lr, steps_per_epoch)
+        log.info("resumed from %s at epoch %d, step %d", path, epoch, step)
+        if self.dist.is_main:
+            truncate_run_logs(self.out, step)
+        return epoch, step, best_ap
+
+    def finetune(self, path: str) -> None:
+        """Start from ``path``'s weights (ours, or the authors' released files, converted),
+        each class's head rows taken from the checkpoint's class of the same name
+        (engine/finetune.py)."""
+        ck, _ = load_any(path, self.cfg.model.arch, self.cfg.model.size)
+        msg = load_for_finetune(self.model, ck, self.train_set.class_names)
+        if self.ema is not None:
+            self.ema.reset(self.model)
+        log.info("fine-tuning from %s; %s", path, msg)
