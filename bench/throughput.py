@@ -73,7 +73,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch
 
-from fastdet.engine.background import cache_counts, count_delta
+from fastdet.engine.graph_cache import bucket_sizes, cache_counts, count_delta
 from bench.common import (SCHEMA, PeakMemory, dynamo_counts, env_info, format_table, fresh_dynamo,
                           one_line, release_memory, summarize, sync, time_windows, write_json)
 
@@ -240,7 +240,6 @@ def recipe_shape(arch: str, size: str) -> tuple[tuple[int, int], int]:
     its first size bucket at ``data.img_size`` (a square, or for keep-ratio resizing its
     landscape canvas, FCOS's 800x1344) and the M its loader pads the ground truth to."""
     from fastdet.config import apply_overrides
-    from fastdet.engine.background import bucket_sizes
     from fastdet.registry import get_preset
 
     cfg = get_preset(arch, size)
@@ -331,29 +330,34 @@ class Bench:
                     "would repeat step_eager_fp32 (pass --amp bf16 to measure autocast)")
         return None
 
+    def step_config(self, v: StepVariant):
+        """The run's config with the step variant's settings (compile, CUDA graphs, AMP,
+        layout, dynamic shapes) and ``--compile-backend``: what ``build_train_step`` reads.
+        Another backend than inductor ('aot_eager', 'eager') only checks that the mode runs."""
+        from fastdet.config import apply_overrides
+
+        return apply_overrides(self.cfg, {
+            "compile.compile": v.compile, "compile.cuda_graphs": v.cuda_graphs,
+            "compile.amp": self.args.amp if v.amp else "off", "compile.dynamic": False,
+            "compile.backend": self.args.compile_backend, "compile.shapes": v.shapes,
+            "data.channels_last": v.channels_last,
+        })
+
     def build_step(self, v: StepVariant):
-        """Model, optimizer, EMA and TrainStep as the trainer builds them.
+        """Model, optimizer, EMA and TrainStep built by the trainer's ``build_train_step``.
 
         Returns (model, step, lr_schedule, loss_kwargs)."""
         from fastdet import registry
-        from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
-        from fastdet.engine.step import TrainStep
+        from fastdet.engine.optim import LRSchedule
+        from fastdet.engine.step import build_train_parts, build_train_step
 
-        cfg, dev = self.cfg, self.device
+        cfg, dev = self.step_config(v), self.device
         torch.manual_seed(self.args.seed)
-        model = registry.build_detector(cfg).to(dev)
-        if v.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        model.train()
-        opt, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size, dev)
-        # Another backend than inductor ('aot_eager', 'eager') only checks that the mode runs.
-        step = TrainStep(model, model, opt, ema, dev, self.variant_dtype(v),
-                         clip_grad_norm=cfg.optim.clip_grad_norm, compile=v.compile,
-                         cuda_graphs=v.cuda_graphs, dynamic=False, backend=self.args.compile_backend,
-                         shapes=v.shapes)
+        parts = build_train_parts(cfg, dev)
+        step = build_train_step(cfg, dev, parts=parts)
         # steps_per_epoch only shapes the schedule; the LR value does not change the cost.
-        schedule = LRSchedule.from_config(cfg.optim, base_lr, steps_per_epoch=1000)
-        return model, step, schedule, registry.phase(cfg, self.args.epoch).loss_kwargs
+        schedule = LRSchedule.from_config(cfg.optim, parts.base_lr, steps_per_epoch=1000)
+        return parts.model, step, schedule, registry.phase(cfg, self.args.epoch).loss_kwargs
 
     def warm_step(self, step, kw: dict[str, Any], v: StepVariant,
                   sizes: list[tuple[int, int]] | None = None) -> float:
@@ -487,7 +491,6 @@ class Bench:
     def run_e2e_mode(self, name: str) -> dict[str, Any]:
         from fastdet.data.loader import build_train_loader
         from fastdet import registry
-        from fastdet.engine.background import bucket_sizes
 
         backend, vname = {"e2e_seed": ("torch", "eager_fp32"), "e2e_torch": ("torch", self.args.e2e_step),
                           "e2e_dali": ("dali", self.args.e2e_step)}[name]
@@ -658,8 +661,6 @@ class Bench:
         """--precompile: each distinct compiled step among --modes, built and warmed up by
         the code its timed mode runs (so inductor's cache key is the same), without CUDA
         graphs (the capture replays the same inductor graph) and without timing."""
-        from fastdet.engine.background import bucket_sizes
-
         todo: dict[tuple, tuple[StepVariant, list[tuple[int, int]] | None]] = {}
         for name in self.args.modes:
             group = GROUP_OF[name]

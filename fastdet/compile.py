@@ -28,7 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from fastdet import registry
 from fastdet.config import ConfigError, apply_overrides
+from fastdet.data.formats import train_num_classes
+from fastdet.engine.compile_workers import CompileWorkers
+from fastdet.runtime.dist import resolve_device
+from fastdet.train import build_parser as train_parser
+from fastdet.train import check_config, resolve_config
 
 
 class _Stopped(Exception):
@@ -40,8 +48,6 @@ def _raise_stopped(signum, frame):
 
 
 def build_parser():
-    from fastdet.train import build_parser as train_parser
-
     p = train_parser()
     p.prog = "python -m fastdet.compile"
     p.description = __doc__
@@ -56,11 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("fastdet")
-    from fastdet import registry
-    from fastdet.engine import background as bgc
-    from fastdet.runtime.dist import resolve_device
-    from fastdet.train import check_config, resolve_config
-
     try:
         cfg = resolve_config(args)
         check_config(cfg)
@@ -69,68 +70,45 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--num-classes must be at least 1, got {args.num_classes}")
             n = args.num_classes
         else:
-            from fastdet.data.formats import train_num_classes
-
             n = train_num_classes(cfg.data)
         cfg = apply_overrides(registry.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
         device = resolve_device(cfg.run.device)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fastdet.compile: error: {e}", file=sys.stderr)
         return 2
-    import torch
-
     if device.type == "cuda":
         device = torch.device("cuda", 0)
-    cache = bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
-    sizes = bgc.bucket_sizes(cfg)
     variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
-    every = bgc.train_buckets(sizes, variants)
+    workers = CompileWorkers(cfg, device, ddp=args.ddp)
     # What an earlier fastdet.compile or training launch compiled into this cache under the
     # same graph key is not compiled again: a stopped or repeated fill does only the rest.
-    key = bgc.graph_key(cfg, device, args.ddp, torch.get_num_threads())
-    buckets = [b for b, known in zip(every, bgc.compiled_before(cache, key, every)) if not known]
+    every, _ = workers.plan(variants)
+    buckets, cache = workers.buckets, workers.cache
     if len(buckets) < len(every):
         log.info("fastdet.compile: %d of %d graph(s) were compiled into %s before; %d to go",
                  len(every) - len(buckets), len(every), cache, len(buckets))
     if not buckets:
         return 0
-    workers, threads = bgc.plan_workers(len(buckets), cfg.compile.workers, 0)
     log.info("fastdet.compile: %s-%s, %d classes, batch %d on %s: %d graph(s) (%d size bucket(s) x %d loss "
              "variant(s)) in %d worker process(es) x %d compile thread(s), backend %s, into %s",
-             cfg.model.arch, cfg.model.size, n, cfg.data.batch_size, device, len(buckets), len(sizes),
-             len(variants), workers, threads, cfg.compile.backend, cache)
+             cfg.model.arch, cfg.model.size, n, cfg.data.batch_size, device, len(buckets), len(workers.sizes),
+             len(variants), workers.workers, workers.threads, cfg.compile.backend, cache)
     t0 = time.perf_counter()
     # A scheduler's SIGTERM (or a second Ctrl-C's) unwinds through the ``finally`` below,
     # which stops the workers; what they finished stays in the cache.
     signal.signal(signal.SIGTERM, _raise_stopped)
     with tempfile.TemporaryDirectory(prefix="fastdet-compile-") as tmp:
-        bg = bgc.BackgroundCompile(cfg, buckets, Path(tmp), device, local_rank=0, local_ranks=0, ddp=args.ddp)
-        bg.workers, bg.threads = workers, threads
-        bg.start()
-        failed = False
+        workers.start(Path(tmp))
         try:
-            while bg.pending:
-                for b, rec in bg.poll():
-                    if rec.get("ok"):
-                        log.info("graph %d/%d (%s): %.1f s (%s)", len(bg.done), len(buckets), b.name,
-                                 rec["seconds"], bgc.describe_cache(rec.get("cache", {})))
-                    else:
-                        log.error("graph %s failed: %s", b.name, rec.get("error"))
-                        failed = True
-                dead = bg.dead_workers()
-                if dead or failed:
-                    if dead:
-                        log.error("worker(s) %s stopped with %d graph(s) left", ", ".join(dead), len(bg.pending))
-                    break
-                time.sleep(0.5)
+            ok = workers.wait()
         except (_Stopped, KeyboardInterrupt) as e:
-            bg.poll()
+            workers.poll_ready()
             log.error("fastdet.compile: stopped (%s) with %d of %d graph(s) compiled; the cache keeps them, "
-                      "and the same command compiles the rest", e or "Ctrl-C", len(bg.done), len(buckets))
+                      "and the same command compiles the rest", e or "Ctrl-C", len(workers.done), len(buckets))
             return 130 if isinstance(e, KeyboardInterrupt) else 143
         finally:
-            bg.close()
-    if bg.pending or failed:
+            workers.close()
+    if not ok:
         return 1
     log.info("fastdet.compile: %d graph(s) in %.1f s; cache %s", len(buckets), time.perf_counter() - t0, cache)
     return 0

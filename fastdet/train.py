@@ -27,6 +27,7 @@ from fastdet.data.augment import ImageDecodeError
 from fastdet.data.coco import DataError
 from fastdet.data.formats import train_num_classes
 from fastdet.data.schedule import LoaderError
+from fastdet.engine.compile_workers import CompileError
 from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
 from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
         return 0
     try:
         stats = train(cfg, hooks)
-    except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, LoaderError,
+    except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, CompileError, LoaderError,
             ImageDecodeError) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
         print(f"fastdet.train: error: {e}", file=sys.stderr)

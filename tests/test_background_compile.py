@@ -23,7 +23,8 @@ from ports import free_port
 
 from fastdet import registry
 from fastdet.config import ConfigError, apply_overrides
-from fastdet.engine import background as bgc
+from fastdet.engine import graph_cache as gcache
+from fastdet.engine.compile_workers import plan_workers
 from fastdet.runtime.checkpoint import load_checkpoint
 from fastdet.runtime.logging import Progress, setup_logging
 from fastdet.engine.optim import build_optimizer_and_ema
@@ -36,12 +37,12 @@ REPO = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- planning
 
 def test_workers_are_sized_to_the_cores_and_threads_do_not_oversubscribe():
-    assert bgc.plan_workers(30, 0, 1, cpus=2) == (1, 1)  # 2 cores: one worker
-    assert bgc.plan_workers(30, 0, 8, cpus=16) == (2, 4)  # 8 ranks + 2 x 4 threads = 16
-    assert bgc.plan_workers(3, 0, 1, cpus=64) == (3, 21)  # never more workers than graphs
-    assert bgc.plan_workers(30, 5, 1, cpus=2) == (5, 1)  # compile.workers wins
+    assert plan_workers(30, 0, 1, cpus=2) == (1, 1)  # 2 cores: one worker
+    assert plan_workers(30, 0, 8, cpus=16) == (2, 4)  # 8 ranks + 2 x 4 threads = 16
+    assert plan_workers(3, 0, 1, cpus=64) == (3, 21)  # never more workers than graphs
+    assert plan_workers(30, 5, 1, cpus=2) == (5, 1)  # compile.workers wins
     for n, ranks, cpus in ((30, 1, 2), (30, 8, 16), (22, 4, 32), (10, 2, 8)):
-        w, t = bgc.plan_workers(n, 0, ranks, cpus=cpus)
+        w, t = plan_workers(n, 0, ranks, cpus=cpus)
         assert ranks + w * t <= max(cpus, ranks + w), (n, ranks, cpus, w, t)
 
 
@@ -49,9 +50,9 @@ def test_buckets_are_the_recipes_sizes_times_its_loss_variants_in_order_of_use()
     counts = {}
     for arch, size in (("ppyoloe", "s"), ("yolox", "s"), ("ppyolo", "r50vd_dcn"), ("fcos", "r50")):
         cfg = registry.get_preset(arch, size)
-        sizes = bgc.bucket_sizes(cfg)
+        sizes = gcache.bucket_sizes(cfg)
         variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
-        buckets = bgc.train_buckets(sizes, variants)
+        buckets = gcache.train_buckets(sizes, variants)
         counts[arch] = len(buckets)
         assert buckets[0].kwargs == variants[0] and (buckets[0].h, buckets[0].w) == sizes[0]
         assert len({b.file_id for b in buckets}) == len(buckets)
@@ -60,11 +61,11 @@ def test_buckets_are_the_recipes_sizes_times_its_loss_variants_in_order_of_use()
 
 
 def test_cache_dir_setting_then_environment_then_default(monkeypatch, tmp_path):
-    monkeypatch.setenv(bgc.CACHE_ENV, str(tmp_path / "env"))
-    assert bgc.resolve_cache_dir(str(tmp_path / "set")) == tmp_path / "set"
-    assert bgc.resolve_cache_dir("") == tmp_path / "env"
-    monkeypatch.delenv(bgc.CACHE_ENV)
-    assert bgc.resolve_cache_dir("") == Path("~/.cache/fastdet/inductor").expanduser().resolve()
+    monkeypatch.setenv(gcache.CACHE_ENV, str(tmp_path / "env"))
+    assert gcache.resolve_cache_dir(str(tmp_path / "set")) == tmp_path / "set"
+    assert gcache.resolve_cache_dir("") == tmp_path / "env"
+    monkeypatch.delenv(gcache.CACHE_ENV)
+    assert gcache.resolve_cache_dir("") == Path("~/.cache/fastdet/inductor").expanduser().resolve()
 
 
 def test_bad_compile_settings_are_one_clear_error():
@@ -157,31 +158,38 @@ def test_a_bucket_runs_eager_until_ready_then_compiled_with_eager_results():
 HOOKED_TRAIN = textwrap.dedent("""
     import sys, time
     from fastdet.engine import trainer as T
+    from fastdet.engine.compile_workers import CompileWorkers as W
+    from fastdet.runtime.logging import StepGaps
 
     WAIT = int(sys.argv[1])
-    poll, start = T.Trainer._poll_background, T.Trainer._start_background
+    init, poll, warmup = T.Trainer.__init__, W.poll, W.warmup
+    run = {}
 
-    def wait_all(self):
-        bg = self.background
+    def hooked_init(self, cfg):
+        run["trainer"] = self
+        init(self, cfg)
+
+    def wait_all(workers, step, gaps):
         t0 = time.time()
-        while bg.pending:
-            poll(self)
-            if bg.dead_workers() or time.time() - t0 > 1200:
+        while workers.pending:
+            poll(workers, step, gaps)
+            if workers.dead_workers() or time.time() - t0 > 1200:
                 raise SystemExit("compile workers did not finish")
             time.sleep(0.5)
 
-    def hooked_poll(self):
-        if self.background is not None and self.step == WAIT:
-            wait_all(self)
-        poll(self)
+    def hooked_poll(self, step, gaps):
+        if self.background and step == WAIT:
+            wait_all(self, step, gaps)
+        poll(self, step, gaps)
 
-    def hooked_start(self, *a):
-        start(self, *a)
-        if self.step >= WAIT:
-            wait_all(self)
+    def hooked_warmup(self, *a):
+        warmup(self, *a)
+        step = run["trainer"].step
+        if self.background and step >= WAIT:
+            wait_all(self, step, StepGaps())
 
     if __name__ == "__main__":  # the compile workers (spawned) import this file again
-        T.Trainer._poll_background, T.Trainer._start_background = hooked_poll, hooked_start
+        T.Trainer.__init__, W.poll, W.warmup = hooked_init, hooked_poll, hooked_warmup
         from fastdet.train import main
         sys.exit(main(sys.argv[2:]))
 """)
@@ -350,7 +358,7 @@ def test_compile_timeline_reads_a_real_launch_and_a_relaunch_starts_compiled(dem
                        capture_output=True, text=True, env={**ENV, "FASTDET_OPS_BACKEND": "torch"}, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # The worker ran at the niceness asked for, above the trainer's (this process's).
-    (record,) = [json.loads(f.read_text()) for f in (cache / bgc.GRAPHS_DIR).glob("*/*.json")]
+    (record,) = [json.loads(f.read_text()) for f in (cache / gcache.GRAPHS_DIR).glob("*/*.json")]
     assert record["nice"] == min(19, os.nice(0) + 11), record
     phases = json.loads(out.read_text())["phases"]
     cold, warm = phases["cold"], phases["warm"]
@@ -369,7 +377,7 @@ def test_compile_timeline_reads_a_real_launch_and_a_relaunch_starts_compiled(dem
     assert gaps[sw["step"] - 1] >= sw["step_s"] - 0.25
     assert (warm["workers"], warm["first_step_kind"], warm["graphs_compiled"]) == (0, "compiled", [])
     assert [(s["bucket"], s["step"]) for s in warm["switches"]] == [("64x64 static_assigner=True", 1)]
-    assert (cache / bgc.GRAPHS_DIR).is_dir()
+    assert (cache / gcache.GRAPHS_DIR).is_dir()
     # fastdet.compile with the training's flags finds the graph the launch compiled: it
     # starts no worker (a stopped or repeated fill compiles only what is missing).
     c = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
@@ -388,21 +396,21 @@ def test_graph_key_holds_what_shapes_the_graph_and_nothing_else():
     graphs of the earlier launch; one that changes the graph (batch, classes, AMP, layout,
     DDP, threads on the CPU, the device) does not."""
     cfg = registry.get_preset("ppyoloe", "s")
-    key = bgc.graph_key(cfg, "cpu", False, 2)
+    key = gcache.graph_key(cfg, "cpu", False, 2)
     same = {"run.max_steps": 10, "optim.epochs": 3, "optim.base_lr": 0.1, "data.data": "/elsewhere",
             "compile.warmup": "blocking", "compile.workers": 3, "run.log_interval": 1,
             "model.backbone_weights": "/w.pth"}
     for k, v in same.items():
-        assert bgc.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) == key, k
+        assert gcache.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) == key, k
     other = {"data.batch_size": 3, "model.num_classes": 3, "compile.amp": "off", "data.channels_last": True,
              "data.max_boxes": 7, "compile.shapes": "dynamic"}
-    keys = {bgc.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) for k, v in other.items()}
-    keys |= {bgc.graph_key(cfg, "cpu", True, 2), bgc.graph_key(cfg, "cpu", False, 1),
-             bgc.graph_key(cfg, "meta", False, 2)}
+    keys = {gcache.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) for k, v in other.items()}
+    keys |= {gcache.graph_key(cfg, "cpu", True, 2), gcache.graph_key(cfg, "cpu", False, 1),
+             gcache.graph_key(cfg, "meta", False, 2)}
     assert len(keys) == len(other) + 3 and key not in keys
     # A bucket is known once a worker has recorded it under the key.
-    b = bgc.Bucket.of(64, 96, {"static_assigner": True})
-    assert bgc.compiled_before(Path("/nonexistent"), key, [b]) == [False]
+    b = gcache.Bucket.of(64, 96, {"static_assigner": True})
+    assert gcache.compiled_before(Path("/nonexistent"), key, [b]) == [False]
 
 
 def _processes_with(text: str) -> list[int]:
@@ -478,16 +486,16 @@ def test_a_graph_with_a_custom_autograd_function_loads_from_the_autograd_cache(t
         import json, sys
         from pathlib import Path
         import torch
-        from fastdet.engine import background as bgc
+        from fastdet.engine import graph_cache as gcache
         from fastdet.losses import sigmoid_focal_loss
 
-        bgc.use_cache_dir(Path(sys.argv[1]))
-        c0 = bgc.cache_counts()
+        gcache.use_cache_dir(Path(sys.argv[1]))
+        c0 = gcache.cache_counts()
         f = torch.compile(lambda x, t: sigmoid_focal_loss(x * 2, t), backend="inductor", fullgraph=True)
         x = torch.linspace(-3, 3, 24).reshape(6, 4).requires_grad_()
         t = (torch.arange(24).reshape(6, 4) % 3 == 0).float()
         f(x, t).backward()
-        print(json.dumps(bgc.count_delta(c0, bgc.cache_counts())))
+        print(json.dumps(gcache.count_delta(c0, gcache.cache_counts())))
     """)
     counts = []
     for _ in range(2):

@@ -261,17 +261,17 @@ def test_a_non_square_step_runs_at_its_height_and_width(tmp_path):
 def test_benchmarks_set_cudnn_and_tf32_as_the_trainer_does(monkeypatch):
     """One function sets the flags for the trainer, its compile workers and the benchmarks
     (so "eager fp32" is the trainer's fp32), and the benchmark records them."""
-    import fastdet.engine.step as step_mod
-    from fastdet.engine import background, trainer
+    import fastdet.runtime.amp as amp_mod
+    from fastdet.engine import compile_workers, trainer
 
     calls = []
-    real = step_mod.backend_flags
-    monkeypatch.setattr(step_mod, "backend_flags", lambda d, tf32: calls.append((d.type, tf32)) or real(d, tf32))
+    real = amp_mod.backend_flags
+    monkeypatch.setattr(amp_mod, "backend_flags", lambda d, tf32: calls.append((d.type, tf32)) or real(d, tf32))
     b = throughput.Bench(throughput.parse_args(["--device", "cpu", "--quick"]))
     assert calls == [("cpu", False)] and b.backend_flags == real(torch.device("cpu"), False)
     assert b.document()["config"]["backend_flags"] == b.backend_flags
-    assert trainer.backend_flags is real and "backend_flags(dev, cfg.compile.tf32)" in \
-        Path(background.__file__).read_text()
+    assert trainer.backend_flags is real and compile_workers.backend_flags is real
+    assert "backend_flags(dev, cfg.compile.tf32)" in Path(compile_workers.__file__).read_text()
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
     try:

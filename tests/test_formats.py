@@ -380,7 +380,7 @@ def test_every_command_counts_a_sets_classes_as_training_does(demo_small, tmp_pa
 
     from fastdet import compile as compile_cli
     from fastdet.data.formats import train_num_classes
-    from fastdet.engine import background as bgc
+    from fastdet.engine.compile_workers import CompileWorkers
     from fastdet.train import main as train_main
 
     data = make_yolo(demo_small, tmp_path / "yolo")
@@ -394,17 +394,9 @@ def test_every_command_counts_a_sets_classes_as_training_does(demo_small, tmp_pa
     assert train_main(["--arch", "yolox", "--size", "nano", "--data", str(data), "--print-config"]) == 0
     assert "num_classes: 5" in capsys.readouterr().out
 
-    class NoWorkers:  # the graphs' compilation is not what this checks
-        def __init__(self, *a, **k):
-            self.pending, self.done = [], []
-
-        def start(self):
-            pass
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(bgc, "BackgroundCompile", NoWorkers)
+    # The graphs' compilation is not what this checks: no worker starts, none is waited for.
+    monkeypatch.setattr(CompileWorkers, "start", lambda self, ready_dir: None)
+    monkeypatch.setattr(CompileWorkers, "wait", lambda self: True)
     with caplog.at_level(logging.INFO, logger="fastdet"):
         rc = compile_cli.main(["--arch", "yolox", "--size", "nano", "--batch-size", "2", "--device", "cpu",
                                "--data", str(data), "--set", f"compile.cache_dir={tmp_path / 'cache'}"])

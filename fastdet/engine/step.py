@@ -49,18 +49,29 @@ capture, as the PyTorch CUDA-graph notes require.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch._dynamo
 from torch import Tensor, nn
 
+from fastdet import registry
+from fastdet.config import Config
 from fastdet.data.layout import STEP_KEYS as INPUT_KEYS
 from fastdet.data.layout import TARGET_KEYS
-from fastdet.runtime.logging import Nvtx
+from fastdet.engine.graph_cache import cache_counts, count_delta
+from fastdet.engine.host_sync import HostSyncGuard
+from fastdet.engine.optim import build_optimizer_and_ema
+from fastdet.engine.sync_bn import convert_sync_batchnorm
 from fastdet.ops import dispatch
+from fastdet.runtime.amp import resolve_amp
+from fastdet.runtime.logging import Nvtx
+
+log = logging.getLogger("fastdet")
 
 # Slots of the loss accumulator, allocated at construction (before any warm-up or capture)
 # because the loss names are only known after the first forward.
@@ -175,7 +186,7 @@ class TrainStep:
         self._warmed_up = False
         self._ready: set[tuple] = set()  # buckets whose graph can be loaded
         self._live: set[tuple] = set()  # buckets running compiled
-        self.switches: list[Switch] = []  # the trainer logs and empties it
+        self.switches: list[Switch] = []  # logged and emptied by take_switches
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
 
@@ -269,6 +280,16 @@ class TrainStep:
     def is_compiled(self, h: int, w: int, kw: dict[str, Any]) -> bool:
         return self._twin is None or (int(h), int(w), _kw_key(kw)) in self._live
 
+    @property
+    def compiled_buckets(self) -> int:
+        """Buckets running compiled so far (compile.warmup=background)."""
+        return len(self._live)
+
+    def take_switches(self) -> list[Switch]:
+        """The switches since the last call (for the log), emptying ``switches``."""
+        out, self.switches = self.switches, []
+        return out
+
     def _eager_step(self, inputs: dict[str, Tensor], kw: dict[str, Any]) -> None:
         assert self._twin is not None
         self._twin.use_compiled = False
@@ -280,8 +301,6 @@ class TrainStep:
     def _switch(self, key: tuple, inputs: dict[str, Tensor], kw: dict[str, Any]) -> None:
         """This step compiles the bucket (a cache load once a worker has compiled it),
         captures it with --cuda-graphs, and runs it on the real batch."""
-        from fastdet.engine.background import cache_counts, count_delta
-
         t0, c0, n0 = time.perf_counter(), cache_counts(), compiled_graph_count()
         if self.cuda_graphs:
             gkey = (tuple(inputs["images"].shape), _kw_key(kw))
@@ -372,8 +391,6 @@ class TrainStep:
         refuse, in one line naming the code, a step that reads a device value back or
         copies host data to the device: a CUDA-graph capture would fail on it (eager steps
         only; a compiled step is checked by Dynamo and cudagraph trees)."""
-        from fastdet.engine.host_sync import HostSyncGuard
-
         with HostSyncGuard(self.device) as guard:
             self._body(inputs, kw)
         if guard.violations:
@@ -443,3 +460,94 @@ def synthetic_batch(batch_size: int, h: int, w: int, max_boxes: int, device: tor
         "gt_mask": mask.to(device),
         "gt_scores": mask.float().to(device),
     }
+
+
+# --------------------------------------------------------------------------- building a step
+
+def freeze_bn_stats(model: nn.Module) -> None:
+    """Put every BatchNorm in eval mode (running statistics fixed, affine still trained)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            mod.eval()
+
+
+@dataclass
+class TrainParts:
+    """What a train step updates: built by :func:`build_train_parts`, restored by the trainer
+    (resume, fine-tune) before :func:`build_train_step` wraps them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    ema: Any
+    base_lr: float  # the LR scaled by the global batch
+    amp_dtype: torch.dtype | None
+
+
+def build_train_parts(cfg: Config, device: torch.device, *, world_size: int = 1,
+                      backbone_weights: bool = False) -> TrainParts:
+    """The detector on ``device`` (with ``model.backbone_weights`` loaded when
+    ``backbone_weights``; channels-last with ``data.channels_last``), its optimizer and EMA
+    for a global batch of ``data.batch_size x world_size``, and the AMP dtype."""
+    model = registry.build_detector(cfg).to(device)
+    if backbone_weights and cfg.model.backbone_weights:
+        model.load_backbone_weights(cfg.model.backbone_weights)
+    if cfg.data.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size * world_size, device)
+    return TrainParts(model, optimizer, ema, base_lr, resolve_amp(cfg.compile.amp, device))
+
+
+def ddp_wrapper(device: torch.device) -> Callable[[nn.Module], nn.Module]:
+    """What wraps the step's (compiled) module in DDP on ``device``: TrainStep calls it, so
+    that DDP wraps the compiled module and not the other way round (the module docstring)."""
+    if device.type == "cuda":
+        return partial(nn.parallel.DistributedDataParallel, device_ids=[device.index])
+    return nn.parallel.DistributedDataParallel
+
+
+def build_train_step(cfg: Config, device: torch.device, *, parts: TrainParts | None = None,
+                     ddp: bool = False, world_size: int = 1, background: bool = False,
+                     cuda_graphs: bool | None = None) -> TrainStep:
+    """The train step of ``cfg``, as the trainer, the compile workers and the benchmarks run it.
+
+    Everything inductor's cache key can see is set here from ``cfg`` (the model, its layout,
+    train mode and frozen BatchNorm statistics, the optimizer and EMA, AMP, the compile
+    settings, DDP's wrapping), so a worker's graph is the trainer's.
+
+    Args:
+        parts: the model, optimizer and EMA to use (the trainer's, restored from a
+            checkpoint); built by :func:`build_train_parts` when None.
+        ddp: wrap the step's module in DDP (a process group must be up). With
+            ``world_size > 1`` and ``model.sync_bn`` BatchNorm becomes the traceable
+            SyncBatchNorm first (in place: the optimizer and EMA keep their tensors), and
+            CUDA graphs warm up 11 iterations before each capture (DDP's requirement).
+        background: each bucket runs eagerly until ``mark_ready`` (compile.warmup=background).
+        cuda_graphs: overrides ``compile.cuda_graphs`` (the workers compile the same inductor
+            graph without capturing it).
+    """
+    parts = parts or build_train_parts(cfg, device, world_size=world_size)
+    model = parts.model
+    # The mode the step is compiled (and captured) in: Dynamo guards on each module's
+    # `training`, and a graph bakes BatchNorm's mode in.
+    model.train()
+    if cfg.model.freeze_bn:
+        freeze_bn_stats(model)
+    wrap = None
+    if ddp:
+        if cfg.model.sync_bn and world_size > 1:
+            # In place: the new modules hold the same parameter and buffer tensors, so the
+            # optimizer and EMA built with the model still hold them.
+            model = convert_sync_batchnorm(model)
+            log.info("SyncBatchNorm: BatchNorm statistics over the %d ranks' batches (functional "
+                     "collectives, inside the compiled graph with --compile)", world_size)
+        elif world_size > 1:
+            log.info("model.sync_bn is off: each rank uses plain BatchNorm on its own batch%s",
+                     " (running statistics averaged over the ranks before each evaluation and "
+                     "checkpoint)" if cfg.model.all_reduce_bn_stats else "")
+        wrap = ddp_wrapper(device)
+    c = cfg.compile
+    return TrainStep(model, model, parts.optimizer, parts.ema, device, parts.amp_dtype,
+                     clip_grad_norm=cfg.optim.clip_grad_norm, compile=c.compile,
+                     cuda_graphs=c.cuda_graphs if cuda_graphs is None else cuda_graphs, dynamic=c.dynamic,
+                     graph_warmup_iters=11 if ddp else 3, nvtx=Nvtx(cfg.run.nvtx), ddp=wrap,
+                     backend=c.backend, background=background, shapes=c.shapes)

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
-from torch import nn
 
 from fastdet import registry
 from fastdet.config import Config
@@ -29,17 +26,17 @@ from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader
 from fastdet.runtime import dist
 from fastdet.engine.checkpointer import Checkpointer, auto_resume
+from fastdet.engine.compile_workers import CompileWorkers
 from fastdet.engine.eval_hook import EvalHook, EvalRunner
 from fastdet.engine.faults import StopControl, restart_count
 from fastdet.engine.hooks import Hook
 from fastdet.engine.metrics_log import MetricsLog
-from fastdet.runtime.logging import Nvtx, Progress, ProfilerWindow, StepGaps, setup_logging
-from fastdet.engine.optim import LRSchedule, build_optimizer_and_ema
+from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, setup_logging
+from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
 from fastdet.engine.rundir import free_run_dir
-from fastdet.engine.step import TrainStep
-from fastdet.runtime.amp import backend_flags, resolve_amp
-from fastdet.engine.sync_bn import convert_sync_batchnorm
+from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
+from fastdet.runtime.amp import backend_flags
 from fastdet.models.recipe import pretrained_backbone_note
 
 log = logging.getLogger("fastdet")
@@ -51,13 +48,6 @@ class TrainingError(RuntimeError):
 
 def output_dir(cfg: Config) -> Path:
     return Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
-
-
-def freeze_bn_stats(model: nn.Module) -> None:
-    """Put every BatchNorm in eval mode (running statistics fixed, affine still trained)."""
-    for mod in model.modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            mod.eval()
 
 
 class Trainer:
@@ -84,8 +74,6 @@ class Trainer:
                 resume_from, self.world_batch, self.base_lr, self.steps_per_epoch)
         elif self.cfg.run.ckpt:
             self.checkpoints.finetune(self.cfg.run.ckpt)
-        self.background = None  # the compile workers (_start_background)
-        self._dead_reported = False
         self._build_step()
         self.checkpoints.use_scaler(self.train_step.scaler)
         self.gaps = StepGaps()
@@ -142,21 +130,18 @@ class Trainer:
         return replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
 
     def _build_model(self) -> None:
-        """The detector on the device, the AMP dtype, the optimizer and the EMA."""
+        """The detector on the device, the AMP dtype, the optimizer and the EMA, as the compile
+        workers build them (engine/step.py); a resumed run has its backbone weights in its state."""
         cfg = self.cfg
-        self.model = registry.build_detector(cfg).to(self.device)
-        if cfg.model.backbone_weights and not cfg.run.resume:  # a resumed run has them in its state
-            self.model.load_backbone_weights(cfg.model.backbone_weights)
+        parts = build_train_parts(cfg, self.device, world_size=self.dist.world_size,
+                                  backbone_weights=not cfg.run.resume)
+        self.model, self.optimizer, self.ema = parts.model, parts.optimizer, parts.ema
+        self.amp_dtype, self.base_lr = parts.amp_dtype, parts.base_lr
         note = pretrained_backbone_note(registry.recipe(cfg.model.arch), cfg.model.size, cfg.data.data,
                                         cfg.model.backbone_weights, cfg.run.ckpt or cfg.run.resume)
         if note and self.dist.is_main:
             log.info(note)
-        if cfg.data.channels_last:
-            self.model = self.model.to(memory_format=torch.channels_last)
-        self.amp_dtype = resolve_amp(cfg.compile.amp, self.device)
         self.world_batch = cfg.data.batch_size * self.dist.world_size
-        self.optimizer, self.ema, self.base_lr = build_optimizer_and_ema(
-            cfg.optim, self.model, self.world_batch, self.device)
 
     def _build_loaders(self) -> None:
         """The loaders and the LR schedule, which needs the number of steps per epoch."""
@@ -179,37 +164,18 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.optim, self.base_lr, self.steps_per_epoch)
 
     def _build_step(self) -> None:
-        """The (compiled, DDP-wrapped when distributed) train step."""
+        """The (compiled, DDP-wrapped when distributed) train step and its compilation (the
+        compile workers build theirs with the same ``build_train_step``)."""
         cfg = self.cfg
-        # Before the step is built: it may convert BatchNorm to SyncBatchNorm in self.model.
-        ddp = self._ddp_wrapper() if self.dist.distributed else None
-        self.train_step = TrainStep(
-            self.model, self.model, self.optimizer, self.ema, self.device, self.amp_dtype,
-            clip_grad_norm=cfg.optim.clip_grad_norm, compile=cfg.compile.compile,
-            cuda_graphs=cfg.compile.cuda_graphs, dynamic=cfg.compile.dynamic,
-            graph_warmup_iters=11 if self.dist.distributed else 3, nvtx=Nvtx(cfg.run.nvtx),
-            ddp=ddp, backend=cfg.compile.backend,
-            background=cfg.compile.compile and cfg.compile.warmup == "background",
-            shapes=cfg.compile.shapes)
-
-    # ------------------------------------------------------------------ helpers
-    def _ddp_wrapper(self) -> Callable[[nn.Module], nn.Module]:
-        """Convert BatchNorm to the traceable SyncBatchNorm when ``model.sync_bn``, and return
-        what wraps the step's (compiled) module in DDP: TrainStep calls it, so that DDP wraps
-        the compiled module and not the other way round (fastdet/engine/step.py says why)."""
-        if self.cfg.model.sync_bn and self.dist.world_size > 1:
-            # In place: the new modules hold the same parameter and buffer tensors, so the
-            # optimizer and EMA built above still hold them.
-            self.model = convert_sync_batchnorm(self.model)
-            log.info("SyncBatchNorm: BatchNorm statistics over the %d ranks' batches (functional "
-                     "collectives, inside the compiled graph with --compile)", self.dist.world_size)
-        elif self.dist.world_size > 1:
-            log.info("model.sync_bn is off: each rank uses plain BatchNorm on its own batch%s",
-                     " (running statistics averaged over the ranks before each evaluation and "
-                     "checkpoint)" if self.cfg.model.all_reduce_bn_stats else "")
-        if self.device.type == "cuda":
-            return partial(nn.parallel.DistributedDataParallel, device_ids=[self.device.index])
-        return nn.parallel.DistributedDataParallel
+        self.train_step = build_train_step(
+            cfg, self.device, parts=TrainParts(self.model, self.optimizer, self.ema, self.base_lr, self.amp_dtype),
+            ddp=self.dist.distributed, world_size=self.dist.world_size,
+            background=cfg.compile.compile and cfg.compile.warmup == "background")
+        # SyncBatchNorm (model.sync_bn) converts in place: the root module, which the
+        # checkpointer holds, stays the same object.
+        self.model = self.train_step.model
+        self.compilation = CompileWorkers(cfg, self.device, step=self.train_step, out_dir=self.out,
+                                          ddp=self.dist.distributed, ranks=self.dist)
 
     # ------------------------------------------------------------------ checkpoints / eval
     def save(self, name: str) -> None:
@@ -242,7 +208,7 @@ class Trainer:
         # Modes first: warm-up compiles and captures the model in the mode it trains in
         # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
         self._train_mode()
-        self._warmup()
+        self.compilation.warmup(self.epoch, self.steps_per_epoch)
         progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                       steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
                                       amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
@@ -268,7 +234,7 @@ class Trainer:
         if best_changed:
             self.save("latest")
         self.metrics.close()
-        self.close_background()
+        self.compilation.close()
         self.metrics.report_gaps(self.step)
         self.evals.report(stats)
         for hook in self.hooks:
@@ -308,8 +274,8 @@ class Trainer:
             log_due = self.step % run.log_interval == 0 or ckpt_due or end or stop
             if not self.dist.distributed or log_due:
                 # Ranks agree on ready buckets at log points only (one small all-reduce).
-                self._poll_background()
-            progress.step(self._compile_status())
+                self.compilation.poll(self.step, self.gaps)
+            progress.step(self.compilation.status())
             # Losses are read (and checked) before every checkpoint, so a saved
             # checkpoint never holds weights from after a non-finite loss.
             if log_due:
@@ -381,147 +347,12 @@ class Trainer:
         log.info("checked before training: evaluation of %d val image(s) per rank (eval loader, predict, "
                  "pycocotools on %s) and a checkpoint write (%.1f s)", per_rank, self.val_set.ann_file.name, secs)
 
-    def _warmup(self) -> None:
-        cfg = self.cfg
-        if not (cfg.compile.compile or cfg.compile.cuda_graphs):
-            return
-        sizes = self.train_loader.sizes
-        last_epoch = cfg.optim.epochs - 1
-        if cfg.run.max_steps > 0:
-            last_epoch = min(last_epoch, (cfg.run.max_steps - 1) // self.steps_per_epoch)
-        # Every phase the rest of the run goes through: its distinct loss arguments x the
-        # loader's size buckets, so that nothing compiles after warm-up.
-        variants = registry.loss_variants(cfg, self.epoch, last_epoch)
-        if cfg.compile.compile and cfg.compile.warmup == "background":
-            self._start_background(list(sizes), variants)
-            return
-        from fastdet.engine import background as bgc
-
-        if cfg.compile.compile:  # blocking: the same shared cache as the workers and fastdet.compile
-            bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
-        c0 = bgc.cache_counts()
-        t = time.perf_counter()
-        self.train_step.warmup(list(sizes), cfg.data.batch_size, cfg.data.max_boxes,
-                               variants, channels_last=cfg.data.channels_last)
-        log.info("warm-up: %d size bucket(s) x %d loss variant(s) compiled%s in %.1f s (inductor %s, %s)",
-                 len(sizes), len(variants), " and captured" if cfg.compile.cuda_graphs else "",
-                 time.perf_counter() - t, bgc.os.environ.get(bgc.CACHE_ENV, "default cache"),
-                 bgc.describe_cache(bgc.count_delta(c0, bgc.cache_counts())))
-
-    def _start_background(self, sizes: list[tuple[int, int]], variants: list[dict[str, Any]]) -> None:
-        """compile.warmup=background: start the compile workers (fastdet/engine/background.py);
-        training starts at once on the eager twin."""
-        import torch._inductor.config
-
-        from fastdet.engine import background as bgc
-
-        cfg = self.cfg
-        cache = bgc.use_cache_dir(bgc.resolve_cache_dir(cfg.compile.cache_dir))
-        buckets = bgc.train_buckets(sizes, variants)
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        # This process only loads graphs: its own compile threads must not take the cores
-        # of the other ranks and the workers.
-        torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
-        launch = dist.broadcast_object(bgc.launch_id())
-        # Graphs an earlier launch (or python -m fastdet.compile) compiled into this cache are
-        # loaded at their bucket's first step; the workers compile only the others.
-        key = bgc.graph_key(cfg, self.device, self.dist.distributed, torch.get_num_threads())
-        known = bgc.compiled_before(cache, key, buckets)
-        if self.dist.distributed:
-            known = [bool(k) for k in self._agree_min([int(k) for k in known])]
-        todo = [b for b, k in zip(buckets, known) if not k]
-        bg = bgc.BackgroundCompile(cfg, todo, bgc.ready_dir_for(self.out, launch), self.device,
-                                   local_rank=self.dist.local_rank, local_ranks=local_ranks,
-                                   ddp=self.dist.distributed)
-        if self.device.type == "cuda" and self.dist.distributed and self.device.index != 0:
-            log.warning("compile: this rank's device is %s and inductor's cache key holds the device, "
-                        "so it cannot load the graphs local rank 0's workers compile for cuda:0; "
-                        "launch with torchrun --virtual-local-rank to share them", self.device)
-        if len(todo) < len(buckets):
-            log.info("compile: %d of %d graph(s) were compiled into this cache by an earlier launch or "
-                     "python -m fastdet.compile (%s): each loads at its bucket's first step",
-                     len(buckets) - len(todo), len(buckets), bgc.compiled_dir(cache, key))
-        log.info("compile: %d graph(s) (%d size bucket(s) x %d loss variant(s)) in %d worker "
-                 "process(es) x %d compile thread(s) at nice %d, backend %s; training starts eager and each "
-                 "bucket switches to its compiled%s step when its graph is ready; inductor cache %s "
-                 "(compile.cache_dir or TORCHINDUCTOR_CACHE_DIR moves it; python -m fastdet.compile "
-                 "fills it ahead of time)", len(buckets), len(sizes), len(variants),
-                 bg.workers, bg.threads, cfg.compile.worker_nice, cfg.compile.backend,
-                 " and captured" if cfg.compile.cuda_graphs else "", cache)
-        self.train_step.begin_background(len(buckets))
-        for b, k in zip(buckets, known):
-            if k:
-                self.train_step.mark_ready(b.h, b.w, b.kwargs)
-        dist.barrier()  # the ready directory is fresh before any rank looks into it
-        bg.start()
-        self.background = bg
-
-    def _poll_background(self) -> None:
-        """Buckets the workers finished become ready; switches done by the last step are logged."""
-        bg = getattr(self, "background", None)
-        if bg is None:
-            return
-        from fastdet.engine.background import describe_cache
-
-        ts = self.train_step
-        for sw in ts.switches:
-            h, w, kw = sw.key
-            how = describe_cache(sw.cache)
-            msg = ("compile: bucket %dx%d%s runs compiled from step %d (%.1f s for that step: "
-                   "%d graph(s), %s)")
-            args = (h, w, "".join(f" {k}={v}" for k, v in kw), self.step, sw.seconds, sw.graphs, how)
-            if sw.cache.get("fx_miss", 0) or sw.cache.get("aot_miss", 0):
-                log.warning(msg + "; cache misses: the trainer compiled it itself", *args)
-            else:
-                log.info(msg, *args)
-        ts.switches.clear()
-        if not bg.pending:
-            return
-        agree = self._agree_min if self.dist.distributed else None
-        for b, record in bg.poll(agree):
-            if not record.get("ok", False):
-                raise TrainingError(f"compile worker failed on bucket {b.name}: {record.get('error')}")
-            log.info("compile: graph %d/%d (%s) compiled by worker %s in %.1f s (%s)", len(bg.done),
-                     len(bg.buckets), b.name, record.get("pid"), record["seconds"],
-                     describe_cache(record.get("cache", {})))
-            ts.mark_ready(b.h, b.w, b.kwargs)
-        if bg.total_s is not None:
-            log.info("compile: all %d graph(s) compiled, %.1f s after training started; longest gap "
-                     "between two steps so far %.1f s (step %d)", len(bg.buckets), bg.total_s,
-                     self.gaps.longest, self.gaps.longest_step)
-        dead = bg.dead_workers()
-        if dead and not getattr(self, "_dead_reported", False):
-            self._dead_reported = True
-            log.error("compile: worker(s) %s stopped with %d bucket(s) left; those train eagerly in "
-                      "this run", ", ".join(dead), len(bg.pending))
-
-    def _compile_status(self) -> str:
-        """The progress bar's postfix: how many graphs are compiled while some are not."""
-        bg = getattr(self, "background", None)
-        if bg is None or (not bg.pending and not self.train_step.switches):
-            return ""
-        return f"{bg.status()}, {len(self.train_step._live)} running compiled"
-
-    def _agree_min(self, flags: list[int]) -> list[int]:
-        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-        return t.tolist()
-
-    def close_background(self) -> None:
-        bg = getattr(self, "background", None)
-        if bg is None:
-            return
-        if bg.pending:
-            log.info("compile: training ended with %d of %d graph(s) not compiled; the workers stop "
-                     "(the cache keeps what they finished)", len(bg.pending), len(bg.buckets))
-        bg.close()
-        self.background = None
 
 def train(cfg: Config, hooks: Sequence[Hook] = ()) -> dict[str, float]:
     trainer = Trainer(cfg, hooks)
     try:
         return trainer.train()
     finally:
-        trainer.close_background()
+        trainer.compilation.close()
         trainer.control.uninstall()
         dist.shutdown()
