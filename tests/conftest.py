@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -44,3 +45,16 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """A test that runs a command's ``main()`` in process leaves that command's log set-up
+    behind (``setup_logging`` binds the ``fastdet`` logger to the sys.stdout of the moment,
+    ``basicConfig`` the root logger to sys.stderr): a later test in the same worker would log
+    into the closed capture of the first. Each test gets the logging state it started with."""
+    fd, root = logging.getLogger("fastdet"), logging.getLogger()
+    saved = (list(fd.handlers), fd.level, fd.propagate, list(root.handlers), root.level)
+    yield
+    fd.handlers[:], fd.level, fd.propagate = saved[0], saved[1], saved[2]
+    root.handlers[:], root.level = saved[3], saved[4]

@@ -135,23 +135,22 @@ def test_a_yolo_coco_with_other_names_is_refused_naming_both_sides(coco_model, t
 def test_predict_draws_and_writes_the_checkpoints_own_names_and_ids(coco_model, tmp_path, monkeypatch, capsys):
     """``fastdet.predict`` captions with the checkpoint's class names and writes its COCO
     category ids (label 16 is 'dog', id 18), whatever set it is run on."""
-    import fastdet.visualize as visualize
-    from fastdet.predict import main as predict_main
+    import fastdet.predict as predict
 
     ckpt, images, truth = coco_model
     src = tmp_path / "src"
     src.mkdir()
     Image.fromarray(images[0]).save(src / "a.png")
     drawn = []
-    real = visualize.draw_detections
+    real = predict.draw_detections
 
     def spy(image, boxes, scores, labels, class_names):
         drawn.append((labels.tolist(), list(class_names)))
         return real(image, boxes, scores, labels, class_names)
 
-    monkeypatch.setattr(visualize, "draw_detections", spy)
+    monkeypatch.setattr(predict, "draw_detections", spy)
     out = tmp_path / "out"
-    assert predict_main(["--ckpt", str(ckpt), "--source", str(src), "--output-dir", str(out),
+    assert predict.main(["--ckpt", str(ckpt), "--source", str(src), "--output-dir", str(out),
                          "--score-thresh", "0", "--img-size", str(SIZE), "--device", "cpu"]) == 0
     (labels, names), = drawn
     assert names == ULTRALYTICS_COCO_NAMES and labels[0] == truth[0][0][0]

@@ -6,7 +6,8 @@ augmentation stages, schedule switches) and the loop passes it on. Each concern 
 the step is one collaborator, called at the loop's named points (before training, after
 each step, after each epoch, after training): ``metrics`` (engine/metrics_log.py),
 ``evals`` (engine/eval_hook.py), ``checkpoints`` (engine/checkpointer.py), ``control``
-(engine/faults.py) and the ``hooks`` a caller gives (engine/hooks.py).
+(engine/faults.py), ``compilation`` (engine/compile_workers.py) and the ``hooks`` a caller
+gives (engine/hooks.py).
 """
 
 from __future__ import annotations
