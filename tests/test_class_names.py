@@ -120,6 +120,49 @@ def test_a_converted_coco_model_scores_a_yolo_format_coco_as_coco_json(coco_mode
     assert yolo_ap == pytest.approx(coco_ap, abs=1e-3), (coco_line, yolo_line)
 
 
+def write_voc(root: Path, images, truth) -> Path:
+    """The same images and boxes as a VOC root: 1-based ``xmin``/``ymin`` as VOC writes them,
+    the 80 names in ``label_list.txt`` (PaddleDetection's), PNGs named by ``<filename>``."""
+    for d in ("Annotations", "ImageSets/Main", "JPEGImages"):
+        (root / d).mkdir(parents=True)
+    (root / "label_list.txt").write_text("\n".join(ULTRALYTICS_COCO_NAMES) + "\n")
+    ids = []
+    for k, (img, boxes) in enumerate(zip(images, truth)):
+        h, w = img.shape[:2]
+        stem = f"{k:06d}"
+        ids.append(stem)
+        Image.fromarray(img).save(root / "JPEGImages" / f"{stem}.png")
+        objs = "".join(f"<object><name>{ULTRALYTICS_COCO_NAMES[c]}</name><difficult>0</difficult><bndbox>"
+                       f"<xmin>{x0 + 1!r}</xmin><ymin>{y0 + 1!r}</ymin><xmax>{x1!r}</xmax><ymax>{y1!r}</ymax>"
+                       "</bndbox></object>" for c, x0, y0, x1, y1 in boxes)
+        (root / "Annotations" / f"{stem}.xml").write_text(
+            f"<annotation><filename>{stem}.png</filename><size><width>{w}</width><height>{h}</height>"
+            f"<depth>3</depth></size>{objs}</annotation>")
+    for split in ("train", "val"):
+        (root / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    return root
+
+
+def test_one_checkpoint_scores_the_same_ap_on_the_coco_yolo_and_voc_forms_of_a_set(coco_model, tmp_path,
+                                                                                    capsys):
+    """Issue 41: classes are matched by name, so the three forms of the same val images (COCO's
+    sparse ids, YOLO's 0..79, VOC's names) score one checkpoint alike."""
+    from fastdet.eval.__main__ import main as eval_main
+
+    ckpt, images, truth = coco_model
+    ann, data_yaml = write_coco_and_yolo(tmp_path / "coco_yolo", images, truth)
+    voc = write_voc(tmp_path / "voc", images, truth)
+    common = ["--ckpt", str(ckpt), "--img-size", str(SIZE), "--device", "cpu", "--loader", "torch",
+              "--batch-size", "3"]
+    aps = []
+    for form in (["--val-ann", str(ann), "--val-images", str(tmp_path / "coco_yolo" / "images" / "val")],
+                 ["--data", str(data_yaml)], ["--data", str(voc)]):
+        assert eval_main(common + form) == 0
+        aps.append(float(ap_line(capsys).split()[2]))
+    assert aps[0] > 0.5, aps  # the ground truth is the model's own detections
+    assert aps[1] == pytest.approx(aps[0], abs=1e-3) and aps[2] == pytest.approx(aps[0], abs=1e-3), aps
+
+
 def test_a_yolo_coco_with_other_names_is_refused_naming_both_sides(coco_model, tmp_path, capsys):
     from fastdet.eval.__main__ import main as eval_main
 
