@@ -354,12 +354,14 @@ def test_compile_timeline_reads_a_real_launch_and_a_relaunch_starts_compiled(dem
                         "--set", "compile.backend=eager", "--set", "data.train_sizes=64",
                         "--set", "data.img_size=64", "--set", "data.num_workers=0",
                         "--set", "family.static_assigner_epoch=100", "--set", "optim.epochs=50",
-                        "--set", "compile.worker_nice=11"],
+                        # Nice 3, not the default 11: on CI's 2 busy cores a worker at 11
+                        # gets a few % of a core and the launch waits minutes for its graph.
+                        "--set", "compile.worker_nice=3"],
                        capture_output=True, text=True, env={**ENV, "FASTDET_OPS_BACKEND": "torch"}, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # The worker ran at the niceness asked for, above the trainer's (this process's).
     (record,) = [json.loads(f.read_text()) for f in (cache / gcache.GRAPHS_DIR).glob("*/*.json")]
-    assert record["nice"] == min(19, os.nice(0) + 11), record
+    assert record["nice"] == min(19, os.nice(0) + 3), record
     phases = json.loads(out.read_text())["phases"]
     cold, warm = phases["cold"], phases["warm"]
     for row in (cold, warm):
