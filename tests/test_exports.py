@@ -240,6 +240,8 @@ def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp
     rc, out, err = check(capsys, ["--data", str(tmp_path / "cvat" / "task_val")])
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "it holds annotations/instances_default.json (CVAT's COCO export" in err and "--val-ann" in err, err
+    rc, out, err = check(capsys, args[:4])  # train alone, no --data: one line saying what is missing
+    assert rc == 1 and "give --data, or COCO files with --val-ann and --val-images" in err, err
 
 
 def test_cvat_yolo_export_checks_as_it_is(demo_small, tmp_path, capsys):
