@@ -4,7 +4,9 @@ references of PaddleDetection's algorithms, and properties on constructed cases.
 
 The references below walk one image, one GT and one level at a time with Python lists,
 so they share no code (and no vectorisation trick) with ``fastdet.ops.assigners``.
-Random cases use float coordinates so distances and metrics have no ties.
+Random cases use float coordinates so distances and metrics have no ties; the tie cases
+below use integer corners, as annotation tools write them, and the loop references' stable
+sort decides: ties go to the lower anchor index, as in the kernels.
 """
 
 from __future__ import annotations
@@ -186,6 +188,34 @@ def test_tal_matches_loop_reference(seed):
                               bg_index=c["C"], topk=13, alpha=1.0, beta=6.0)
     ref = ref_tal(c["pred_scores"], c["pred_boxes"], c["points"], c["gt_labels"], c["gt_boxes"], c["pad"], c["C"])
     assert (ref[0] != c["C"]).sum() > 0
+    _assert_same(out, ref)
+
+
+# Integer corners put GT centres exactly between anchor centres (equal distances); equal
+# predictions and scores tie every metric. 128 px: 336 anchors, few enough that
+# ``Tensor.topk`` fully sorts a row and its ties came out of index order before topk_mask.
+TIE_GTS = torch.tensor([[[16.0, 16.0, 48.0, 48.0], [40.0, 8.0, 88.0, 72.0], [0.0, 64.0, 64.0, 128.0],
+                         [64.0, 64.0, 96.0, 96.0]]])
+TIE_LABELS = torch.tensor([[[1], [2], [0], [3]]])
+
+
+def test_atss_breaks_distance_ties_by_the_lower_anchor_index():
+    anchors, points, counts = make_anchors(128)
+    pad = torch.ones(1, 4, 1)
+    out = atss_assign(anchors, counts, TIE_LABELS, TIE_GTS, pad, bg_index=4, topk=9, num_classes=4)
+    ref = ref_atss(anchors, counts, TIE_LABELS, TIE_GTS, pad, 4, 9, None, 4)
+    assert (ref[0] != 4).sum() >= 16
+    _assert_same(out, ref)
+
+
+def test_tal_breaks_metric_ties_by_the_lower_anchor_index():
+    anchors, points, counts = make_anchors(128)
+    pad = torch.ones(1, 4, 1)
+    scores = torch.full((1, anchors.shape[0], 4), 0.5)
+    pred = anchors[None].clone()
+    out = task_aligned_assign(scores, pred, points, TIE_LABELS, TIE_GTS, pad, bg_index=4)
+    ref = ref_tal(scores, pred, points, TIE_LABELS, TIE_GTS, pad, 4)
+    assert (ref[0] != 4).sum() >= 40
     _assert_same(out, ref)
 
 

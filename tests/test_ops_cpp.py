@@ -217,8 +217,8 @@ def _assert_assign_equal(got, want, msg=""):
     torch.testing.assert_close(scores, ws, rtol=1e-5, atol=1e-6, msg=msg)
 
 
-# 256 px input: A = 32^2 + 16^2 + 8^2 = 1344 anchors, so the reference's torch.topk does a
-# partial sort (k * 64 <= A), whose ties go to the lower index like the kernels'.
+# 256 px input: A = 32^2 + 16^2 + 8^2 = 1344 anchors. The reference breaks top-k ties by the
+# lower index (``assigners.topk_mask``), as the kernels' packed keys do.
 ASSIGN_CASES = {
     "random": dict(batch=3, max_boxes=8, num_classes=5, img_size=256, seed=0),
     "crowded": dict(batch=2, max_boxes=20, num_classes=3, img_size=256, valid=[20, 13], seed=1),
@@ -261,7 +261,6 @@ def test_assign_ties_and_duplicates(F):
     _assert_assign_equal(F.task_aligned_assign(*x.tal_args()[:6], 3, 13, 1.0, 6.0, 1e-9),
                          assigners.task_aligned_assign(*x.tal_args()), "tal ties")
     # ATSS: GTs centred exactly between anchor centres on every level (equal distances).
-    # 768 px, so every level has >= 9 * 64 anchors and torch.topk's ties are by index too.
     x = assign_inputs(batch=1, max_boxes=4, num_classes=3, img_size=768, valid=[4], seed=5)
     x.gt_bboxes[0, 0] = torch.tensor([352.0, 352.0, 416.0, 416.0])
     x.gt_bboxes[0, 1] = torch.tensor([300.0, 320.0, 468.0, 448.0])

@@ -58,6 +58,23 @@ def points_inside_boxes(points: Tensor, boxes: Tensor, eps: float = 1e-9) -> Ten
     return (ltrb.amin(dim=-1) > eps).to(boxes.dtype)
 
 
+def topk_mask(x: Tensor, k: int, largest: bool = True) -> Tensor:
+    """``[..., n]`` -> bool ``[..., n]`` marking the ``k`` best entries of each row, ties going to
+    the lower index, as the kernels' packed (value, index) keys and the loop references order
+    them. ``Tensor.topk`` leaves exact ties to its partial sort (CPU and CUDA differ), and ties
+    are common: integer-cornered boxes put GT centres at exact distances from the grid, and
+    anchors outside a GT all score 0.
+
+    The k-th value comes from ``topk``; all entries better than it are taken, then the first
+    ``k - (number better)`` entries equal to it (a running count), so exactly ``k`` per row.
+    """
+    kth = x.topk(k, dim=-1, largest=largest).values[..., -1:]  # [..., 1]
+    better = x > kth if largest else x < kth
+    tied = x == kth
+    need = k - better.sum(dim=-1, keepdim=True)  # [..., 1], >= 1
+    return better | (tied & (tied.cumsum(dim=-1) <= need))
+
+
 def _max_iou_gt_onehot(ious: Tensor) -> Tensor:
     """``[B, M, A]`` -> one-hot over M of the GT with the largest IoU per anchor (first on ties)."""
     idx = ious.argmax(dim=-2, keepdim=True)  # [B, 1, A]
@@ -150,21 +167,22 @@ def atss_assign(
     anchor_centers = (anchors[:, :2] + anchors[:, 2:]) / 2  # [A, 2]
     distances = (gt_centers[:, :, None, :] - anchor_centers[None, None]).norm(dim=-1)  # [B, M, A]
 
-    is_in_topk_levels, topk_idx_levels = [], []
+    is_in_topk_levels = []
     start = 0
     for n in num_anchors_list:
         k = min(topk, n)
-        _, idx = distances[..., start : start + n].topk(k, dim=-1, largest=False)  # [B, M, k]
-        is_in = torch.zeros(B, M, n, dtype=dtype, device=anchors.device).scatter_(-1, idx, 1.0)
+        is_in = topk_mask(distances[..., start : start + n], k, largest=False).to(dtype)  # [B, M, n]
         is_in_topk_levels.append(is_in * pad_gt_mask)
-        topk_idx_levels.append(idx + start)
         start += n
-    is_in_topk = torch.cat(is_in_topk_levels, dim=-1)  # [B, M, A]
-    topk_idxs = torch.cat(topk_idx_levels, dim=-1)  # [B, M, K]
+    is_in_topk = torch.cat(is_in_topk_levels, dim=-1)  # [B, M, A], K ones per real GT
+    K = sum(min(topk, n) for n in num_anchors_list)
 
+    # Mean + unbiased std of the K candidates' IoUs (Paddle gathers them; a masked sum over
+    # the anchors gives the same statistics without the indices).
     iou_candidates = ious * is_in_topk
-    cand = torch.gather(iou_candidates, -1, topk_idxs)  # [B, M, K]
-    threshold = cand.mean(dim=-1, keepdim=True) + cand.std(dim=-1, keepdim=True)
+    mean = iou_candidates.sum(dim=-1, keepdim=True) / K  # [B, M, 1]
+    var = ((ious - mean).square() * is_in_topk).sum(dim=-1, keepdim=True) / (K - 1)
+    threshold = mean + var.sqrt()
     is_in_topk = torch.where(iou_candidates > threshold, is_in_topk, torch.zeros_like(is_in_topk))
 
     is_in_gts = points_inside_boxes(anchor_centers, gt_bboxes)
@@ -220,8 +238,7 @@ def task_aligned_assign(
     metrics = cls_scores.pow(alpha) * ious.pow(beta)  # [B, M, A]
 
     is_in_gts = points_inside_boxes(anchor_points, gt_bboxes)  # [B, M, A]
-    _, idx = (metrics * is_in_gts).topk(min(topk, A), dim=-1)  # [B, M, k]
-    is_in_topk = torch.zeros_like(metrics).scatter_(-1, idx, 1.0) * pad_gt_mask
+    is_in_topk = topk_mask(metrics * is_in_gts, min(topk, A)).to(dtype) * pad_gt_mask  # [B, M, A]
     mask_positive = is_in_topk * is_in_gts * pad_gt_mask  # [B, M, A]
 
     mask_positive, labels, bboxes = _resolve_and_gather(mask_positive, ious, pad_gt_mask, gt_labels, gt_bboxes, bg_index)
