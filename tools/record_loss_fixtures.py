@@ -11,18 +11,29 @@ writes ``tests/fixtures/paddle/loss_<case>.npz`` holding:
 - the batch: images (stored as uint8, used as ``u8 / 255``), ground-truth boxes (xyxy px),
   classes, and per case its extras (mixup scores);
 - each loss component the authors' code returns, and the gradients of a few parameters
-  from head to stem (``grad/<paddle name>``), in float64 where the authors' code runs in
-  float64.
+  from head to stem (``grad/<paddle name>``; for a large parameter its leading block
+  ``grad[:n0, :n1, ...]``, of the parameter's rank), in float64 where the authors' code
+  runs in float64.
 
-Cases: FCOS r50 with centre sampling (``Gt2FCOSTarget``, ``FCOSLoss``; float64, its one-hot
-labels cast to float64 for paddle's focal loss).
+Cases (all float64):
+
+- ``fcos_r50``: FCOS r50 with centre sampling (``Gt2FCOSTarget``, ``FCOSLoss``; its one-hot
+  labels cast to float64 for paddle's focal loss);
+- ``ppyoloe``: PP-YOLOE-s at width 0.125, ``PPYOLOEHead.get_loss`` in both assigner phases
+  (``loss_ppyoloe_atss``, ``loss_ppyoloe_tal``);
+- ``ppyolo_r18vd`` and ``ppyolo_r50vd_dcn``: PP-YOLO's two configs (r50vd_dcn at full width:
+  ResNet50-vd with DCNv2 in res5, CoordConv, SPP, the IoU-aware branch with
+  ``IouAwareLoss``), ``YOLOv3Loss`` + ``IouLoss`` on ``Gt2YoloTarget``'s targets with mixup
+  scores and DropBlock at keep_prob 1.
 
 Regenerate (CPU is enough):
 
     pip install paddlepaddle==3.3.1 'numpy<2' pyyaml six scipy opencv-python-headless Pillow typeguard
     # numpy < 2: Gt2FCOSTarget calls np.reshape(..., newshape=...)
     git clone --branch v2.6.0 https://github.com/PaddlePaddle/PaddleDetection /tmp/PaddleDetection
-    python tools/record_loss_fixtures.py --ppdet /tmp/PaddleDetection
+    python tools/record_loss_fixtures.py --ppdet /tmp/PaddleDetection [--only ppyolo_r50vd_dcn ...]
+
+Each case is reproducible bit for bit (paddlepaddle 3.3.1 on the CPU, numpy 1.26).
 """
 
 from __future__ import annotations
@@ -73,9 +84,12 @@ def images(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
 
 
-def run(model, dtype: str, weights: dict, x: np.ndarray, loss_fn, grad_names: list[str]):
+def run(model, dtype: str, weights: dict, x: np.ndarray, loss_fn, grad_names: list[str],
+        blocks: dict[str, tuple[int, ...]] | None = None):
     """Fill ``model`` with ``weights`` in ``dtype``, train mode; ``loss_fn(model, x)`` -> dict of
-    loss tensors (with a ``total`` key that is backpropagated) -> ({name: value}, {grad name: array})."""
+    loss tensors (with a ``total`` key that is backpropagated) -> ({name: value}, {grad name: array}).
+    ``blocks``: for a large parameter, the leading block of its gradient to keep
+    (``grad[:n0, :n1, ...]``), which keeps the fixture small."""
     import paddle
 
     model.to(dtype=dtype)
@@ -85,6 +99,8 @@ def run(model, dtype: str, weights: dict, x: np.ndarray, loss_fn, grad_names: li
     losses["total"].backward()
     params = dict(model.named_parameters())
     grads = {k: params[k].grad.numpy().astype(np.float64) for k in grad_names}
+    for k, block in (blocks or {}).items():
+        grads[k] = grads[k][tuple(slice(0, n) for n in block)]
     return {k: float(v) for k, v in losses.items()}, grads
 
 
@@ -301,29 +317,66 @@ PPYOLO_GRADS = ["yolo_head.yolo_output.0.bias", "yolo_head.yolo_output.1.bias",
                 "backbone.conv1.conv1_1.norm.weight", "backbone.conv1.conv1_1.conv.weight"]
 
 
-def ppyolo_model():
+# PP-YOLO r50vd_dcn (configs/ppyolo/ppyolo_r50vd_dcn_1x_coco.yml: its _base_/ppyolo_r50vd_dcn.yml
+# model, the same in the 2x config) on the same batch: strides 32, 16, 8 (3 x 4, 6 x 8, 12 x 16
+# cells) with the COCO anchors, by which Gt2YoloTarget spreads the 7 boxes over all levels (s32: the
+# whole-image box, score 0.4; s16: three boxes; s8: three). Full width (47 M weights, filled
+# from the seed, not stored); DCNv2 in res5 (res5a's 3x3 at stride 2, res5b/c at 1), whose
+# offset/mask convs the seeded fill makes non-zero, so that the sampling is off the grid.
+# Paddle's deformable conv runs in float64 on the CPU.
+PPYOLO_R50 = dict(PPYOLO, size="r50vd_dcn")
+PPYOLO_R50_GRADS = ["yolo_head.yolo_output.0.bias", "yolo_head.yolo_output.1.bias", "yolo_head.yolo_output.2.bias",
+                    "neck.yolo_block.2.tip.conv.batch_norm.weight",
+                    "neck.yolo_block.0.conv_module.spp.conv.batch_norm.weight",
+                    "backbone.res5.res5c.branch2b.conv_offset.bias",
+                    "backbone.res5.res5a.branch2b.conv_offset.weight", "backbone.res5.res5a.branch2b.conv_offset.bias",
+                    "backbone.res5.res5a.branch2b.conv.weight", "backbone.res5.res5a.branch2b.norm.weight",
+                    "backbone.conv1.conv1_1.norm.weight", "backbone.conv1.conv1_1.conv.weight"]
+# Leading blocks of the DCN's large gradients: every offset and mask row of its offset conv
+# for 16 input channels; 4 output channels x 64 input channels of the deformable conv.
+PPYOLO_R50_BLOCKS = {"backbone.res5.res5a.branch2b.conv_offset.weight": (27, 16, 3, 3),
+                     "backbone.res5.res5a.branch2b.conv.weight": (4, 64, 3, 3)}
+
+# The two configs' model sections (configs/ppyolo/_base_/ppyolo_r18vd.yml, ppyolo_r50vd_dcn.yml).
+PPYOLO_MODELS = {
+    "r18vd": dict(depth=18, return_idx=[2, 3], dcn=[-1], coord_conv=False, spp=False, conv_block_num=0,
+                  iou_aware=False, anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
+                  masks=[[3, 4, 5], [0, 1, 2]], downsample=[32, 16]),
+    "r50vd_dcn": dict(depth=50, return_idx=[1, 2, 3], dcn=[3], coord_conv=True, spp=True, conv_block_num=2,
+                      iou_aware=True, anchors=[[10, 13], [16, 30], [33, 23], [30, 61], [62, 45], [59, 119],
+                                               [116, 90], [156, 198], [373, 326]],
+                      masks=[[6, 7, 8], [3, 4, 5], [0, 1, 2]], downsample=[32, 16, 8]),
+}
+
+
+def ppyolo_model(size: str):
+    """The config's ResNet (vd, nothing frozen), PPYOLOFPN (DropBlock at keep_prob 1),
+    YOLOv3Head and YOLOv3Loss (ignore_thresh 0.7, no label smoothing, scale_x_y 1.05,
+    IouLoss 2.5 squared; r50vd_dcn: the IoU-aware branch, factor 0.4, IouAwareLoss 1.0)."""
     from ppdet.modeling.backbones.resnet import ResNet
     from ppdet.modeling.heads.yolo_head import YOLOv3Head
+    from ppdet.modeling.losses.iou_aware_loss import IouAwareLoss
     from ppdet.modeling.losses.iou_loss import IouLoss
     from ppdet.modeling.losses.yolo_loss import YOLOv3Loss
     from ppdet.modeling.necks.yolo_fpn import PPYOLOFPN
     import paddle
 
-    C = PPYOLO["num_classes"]
+    c, C = PPYOLO_MODELS[size], PPYOLO["num_classes"]
 
     class Model(paddle.nn.Layer):
         def __init__(self):
             super().__init__()
-            self.backbone = ResNet(depth=18, variant="d", return_idx=[2, 3], freeze_at=-1, freeze_norm=False,
-                                   norm_decay=0.0)
-            self.neck = PPYOLOFPN(in_channels=[s.channels for s in self.backbone.out_shape], coord_conv=False,
-                                  drop_block=True, block_size=3, keep_prob=1.0, spp=False, conv_block_num=0)
-            loss = YOLOv3Loss(num_classes=C, ignore_thresh=0.7, label_smooth=False, downsample=[32, 16],
-                              scale_x_y=1.05, iou_loss=IouLoss(loss_weight=2.5, loss_square=True))
-            self.yolo_head = YOLOv3Head(in_channels=[s.channels for s in self.neck.out_shape],
-                                        anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
-                                        anchor_masks=[[3, 4, 5], [0, 1, 2]], num_classes=C, loss=loss,
-                                        iou_aware=False)
+            self.backbone = ResNet(depth=c["depth"], variant="d", return_idx=c["return_idx"], dcn_v2_stages=c["dcn"],
+                                   freeze_at=-1, freeze_norm=False, norm_decay=0.0)
+            self.neck = PPYOLOFPN(in_channels=[s.channels for s in self.backbone.out_shape], coord_conv=c["coord_conv"],
+                                  drop_block=True, block_size=3, keep_prob=1.0, spp=c["spp"],
+                                  conv_block_num=c["conv_block_num"])
+            loss = YOLOv3Loss(num_classes=C, ignore_thresh=0.7, label_smooth=False, downsample=c["downsample"],
+                              scale_x_y=1.05, iou_loss=IouLoss(loss_weight=2.5, loss_square=True),
+                              iou_aware_loss=IouAwareLoss(loss_weight=1.0) if c["iou_aware"] else None)
+            self.yolo_head = YOLOv3Head(in_channels=[s.channels for s in self.neck.out_shape], anchors=c["anchors"],
+                                        anchor_masks=c["masks"], num_classes=C, loss=loss, iou_aware=c["iou_aware"],
+                                        iou_aware_factor=0.4)
 
         def forward(self, x, targets):
             return self.yolo_head(self.neck(self.backbone({"image": x})), targets)
@@ -331,23 +384,24 @@ def ppyolo_model():
     return Model()
 
 
-def record_ppyolo(seed: int = 61) -> None:
+def record_ppyolo(case: dict, grad_names: list[str], blocks: dict | None = None, seed: int = 61) -> None:
     """YOLOv3Head's training forward (YOLOv3Loss with IouLoss: loss_xy, loss_wh, loss_iou,
-    loss_obj, loss_cls) on ``Gt2YoloTarget``'s grid targets, built as the TrainReader's
-    batch transforms leave the boxes (NormalizeBox, PadBox, BboxXYXY2XYWH: normalised cx,
-    cy, w, h) with per-box gt_score."""
+    (loss_iou_aware,) loss_obj, loss_cls) on ``Gt2YoloTarget``'s grid targets, built as the
+    TrainReader's batch transforms leave the boxes (NormalizeBox, PadBox, BboxXYXY2XYWH:
+    normalised cx, cy, w, h) with per-box gt_score."""
     from ppdet.data.transform.batch_operators import Gt2YoloTarget
     import paddle
 
-    h, w = PPYOLO["hw"]
+    c = PPYOLO_MODELS[case["size"]]
+    h, w = case["hw"]
     x = images(seed + 1, (2, 3, h, w))
-    boxes = np.array(PPYOLO["boxes"], np.float64)
-    classes, scores = np.array(PPYOLO["classes"]), np.array(PPYOLO["scores"], np.float64)
+    boxes = np.array(case["boxes"], np.float64)
+    classes, scores = np.array(case["classes"]), np.array(case["scores"], np.float64)
     norm = boxes / np.array([w, h, w, h])
     cxcywh = np.concatenate([(norm[..., :2] + norm[..., 2:]) / 2, norm[..., 2:] - norm[..., :2]], -1)
-    target = Gt2YoloTarget(anchors=[[10, 14], [23, 27], [37, 58], [81, 82], [135, 169], [344, 319]],
-                           anchor_masks=[[3, 4, 5], [0, 1, 2]], downsample_ratios=[32, 16],
-                           num_classes=PPYOLO["num_classes"])
+    target = Gt2YoloTarget(anchors=c["anchors"], anchor_masks=c["masks"], downsample_ratios=c["downsample"],
+                           num_classes=case["num_classes"])
+    levels = [f"target{i}" for i in range(len(c["masks"]))]
 
     def loss_fn(model, xt):
         dtype = str(xt.numpy().dtype)
@@ -355,17 +409,18 @@ def record_ppyolo(seed: int = 61) -> None:
                     "gt_class": np.maximum(classes[i], 0).astype(np.int32),
                     "gt_score": scores[i][:, None].astype(np.float32)} for i in range(2)]
         samples = target(samples)
-        targets = {k: paddle.to_tensor(np.stack([s[k] for s in samples]).astype(dtype))
-                   for k in ("target0", "target1", "gt_bbox")}
+        print("positives per level:", [int((np.stack([s[k] for s in samples])[:, :, 5] > 0).sum()) for k in levels])
+        targets = {k: paddle.to_tensor(np.stack([s[k] for s in samples]).astype(dtype)) for k in levels + ["gt_bbox"]}
         out = model(xt, targets)
-        names = ("loss_xy", "loss_wh", "loss_iou", "loss_obj", "loss_cls")
+        names = ("loss_xy", "loss_wh", "loss_iou") + (("loss_iou_aware",) if c["iou_aware"] else ()) + (
+            "loss_obj", "loss_cls")
         return {**{k: out[k] for k in names}, "total": out["loss"]}
 
-    model = ppyolo_model()
+    model = ppyolo_model(case["size"])
     sd = model.state_dict()
     weights = fill(list(sd), [tuple(v.shape) for v in sd.values()], seed)
-    losses, grads = run(model, DTYPE, weights, x, loss_fn, PPYOLO_GRADS)
-    save("ppyolo_r18vd", model, seed, PPYOLO, {"x": x}, losses, grads, DTYPE)
+    losses, grads = run(model, DTYPE, weights, x, loss_fn, grad_names, blocks)
+    save(f"ppyolo_{case['size']}", model, seed, case, {"x": x}, losses, grads, DTYPE)
 
 
 def main() -> None:
@@ -375,7 +430,9 @@ def main() -> None:
     args = ap.parse_args()
     import_ppdet_training(args.ppdet)
     OUT.mkdir(parents=True, exist_ok=True)
-    cases = {"fcos_r50": record_fcos, "ppyoloe": record_ppyoloe, "ppyolo_r18vd": record_ppyolo}
+    cases = {"fcos_r50": record_fcos, "ppyoloe": record_ppyoloe,
+             "ppyolo_r18vd": lambda: record_ppyolo(PPYOLO, PPYOLO_GRADS),
+             "ppyolo_r50vd_dcn": lambda: record_ppyolo(PPYOLO_R50, PPYOLO_R50_GRADS, PPYOLO_R50_BLOCKS)}
     for name, record in cases.items():
         if args.only is None or name in args.only:
             record()
