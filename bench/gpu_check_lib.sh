@@ -73,25 +73,64 @@ elapsed() { echo $(( $(date +%s) - START )); }
 wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 note() { echo "[gpu_check $(elapsed)s] $*" | tee -a "$OUT_DIR/summary.txt"; }
 
-# pack: the archive, without checkpoints, cut to ARCHIVE_MB: first the largest profiler
-# traces, then the largest logs, each to its first and last 200 lines.
+# pack: the archive, without checkpoints, cut to ARCHIVE_MB. Over the limit, one file at a
+# time, largest first among those not yet touched: profiler traces, then logs (*.log,
+# *.jsonl, *.txt) are cut to their first and last 200 lines (to their first and last 64 KiB
+# where that leaves them over 256 KiB: a trace can be a few long lines); then other files
+# over 64 KiB (the trainers' plots, TensorBoard events) are left out. Every pass touches a
+# new file, so the loop ends; the record names each file cut (trimmed) or left out (dropped).
 TRIMMED=()
+DROPPED=()
+# pack_victim: the next file to cut or drop, as "cut<TAB>path" or "drop<TAB>path"; none: "".
+pack_victim() {
+    local touched=" ${TRIMMED[*]:-} ${DROPPED[*]:-} " kind pattern rel
+    for kind in trace text other; do
+        case $kind in
+            trace) pattern='trace_*.json' ;;
+            text) pattern='*.log|*.jsonl|*.txt' ;;
+            other) pattern='*' ;;
+        esac
+        while IFS=$'\t' read -r _ rel; do
+            [[ -z "$rel" || "$touched" == *" $rel "* ]] && continue
+            [[ $kind == other && ( "$rel" == *.log || "$rel" == *.jsonl || "$rel" == *.txt || "$rel" == *.json ) ]] \
+                && continue
+            if [[ $kind == other ]]; then printf 'drop\t%s\n' "$rel"; else printf 'cut\t%s\n' "$rel"; fi
+            return
+        done < <(cd "$OUT_DIR" && find . -type f -size +64k ! -name '*.pth' ! -name '.parts.tsv' ! -name summary.txt \
+                     -printf '%s\t%P\n' | sort -rn | awk -F'\t' -v pat="$pattern" '
+                     BEGIN { n = split(pat, ps, "|"); for (i = 1; i <= n; i++) { gsub(/\./, "\\.", ps[i]); gsub(/\*/, ".*", ps[i]); ps[i] = "^" ps[i] "$" } }
+                     { base = $2; sub(/.*\//, "", base); for (i = 1; i <= n; i++) if (base ~ ps[i]) { print; next } }')
+    done
+}
 pack() {
     [[ -n "$PACK_TO" ]] || return 0
-    local max=$(( ARCHIVE_MB * 1024 * 1024 )) size victim
+    local max=$(( ARCHIVE_MB * 1024 * 1024 )) size action rel file
     find "$OUT_DIR" -name '*.pth' -delete
     while :; do
-        tar czf "$PACK_TO/${KIND//-/_}.tgz.tmp" --exclude='*.pth' --exclude='.parts.tsv' -C "$OUT_DIR" . 2>/dev/null
+        tar czf "$PACK_TO/${KIND//-/_}.tgz.tmp" --exclude='*.pth' --exclude='.parts.tsv' \
+            "${DROPPED[@]/#/--exclude=./}" -C "$OUT_DIR" . 2>/dev/null
         size=$(stat -c %s "$PACK_TO/${KIND//-/_}.tgz.tmp")
         (( size <= max )) && break
-        victim=$(find "$OUT_DIR" -type f \( -name 'trace_*.json' -o -name '*.log' -o -name '*.jsonl' \) -size +64k \
-                     -printf '%s\t%p\n' | sort -rn | awk -F'\t' '{print $2}' \
-                 | grep -m1 'trace_' || find "$OUT_DIR" -type f -size +64k -printf '%s\t%p\n' | sort -rn | head -1 | cut -f2)
-        [[ -z "$victim" ]] && break
-        { head -n 200 "$victim"; echo "... cut by gpu_check.sh to fit the ${ARCHIVE_MB} MiB archive ..."; tail -n 200 "$victim"; } \
-            > "$victim.cut" && mv "$victim.cut" "$victim"
-        TRIMMED+=("${victim#"$OUT_DIR"/}")
-        note "pack: archive ${size} B > ${ARCHIVE_MB} MiB: cut ${victim#"$OUT_DIR"/}"
+        IFS=$'\t' read -r action rel < <(pack_victim)
+        if [[ -z "${rel:-}" ]]; then
+            note "pack: archive ${size} B > ${ARCHIVE_MB} MiB and nothing left to cut: kept as is"
+            break
+        fi
+        file="$OUT_DIR/$rel"
+        if [[ $action == drop ]]; then
+            DROPPED+=("$rel")
+            note "pack: archive ${size} B > ${ARCHIVE_MB} MiB: left out $rel ($(stat -c %s "$file") B)"
+            continue
+        fi
+        { head -n 200 "$file"; echo "... cut by gpu_check.sh to fit the ${ARCHIVE_MB} MiB archive ..."; tail -n 200 "$file"; } \
+            > "$file.cut"
+        if (( $(stat -c %s "$file.cut") > 256 * 1024 )); then
+            { head -c 65536 "$file"; printf '\n... cut by gpu_check.sh to fit the %s MiB archive ...\n' "$ARCHIVE_MB"
+              tail -c 65536 "$file"; } > "$file.cut"
+        fi
+        mv "$file.cut" "$file"
+        TRIMMED+=("$rel")
+        note "pack: archive ${size} B > ${ARCHIVE_MB} MiB: cut $rel"
     done
     mv "$PACK_TO/${KIND//-/_}.tgz.tmp" "$PACK_TO/${KIND//-/_}.tgz"
     ARCHIVE_BYTES=$size
@@ -103,9 +142,9 @@ ARCHIVE_BYTES=0
 record() {
     pack
     "$PY" - "$STATUS" "$OUT_DIR/${STEM:-unknown}_${KIND}.json" "$BUDGET" "$(elapsed)" "${STEM:-unknown}" \
-        "$PARTS" "$ARCHIVE_BYTES" "$ARCHIVE_MB" "$MODE" "${TRIMMED[*]:-}" "${KIND//-/_}" <<'EOF'
+        "$PARTS" "$ARCHIVE_BYTES" "$ARCHIVE_MB" "$MODE" "${TRIMMED[*]:-}" "${DROPPED[*]:-}" "${KIND//-/_}" <<'EOF'
 import json, sys
-status, out, budget, elapsed, stem, wanted, archive, archive_mb, mode, trimmed, kind = sys.argv[1:]
+status, out, budget, elapsed, stem, wanted, archive, archive_mb, mode, trimmed, dropped, kind = sys.argv[1:]
 parts = []
 for line in open(status):
     name, st, rc, secs, why, limit, lane = (line.rstrip("\n").split("\t") + [""] * 7)[:7]
@@ -116,7 +155,8 @@ done = {p["part"] for p in parts}
 json.dump({"schema": "fastdet.bench/1", "kind": kind, "mode": mode, "stem": stem, "budget_s": int(budget),
            "elapsed_s": int(elapsed), "parts": parts,
            "not_reached": [p for p in wanted.split(",") if p and p not in done],
-           "archive": {"bytes": int(archive), "limit_mib": int(archive_mb), "trimmed": trimmed.split()}},
+           "archive": {"bytes": int(archive), "limit_mib": int(archive_mb), "trimmed": trimmed.split(),
+                       "dropped": dropped.split()}},
           open(out, "w"), indent=1)
 EOF
     if [[ -n "$PACK_TO" ]]; then

@@ -265,3 +265,40 @@ def test_packing_cuts_the_largest_trace_until_the_archive_fits_and_leaves_checkp
     assert "train/yolox/metrics.jsonl" in names and "profile/profile.json" in names
     assert not any(n.endswith(".pth") for n in names)
     assert "cut by gpu_check.sh" in trace and trace.startswith(lines[:120]) and trace.endswith(lines[-120:])
+
+
+def test_packing_leaves_out_plots_and_cuts_one_line_traces_and_ends(tmp_path):
+    """Over the limit with files that line cuts cannot shrink (a one-line trace; the trainers'
+    plots and TensorBoard events): the trace is cut to its first and last 64 KiB, the binary
+    files are left out, largest first, until the archive fits, and the record names them.
+    (The line cut alone looped for ever on a trainer's val_predictions.jpg.)"""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "profile").mkdir(parents=True)
+    (work / "train" / "ppyolo" / "tb").mkdir(parents=True)
+    out.mkdir()
+    one_line = os.urandom(1_200_000).hex()  # 2.4 MB, no newline
+    (work / "profile" / "trace_eager_bf16.json").write_text(one_line)
+    (work / "train" / "ppyolo" / "val_predictions.jpg").write_bytes(os.urandom(700_000))
+    (work / "train" / "ppyolo" / "results.png").write_bytes(os.urandom(500_000))
+    (work / "train" / "ppyolo" / "tb" / "events.out.tfevents.1").write_bytes(os.urandom(100_000))
+    (work / "train" / "ppyolo" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (work / ".parts.tsv").write_text("")
+    script = f"""
+        SELF={ROOT / "bench" / "gpu_check.sh"} KIND=gpu-check MODE=run SCALE=1 BUDGET=540 START=$(date +%s)
+        OUT_DIR={work} STATUS={work / ".parts.tsv"} PACK_TO={out} ARCHIVE_MB=1 PARTS=env PY={sys.executable} STEM=x
+        source {ROOT / "bench" / "gpu_check_lib.sh"}
+        record
+    """
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    archive = out / "gpu_check.tgz"
+    assert archive.stat().st_size <= 2**20
+    record = json.loads((out / "gpu-check.json").read_text())
+    assert record["archive"]["trimmed"] == ["profile/trace_eager_bf16.json"]
+    assert record["archive"]["dropped"] == ["train/ppyolo/val_predictions.jpg"]
+    with tarfile.open(archive) as tar:
+        names = [n.removeprefix("./") for n in tar.getnames()]
+        trace = tar.extractfile("./profile/trace_eager_bf16.json").read().decode()
+    assert "train/ppyolo/val_predictions.jpg" not in names
+    assert "train/ppyolo/results.png" in names and "train/ppyolo/metrics.jsonl" in names
+    assert trace.startswith(one_line[:65536]) and trace.endswith(one_line[-65536:]) and len(trace) < 140_000
