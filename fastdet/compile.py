@@ -7,12 +7,14 @@ A later ``python -m fastdet.train ... --compile`` on this machine (or a cluster 
 reuses the cache directory) then loads each graph in seconds instead of compiling it::
 
     python -m fastdet.compile --arch ppyoloe --size s --data /data/coco
-    python -m fastdet.compile --arch yolox --size s --num-classes 80 --ddp   # for torchrun
+    python -m fastdet.compile --arch yolox --size s --num-classes 80 --ddp 8   # for torchrun, 8 ranks
     TORCHINDUCTOR_CACHE_DIR=/shared/inductor python -m fastdet.compile --arch fcos --size r50 ...
 
 The model's class count comes from the training annotations (``--data``), or
-``--num-classes`` without reading them. ``--ddp`` compiles the graphs a ``torchrun``
-launch uses (DDP cuts them at its gradient buckets). On a GPU machine the graphs are
+``--num-classes`` without reading them. ``--ddp W`` compiles the graphs a ``torchrun``
+launch of W ranks in all (nodes x processes per node) uses: DDP cuts them at its gradient
+buckets, and they hold collectives of W ranks (the loss normaliser's all-reduce,
+SyncBatchNorm's all-gather), so a fill for one world size serves launches of that size. On a GPU machine the graphs are
 compiled for ``cuda:0``: launch training with ``torchrun --virtual-local-rank`` so every
 rank loads them. On the CPU inductor's kernels (and its cache key) depend on torch's
 thread count: run this with the training's ``OMP_NUM_THREADS`` (torchrun sets 1 per rank
@@ -53,8 +55,9 @@ def build_parser():
     p.description = __doc__
     p.add_argument("--num-classes", type=int, default=None,
                    help="classes of the model (default: counted from the training annotations of --data)")
-    p.add_argument("--ddp", action="store_true",
-                   help="compile the graphs of a torchrun launch (DDP's gradient-bucket cuts)")
+    p.add_argument("--ddp", type=int, default=None, metavar="W",
+                   help="compile the graphs of a torchrun launch of W ranks in all (nodes x processes per node): "
+                        "DDP's gradient-bucket cuts and the collectives of W ranks")
     return p
 
 
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             n = args.num_classes
         else:
             n = train_num_classes(cfg.data)
+        if args.ddp is not None and args.ddp < 1:
+            raise ConfigError(f"--ddp takes the launch's number of ranks (at least 1), got {args.ddp}")
         cfg = apply_overrides(registry.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
         device = resolve_device(cfg.run.device)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", 0)
     variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
-    workers = CompileWorkers(cfg, device, ddp=args.ddp)
+    workers = CompileWorkers(cfg, device, ddp=args.ddp is not None, world_size=args.ddp)
     # What an earlier fastdet.compile or training launch compiled into this cache under the
     # same graph key is not compiled again: a stopped or repeated fill does only the rest.
     every, _ = workers.plan(variants)

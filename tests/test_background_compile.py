@@ -409,7 +409,11 @@ def test_graph_key_holds_what_shapes_the_graph_and_nothing_else():
     keys = {gcache.graph_key(apply_overrides(cfg, {k: v}), "cpu", False, 2) for k, v in other.items()}
     keys |= {gcache.graph_key(cfg, "cpu", True, 2), gcache.graph_key(cfg, "cpu", False, 1),
              gcache.graph_key(cfg, "meta", False, 2)}
-    assert len(keys) == len(other) + 3 and key not in keys
+    # A DDP launch's graphs hold its world size (the collectives' group size, the mean's / W).
+    keys |= {gcache.graph_key(cfg, "cpu", True, 2, 2), gcache.graph_key(cfg, "cpu", True, 2, 8)}
+    assert len(keys) == len(other) + 5 and key not in keys
+    assert gcache.graph_key(cfg, "cpu", True, 2, 1) == gcache.graph_key(cfg, "cpu", True, 2)
+    assert gcache.graph_key(cfg, "cpu", False, 2, 8) == key  # no DDP: no collective in the graph
     # A bucket is known once a worker has recorded it under the key.
     b = gcache.Bucket.of(64, 96, {"static_assigner": True})
     assert gcache.compiled_before(Path("/nonexistent"), key, [b]) == [False]
@@ -507,3 +511,155 @@ def test_a_graph_with_a_custom_autograd_function_loads_from_the_autograd_cache(t
         counts.append(json.loads(r.stdout.strip().splitlines()[-1]))
     assert (counts[0]["aot_miss"], counts[0]["aot_hit"]) == (1, 0), counts
     assert (counts[1]["aot_miss"], counts[1]["aot_hit"]) == (0, 1), counts
+
+
+# --------------------------------------------------------------------------- a worker's graphs under torchrun
+
+
+def _capture_backend(codes: list[str]):
+    """A torch.compile backend that records the code of every forward and backward graph
+    AOTAutograd hands on (the graphs inductor would compile and key its cache on)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, example_inputs):
+        codes.append(gm.code)
+        return gm
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+class _TinySyncBNNet(torch.nn.Module):
+    """Convs with SyncBatchNorm and a loss divided by the rank-mean of a normaliser: the two
+    collectives a family's step traces under torchrun with ``model.sync_bn``."""
+
+    def __init__(self):
+        super().__init__()
+        from fastdet.engine.sync_bn import convert_sync_batchnorm
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                  torch.nn.Conv2d(8, 4, 1))
+        self.net = convert_sync_batchnorm(net)
+
+    def forward(self, x):
+        from fastdet.losses import all_reduce_mean
+
+        y = self.net(x)
+        return y.square().sum() / all_reduce_mean(y.detach().abs().sum()).clamp(min=1)
+
+
+def _tiny_graphs(ddp_module) -> list[str]:
+    codes: list[str] = []
+    compiled = torch.compile(_TinySyncBNNet(), fullgraph=True, backend=_capture_backend(codes))
+    model = ddp_module(compiled)
+    model(torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1))).backward()
+    return codes
+
+
+def _tiny_rank(rank, world_size, port, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        results[rank] = _tiny_graphs(torch.nn.parallel.DistributedDataParallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_worker(world_size, results):
+    """What a compile worker of a ``world_size``-rank launch does before compiling."""
+    from fastdet.engine import compile_workers
+
+    compile_workers._worker_process_group(world_size)
+
+    def ddp(module):
+        wrapped = torch.nn.parallel.DistributedDataParallel(module)
+        if world_size > 1:
+            wrapped.register_comm_hook(None, compile_workers._no_gradient_exchange)
+        return wrapped
+
+    results["worker"] = _tiny_graphs(ddp)
+
+
+def test_a_compile_worker_traces_the_graphs_of_a_two_rank_launch():
+    """Under torchrun the ranks' graphs hold their collectives (SyncBatchNorm's all-gather,
+    the loss normaliser's all-reduce and its / 2); a worker compiling for them, one process,
+    must trace the very same forward and backward graphs, or every graph it compiles misses
+    the ranks' cache lookup (it did: its one-process group traced neither collective)."""
+    import torch.multiprocessing as mp
+    from ports import spawn_gloo_ranks
+
+    ranks = spawn_gloo_ranks(_tiny_rank)
+    with mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
+        p = mp.get_context("spawn").Process(target=_tiny_worker, args=(2, results))
+        p.start()
+        p.join(300)
+        worker = results.get("worker")
+    assert p.exitcode == 0 and worker is not None
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 2  # forward, backward
+    assert "_c10d_functional.all_gather_into_tensor" in ranks[0][0] and "_c10d_functional.all_reduce" in ranks[0][0]
+    assert worker == ranks[0]
+
+
+def _step_rank(rank, world_size, port, results):
+    import torch.distributed as dist
+    from torch._dynamo import register_backend
+
+    codes: list[str] = []
+    register_backend(name="fastdet_test_capture")(_capture_backend(codes))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        from fastdet.engine.step import build_train_step
+
+        cfg = registry.config_from_dict(results["cfg"])
+        step = build_train_step(cfg, torch.device("cpu"), ddp=True, world_size=world_size, cuda_graphs=False)
+        variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)[:1]
+        step.warmup([(64, 64)], cfg.data.batch_size, cfg.data.max_boxes, variants)
+        results[rank] = codes
+    finally:
+        dist.destroy_process_group()
+
+
+def _step_worker(cfg_dict, cache, results):
+    from torch._dynamo import register_backend
+
+    from fastdet.engine import compile_workers
+
+    codes: list[str] = []
+    register_backend(name="fastdet_test_capture")(_capture_backend(codes))
+    cfg = registry.config_from_dict(cfg_dict)
+    variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)[:1]
+    (bucket,) = gcache.train_buckets([(64, 64)], variants)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    (record,) = compile_workers.compile_buckets(cfg_dict, [bucket], None, "cpu", True, 1, world_size=2)
+    results["worker"] = (record["ok"], record.get("error"), codes)
+
+
+@pytest.mark.slow
+def test_a_compile_worker_compiles_the_step_every_rank_of_a_sync_bn_launch_runs(tmp_path):
+    """The real thing: PP-YOLOE-s's train step with SyncBatchNorm (its recipe's
+    ``model.sync_bn``), as ``compile_buckets`` builds it for a 2-rank launch, against the step
+    the trainer builds on each of 2 gloo ranks: the same forward and backward graphs."""
+    import torch.multiprocessing as mp
+
+    cfg = apply_overrides(registry.resolve(registry.get_preset("ppyoloe", "s")), {
+        "data.batch_size": 2, "data.max_boxes": 4, "data.img_size": 64, "data.train_sizes": (64,),
+        "model.num_classes": 4, "model.sync_bn": True, "compile.compile": True,
+        "compile.backend": "fastdet_test_capture"})
+    with mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
+        p = mp.get_context("spawn").Process(target=_step_worker, args=(cfg.to_dict(), str(tmp_path), results))
+        p.start()
+        p.join(1200)
+        ok, error, worker = results["worker"]
+    assert p.exitcode == 0 and ok, error
+
+    with mp.get_context("spawn").Manager() as manager:
+        shared = manager.dict(cfg=cfg.to_dict())
+        mp.start_processes(_step_rank, args=(2, free_port(), shared), nprocs=2, start_method="spawn")
+        ranks = {0: shared[0], 1: shared[1]}
+    assert ranks[0] == ranks[1] and len(ranks[0]) >= 2
+    assert any("all_gather_into_tensor" in c for c in ranks[0]) and any("_c10d_functional.all_reduce" in c
+                                                                        for c in ranks[0])
+    assert worker == ranks[0]

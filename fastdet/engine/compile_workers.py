@@ -20,8 +20,12 @@ next to the loss all-reduce), so all ranks run the same kind of step.
 
 Cache keys must match between a worker and the trainer: both build their step with
 ``build_train_step`` from the same config and, under torchrun, the worker wraps it in DDP
-too (a one-process gloo group, so Dynamo's DDP optimizer cuts the graph at the same bucket
-boundaries). Inductor's key holds the device (``cuda:N``), so on a GPU machine launch with
+too, so Dynamo's DDP optimizer cuts the graph at the same bucket boundaries. The ranks'
+graphs hold collectives of the launch's world size W (the loss normaliser's all-reduce and
+its ``/ W``; SyncBatchNorm's all-gather, ``model.sync_bn``), so the worker traces in a fake
+process group of W ranks (torch's ``fake`` backend: rank 0 of W, collectives that move no
+data) and builds its step for W ranks; a one-process group would trace a graph without
+them that no rank ever loads. Inductor's key holds the device (``cuda:N``), so on a GPU machine launch with
 ``torchrun --virtual-local-rank`` (every rank's device is ``cuda:0``) for ranks to share the
 graphs; otherwise ranks other than local rank 0 miss the cache and compile at the switch.
 
@@ -89,21 +93,42 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _one_process_group() -> None:
-    """A one-process gloo group for the worker's DDP wrapping (it compiles a torchrun
-    launch's graphs, which DDP cuts at its gradient buckets)."""
-    if not torch.distributed.is_initialized():
-        store_file = tempfile.NamedTemporaryFile(prefix="fastdet-compile-", delete=False).name
-        torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_file, 1),
-                                             rank=0, world_size=1)
+def _worker_process_group(world_size: int) -> None:
+    """The process group a worker compiles a torchrun launch's graphs in: rank 0 of
+    ``world_size``. One rank: a one-process gloo group (DDP's wrapping is all the graph
+    sees). More: torch's ``fake`` backend, whose collectives move no data, so the traced
+    all-reduce / all-gather carry the launch's group size and the default group's name, as
+    on every rank (the values a worker computes are never used)."""
+    if torch.distributed.is_initialized():
+        return
+    if world_size > 1:
+        # Importing it registers the "fake" backend (torch keeps it beside its test
+        # helpers); only a worker of a multi-rank launch needs it.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        return
+    store_file = tempfile.NamedTemporaryFile(prefix="fastdet-compile-", delete=False).name
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_file, 1),
+                                         rank=0, world_size=1)
+
+
+def _no_gradient_exchange(state, bucket):  # unannotated: DDP checks a hook's annotations by identity
+    """DDP comm hook of a worker in a fake group: the bucket's gradients as they are (the
+    fake all-reduce returns nothing, which DDP's reducer refuses). The hook runs outside
+    the compiled graphs, so they are the ranks'."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: str | None, device: str,
                     ddp: bool, threads: int, nice: int = 0, parent: int | None = None,
-                    report=None, torch_threads: int | None = None) -> list[dict[str, Any]]:
+                    report=None, torch_threads: int | None = None, world_size: int = 1) -> list[dict[str, Any]]:
     """Compile ``buckets`` as the trainer's step would (forward + loss + backward, on a
     synthetic batch), filling inductor's caches; one record per bucket, also written to
-    ``ready_dir/<bucket.file_id>.json`` when given. ``report(record)`` is called after each."""
+    ``ready_dir/<bucket.file_id>.json`` when given. ``report(record)`` is called after each.
+    ``ddp``: the graphs of a torchrun launch of ``world_size`` ranks."""
     if nice:
         os.nice(nice)  # training ranks keep their share of the cores
     if torch_threads:
@@ -118,11 +143,14 @@ def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: 
     # a worker compiling with torch's defaults under compile.tf32=true fills entries the
     # trainer never hits.
     backend_flags(dev, cfg.compile.tf32)
+    world_size = world_size if ddp else 1
     if ddp:
-        _one_process_group()
-    step = build_train_step(cfg, dev, ddp=ddp, cuda_graphs=False)
+        _worker_process_group(world_size)
+    step = build_train_step(cfg, dev, ddp=ddp, world_size=world_size, cuda_graphs=False)
+    if ddp and world_size > 1:
+        step.forward.register_comm_hook(None, _no_gradient_exchange)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 2)
-    done_dir = compiled_dir(resolve_cache_dir(), graph_key(cfg, dev, ddp, torch.get_num_threads()))
+    done_dir = compiled_dir(resolve_cache_dir(), graph_key(cfg, dev, ddp, torch.get_num_threads(), world_size))
     done_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for b in buckets:
@@ -184,14 +212,18 @@ class CompileWorkers:
         step: the trainer's step (None for ``fastdet.compile``): finished buckets are marked
             ready in it, and its switches to compiled buckets are logged.
         out_dir: the run's output directory (the trainer's): holds this launch's ready directory.
-        ddp: compile the graphs of a DDP launch.
+        ddp: compile the graphs of a DDP launch of ``world_size`` ranks (default: ``ranks``'
+            world size).
         ranks: a distributed trainer's :class:`~fastdet.runtime.dist.DistInfo`: local rank 0
             starts the workers, and every rank agrees on what is ready (one all-reduce).
     """
 
     def __init__(self, cfg: Config, device: torch.device, *, step: TrainStep | None = None,
-                 out_dir: Path | None = None, ddp: bool = False, ranks: dist.DistInfo | None = None):
+                 out_dir: Path | None = None, ddp: bool = False, ranks: dist.DistInfo | None = None,
+                 world_size: int | None = None):
         self.cfg, self.device, self.step, self.out_dir, self.ddp = cfg, device, step, out_dir, ddp
+        # The launch's ranks: the graphs' collectives hold their count.
+        self.world_size = world_size or (ranks.world_size if ranks is not None else 1)
         self.agree_ranks = ranks is not None and ranks.distributed
         self.local_rank = ranks.local_rank if ranks is not None else 0
         # Training ranks on this machine (none beside fastdet.compile's workers).
@@ -218,7 +250,7 @@ class CompileWorkers:
         self.cache = use_cache_dir(resolve_cache_dir(self.cfg.compile.cache_dir))
         self.sizes = bucket_sizes(self.cfg)
         every = train_buckets(self.sizes, variants)
-        self.key = graph_key(self.cfg, self.device, self.ddp, torch.get_num_threads())
+        self.key = graph_key(self.cfg, self.device, self.ddp, torch.get_num_threads(), self.world_size)
         known = compiled_before(self.cache, self.key, every)
         if self.agree_ranks:
             known = [bool(k) for k in self._agree_min([int(k) for k in known])]
@@ -257,7 +289,7 @@ class CompileWorkers:
                 p = ctx.Process(target=_worker_entry, name=f"fastdet-compile-{i}",
                                 args=(self.cfg.to_dict(), share, str(ready_dir), str(self.device),
                                       self.ddp, self.threads, self.cfg.compile.worker_nice, os.getpid(), None,
-                                      torch.get_num_threads()))
+                                      torch.get_num_threads(), self.world_size))
                 p.start()
                 self.procs.append(p)
         finally:

@@ -164,16 +164,20 @@ def _source_hash() -> str:
     return _SOURCE_HASH
 
 
-def graph_key(cfg, device: torch.device | str, ddp: bool, threads: int) -> str:
+def graph_key(cfg, device: torch.device | str, ddp: bool, threads: int, world_size: int = 1) -> str:
     """What a bucket's compiled graph depends on besides its size and loss arguments: the
-    graph-shaping config, the device, DDP's wrapping, torch's CPU threads (inductor's CPU
-    kernels and cache key hold them), torch's version and fastdet's sources."""
+    graph-shaping config, the device, DDP's wrapping and the launch's world size (its
+    collectives hold it), torch's CPU threads (inductor's CPU kernels and cache key hold
+    them), torch's version and fastdet's sources."""
     d = cfg.to_dict()
     part = {sec: {k: v for k, v in d[sec].items() if k not in _NOT_IN_GRAPH.get(sec, ())}
             for sec in ("model", "family", "optim", "compile")}
     part["data"] = {k: d["data"][k] for k in _DATA_IN_GRAPH}
     dev = torch.device(device)
+    ranks = int(world_size) if ddp else 0
     what = [part, str(dev), bool(ddp), int(threads) if dev.type == "cpu" else 0, torch.__version__, _source_hash()]
+    if ranks > 1:  # keys of one process and of one-rank launches are unchanged
+        what.append(ranks)
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
