@@ -127,11 +127,14 @@ STEP_PARTS=(step_ppyoloe step_yolox step_ppyolo step_fcos step_b128)
 PROFILE_CMD="bench/profile_step.py ${PROFILE_ARGS[*]} --variants compile_graphs,eager_amp"
 
 # train_flags ARCH SIZE: the trainer run of one family (and fastdet.compile's, for its graphs).
+# No TensorBoard: its events (1.2-1.9 MB a family after 2 steps in the rehearsal) would take
+# the archive's room; the log and metrics.jsonl hold the same figures.
 train_flags() {
     local f=(--arch "$1" --size "$2" --data demo --device "$DEVICE" --epochs 1 --max-steps "$TRAIN_STEPS"
              --log-interval 10 --img-size "$TRAIN_SIZE" --no-multiscale --batch-size "$TRAIN_BATCH" --workers 2
              --compile "${TRAIN_GPU[@]}" "${TRAIN_BACKEND[@]}" --set compile.warmup=blocking
-             --set run.progress=false --set run.eval_interval=1000000 --set "data.loader=${LOADER:-torch}")
+             --set run.progress=false --set run.eval_interval=1000000 --set run.tensorboard=false
+             --set "data.loader=${LOADER:-torch}")
     [[ $1 == ppyoloe ]] && f+=(--set family.static_assigner_epoch=100)  # one loss variant, one graph
     echo "${f[@]}"
 }
