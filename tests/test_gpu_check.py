@@ -236,6 +236,24 @@ def test_dali_travels_in_pieces_that_join_back_to_the_same_wheels(tmp_path):
     assert {n: (host / "wheels" / n).read_bytes() for n in payload} == payload
 
 
+def pack_with_record(work: Path, out: Path) -> tuple[Path, dict]:
+    """bench/gpu_check_lib.sh's ``record`` (which packs) on the folder ``work``, with a 1 MiB
+    limit, into ``out``: the archive (checked to fit) and the record. One minute at most: a
+    packing loop that does not end fails the test."""
+    (work / ".parts.tsv").write_text("")
+    script = f"""
+        SELF={ROOT / "bench" / "gpu_check.sh"} KIND=gpu-check MODE=run SCALE=1 BUDGET=540 START=$(date +%s)
+        OUT_DIR={work} STATUS={work / ".parts.tsv"} PACK_TO={out} ARCHIVE_MB=1 PARTS=env PY={sys.executable} STEM=x
+        source {ROOT / "bench" / "gpu_check_lib.sh"}
+        record
+    """
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    archive = out / "gpu_check.tgz"
+    assert archive.stat().st_size <= 2**20
+    return archive, json.loads((out / "gpu-check.json").read_text())
+
+
 def test_packing_cuts_the_largest_trace_until_the_archive_fits_and_leaves_checkpoints_out(tmp_path):
     """The pack after every part (bench/gpu_check_lib.sh): over its limit, the largest
     profiler trace is cut to its first and last lines, the record names it; *.pth never
@@ -249,18 +267,7 @@ def test_packing_cuts_the_largest_trace_until_the_archive_fits_and_leaves_checkp
     (work / "profile" / "profile.json").write_text("{}")
     (work / "train" / "yolox" / "latest.pth").write_bytes(os.urandom(2**20))
     (work / "train" / "yolox" / "metrics.jsonl").write_text('{"step": 1}\n')
-    (work / ".parts.tsv").write_text("")
-    script = f"""
-        SELF={ROOT / "bench" / "gpu_check.sh"} KIND=gpu-check MODE=run SCALE=1 BUDGET=540 START=$(date +%s)
-        OUT_DIR={work} STATUS={work / ".parts.tsv"} PACK_TO={out} ARCHIVE_MB=1 PARTS=env PY={sys.executable} STEM=x
-        source {ROOT / "bench" / "gpu_check_lib.sh"}
-        record
-    """
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    archive = out / "gpu_check.tgz"
-    assert archive.stat().st_size <= 2**20
-    record = json.loads((out / "gpu-check.json").read_text())
+    archive, record = pack_with_record(work, out)
     assert record["archive"]["trimmed"] == ["profile/trace_compile_graphs.json"]
     assert record["archive"]["bytes"] == archive.stat().st_size
     with tarfile.open(archive) as tar:
@@ -286,18 +293,7 @@ def test_packing_leaves_out_plots_and_cuts_one_line_traces_and_ends(tmp_path):
     (work / "train" / "ppyolo" / "results.png").write_bytes(os.urandom(500_000))
     (work / "train" / "ppyolo" / "tb" / "events.out.tfevents.1").write_bytes(os.urandom(100_000))
     (work / "train" / "ppyolo" / "metrics.jsonl").write_text('{"step": 1}\n')
-    (work / ".parts.tsv").write_text("")
-    script = f"""
-        SELF={ROOT / "bench" / "gpu_check.sh"} KIND=gpu-check MODE=run SCALE=1 BUDGET=540 START=$(date +%s)
-        OUT_DIR={work} STATUS={work / ".parts.tsv"} PACK_TO={out} ARCHIVE_MB=1 PARTS=env PY={sys.executable} STEM=x
-        source {ROOT / "bench" / "gpu_check_lib.sh"}
-        record
-    """
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    archive = out / "gpu_check.tgz"
-    assert archive.stat().st_size <= 2**20
-    record = json.loads((out / "gpu-check.json").read_text())
+    archive, record = pack_with_record(work, out)
     assert record["archive"]["trimmed"] == ["profile/trace_eager_bf16.json"]
     assert record["archive"]["dropped"] == ["train/ppyolo/val_predictions.jpg"]
     with tarfile.open(archive) as tar:
