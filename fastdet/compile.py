@@ -14,9 +14,9 @@ The model's class count comes from the training annotations (``--data``), or
 ``--num-classes`` without reading them. ``--ddp W`` compiles the graphs a ``torchrun``
 launch of W ranks in all (nodes x processes per node) uses: DDP cuts them at its gradient
 buckets, and they hold collectives of W ranks (the loss normaliser's all-reduce,
-SyncBatchNorm's all-gather), so a fill for one world size serves launches of that size. On a GPU machine the graphs are
-compiled for ``cuda:0``: launch training with ``torchrun --virtual-local-rank`` so every
-rank loads them. On the CPU inductor's kernels (and its cache key) depend on torch's
+SyncBatchNorm's all-gather), so a fill for one world size serves launches of that size.
+On a GPU machine the graphs are compiled for ``cuda:0``: launch training with ``torchrun
+--virtual-local-rank`` so every rank loads them. On the CPU inductor's kernels (and its cache key) depend on torch's
 thread count: run this with the training's ``OMP_NUM_THREADS`` (torchrun sets 1 per rank
 when it starts several).
 """

@@ -25,9 +25,10 @@ graphs hold collectives of the launch's world size W (the loss normaliser's all-
 its ``/ W``; SyncBatchNorm's all-gather, ``model.sync_bn``), so the worker traces in a fake
 process group of W ranks (torch's ``fake`` backend: rank 0 of W, collectives that move no
 data) and builds its step for W ranks; a one-process group would trace a graph without
-them that no rank ever loads. Inductor's key holds the device (``cuda:N``), so on a GPU machine launch with
-``torchrun --virtual-local-rank`` (every rank's device is ``cuda:0``) for ranks to share the
-graphs; otherwise ranks other than local rank 0 miss the cache and compile at the switch.
+them that no rank ever loads. Inductor's key holds the device (``cuda:N``), so on a GPU
+machine launch with ``torchrun --virtual-local-rank`` (every rank's device is ``cuda:0``)
+for ranks to share the graphs; otherwise ranks other than local rank 0 miss the cache and
+compile at the switch.
 
 :class:`CompileWorkers` is the one object that plans the buckets, starts, polls, reports and
 closes the workers: the trainer drives it (``warmup`` before step 1, ``poll`` after steps,
