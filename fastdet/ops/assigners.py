@@ -168,14 +168,14 @@ def atss_assign(
     distances = (gt_centers[:, :, None, :] - anchor_centers[None, None]).norm(dim=-1)  # [B, M, A]
 
     is_in_topk_levels = []
-    start = 0
+    start = K = 0
     for n in num_anchors_list:
         k = min(topk, n)
         is_in = topk_mask(distances[..., start : start + n], k, largest=False).to(dtype)  # [B, M, n]
         is_in_topk_levels.append(is_in * pad_gt_mask)
         start += n
+        K += k
     is_in_topk = torch.cat(is_in_topk_levels, dim=-1)  # [B, M, A], K ones per real GT
-    K = sum(min(topk, n) for n in num_anchors_list)
 
     # Mean + unbiased std of the K candidates' IoUs (Paddle gathers them; a masked sum over
     # the anchors gives the same statistics without the indices).
