@@ -83,23 +83,19 @@ TRIMMED=()
 DROPPED=()
 # pack_victim: the next file to cut or drop, as "cut<TAB>path" or "drop<TAB>path"; none: "".
 pack_victim() {
-    local touched=" ${TRIMMED[*]:-} ${DROPPED[*]:-} " kind pattern rel
+    local touched=" ${TRIMMED[*]:-} ${DROPPED[*]:-} " kind rel names
     for kind in trace text other; do
         case $kind in
-            trace) pattern='trace_*.json' ;;
-            text) pattern='*.log|*.jsonl|*.txt' ;;
-            other) pattern='*' ;;
+            trace) names=(-name 'trace_*.json') ;;
+            text) names=(\( -name '*.log' -o -name '*.jsonl' -o -name '*.txt' \)) ;;
+            other) names=(! -name '*.log' ! -name '*.jsonl' ! -name '*.txt' ! -name '*.json') ;;
         esac
         while IFS=$'\t' read -r _ rel; do
             [[ -z "$rel" || "$touched" == *" $rel "* ]] && continue
-            [[ $kind == other && ( "$rel" == *.log || "$rel" == *.jsonl || "$rel" == *.txt || "$rel" == *.json ) ]] \
-                && continue
             if [[ $kind == other ]]; then printf 'drop\t%s\n' "$rel"; else printf 'cut\t%s\n' "$rel"; fi
             return
-        done < <(cd "$OUT_DIR" && find . -type f -size +64k ! -name '*.pth' ! -name '.parts.tsv' ! -name summary.txt \
-                     -printf '%s\t%P\n' | sort -rn | awk -F'\t' -v pat="$pattern" '
-                     BEGIN { n = split(pat, ps, "|"); for (i = 1; i <= n; i++) { gsub(/\./, "\\.", ps[i]); gsub(/\*/, ".*", ps[i]); ps[i] = "^" ps[i] "$" } }
-                     { base = $2; sub(/.*\//, "", base); for (i = 1; i <= n; i++) if (base ~ ps[i]) { print; next } }')
+        done < <(cd "$OUT_DIR" && find . -type f -size +64k "${names[@]}" ! -name '*.pth' ! -name '.parts.tsv' \
+                     ! -name summary.txt -printf '%s\t%P\n' | sort -rn)
     done
 }
 pack() {
