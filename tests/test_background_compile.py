@@ -165,9 +165,9 @@ HOOKED_TRAIN = textwrap.dedent("""
     init, poll, warmup = T.Trainer.__init__, W.poll, W.warmup
     run = {}
 
-    def hooked_init(self, cfg):
+    def hooked_init(self, *a, **kw):
         run["trainer"] = self
-        init(self, cfg)
+        init(self, *a, **kw)
 
     def wait_all(workers, step, gaps):
         t0 = time.time()
