@@ -290,6 +290,54 @@ def test_compile_cli_fills_the_cache_that_training_then_loads(demo_small, tmp_pa
     assert m and int(m.group(2)) + int(m.group(3)) > 0, r.stdout[-3000:]
 
 
+KEY_BYTES = textwrap.dedent("""
+    def key_bytes():
+        import torch
+        from torch._inductor.codecache import FxGraphCachePickler, extract_tensor_metadata_for_cache_key
+
+        from fastdet.engine.step import TrainStep
+
+        # A process that compiles or loads graphs builds its compiled step first.
+        net = torch.nn.Linear(2, 2)
+        TrainStep(net, net, torch.optim.SGD(net.parameters(), lr=0.1), None, torch.device("cpu"), None,
+                  compile=True, backend="aot_eager")
+        # What inductor's and AOTAutograd's keys hash of each graph input: its metadata.
+        pickler = FxGraphCachePickler(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+        return pickler.dumps(extract_tensor_metadata_for_cache_key(torch.zeros(2, 3))).hex()
+""")
+# python -m fastdet.compile: a main module holding torch, whose spawned workers compile.
+FILL = "import multiprocessing as mp\nimport torch\n" + KEY_BYTES + textwrap.dedent("""
+    def worker(queue):
+        queue.put(key_bytes())
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")  # as CompileWorkers.start
+        queue = ctx.Queue()
+        p = ctx.Process(target=worker, args=(queue,))
+        p.start()
+        print(queue.get(timeout=120))
+        p.join(60)
+""")
+# python -m fastdet.train: its main module imports torch only inside functions.
+TRAIN = KEY_BYTES + "\nprint(key_bytes())\n"
+
+
+def test_a_compile_worker_computes_the_trainers_cache_keys(tmp_path):
+    """The workers of ``python -m fastdet.compile`` wrote inductor and AOTAutograd entries
+    under keys training never computed (0 hits at the switch): pickle named
+    ``torch.contiguous_format`` in each input's metadata after the first module holding it,
+    ``__mp_main__`` in a worker spawned from a main module importing torch (spawn re-imports
+    it under that name before torch) and ``torch._utils`` in the trainer."""
+    keys = []
+    for name, code in (("fill.py", FILL), ("train.py", TRAIN)):
+        (tmp_path / name).write_text(code)
+        r = subprocess.run([sys.executable, str(tmp_path / name)], capture_output=True, text=True, env=ENV,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        keys.append(bytes.fromhex(r.stdout.strip()))
+    assert keys[0] == keys[1], keys
+
+
 @pytest.mark.slow
 def test_two_ranks_share_one_worker_and_switch_together(demo_small, tmp_path):
     """torchrun with 2 ranks: local rank 0 alone starts the worker (each graph compiled once

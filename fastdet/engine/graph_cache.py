@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,23 @@ def use_cache_dir(path: Path) -> Path:
     os.environ[AUTOGRAD_FN_ENV] = "1"  # read by spawned workers when they import torch
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     return path
+
+
+def same_keys_in_every_process() -> None:
+    """Move ``__mp_main__`` to the end of ``sys.modules``, so this process computes the cache
+    keys that the trainer, its compile workers and ``python -m fastdet.compile`` compute.
+
+    Inductor's and AOTAutograd's keys hash pickles of every graph input's metadata, whose
+    ``memory_format`` (``torch.contiguous_format``) pickles as a global named after the
+    first module in ``sys.modules`` that holds it, ``__main__`` skipped: ``torch._utils``,
+    unless ``__mp_main__`` comes first and holds ``torch``. It does where the main module
+    imports torch: multiprocessing aliases ``__mp_main__`` to it when first imported, and a
+    spawned worker re-imports the parent's main module under that name before torch. So the
+    workers of ``python -m fastdet.compile`` wrote every graph under keys the trainer never
+    computed, and training compiled them all again (``tests/test_background_compile.py``)."""
+    main = sys.modules.pop("__mp_main__", None)
+    if main is not None:
+        sys.modules["__mp_main__"] = main
 
 
 def cache_dir_in_use() -> str:

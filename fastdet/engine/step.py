@@ -63,7 +63,7 @@ from fastdet import registry
 from fastdet.config import Config
 from fastdet.data.layout import STEP_KEYS as INPUT_KEYS
 from fastdet.data.layout import TARGET_KEYS
-from fastdet.engine.graph_cache import cache_counts, count_delta
+from fastdet.engine.graph_cache import cache_counts, count_delta, same_keys_in_every_process
 from fastdet.engine.host_sync import HostSyncGuard
 from fastdet.engine.optim import build_optimizer_and_ema
 from fastdet.engine.sync_bn import convert_sync_batchnorm
@@ -151,6 +151,8 @@ class TrainStep:
         self.graph_warmup_iters = graph_warmup_iters
         self.nvtx = nvtx or Nvtx(False)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        if compile:
+            same_keys_in_every_process()
         forward = torch.compile(net, fullgraph=True, dynamic=dynamic, backend=backend) if compile else net
         # compile.warmup=background: a bucket runs eagerly until mark_ready (begin_background).
         self._twin = _Twin(net, forward) if (compile and background) else None
