@@ -290,6 +290,34 @@ def test_compile_cli_fills_the_cache_that_training_then_loads(demo_small, tmp_pa
     assert m and int(m.group(2)) + int(m.group(3)) > 0, r.stdout[-3000:]
 
 
+@pytest.mark.slow
+def test_compile_cli_fills_the_cache_that_a_torchrun_launch_then_loads(demo_small, tmp_path):
+    """inductor: ``python -m fastdet.compile --ddp 2`` compiles the graph a 2-rank launch
+    runs (DDP-wrapped, SyncBatchNorm from the recipe, the collectives of 2 ranks); ``torchrun
+    --nproc_per_node 2 -m fastdet.train`` on the same cache starts no worker and both ranks
+    switch at step 1 loading it (hits, no miss), as a cluster job after a fill does."""
+    cache = tmp_path / "cache"
+    # torchrun gives each of several ranks 1 thread; the fill's threads must be the ranks'.
+    env = {**ENV, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
+    flags = ["--arch", "ppyoloe", "--size", "s", "--data", str(demo_small), "--device", "cpu",
+             "--img-size", "64", "--no-multiscale", "--batch-size", "2", "--epochs", "1",
+             "--set", "family.static_assigner_epoch=100"]
+    c = subprocess.run([sys.executable, "-m", "fastdet.compile", *flags, "--ddp", "2"], capture_output=True,
+                       text=True, env=env, timeout=3600)
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
+    assert re.search(r"graph 1/1 \(64x64 static_assigner=True\): [\d.]+ s", c.stderr), c.stderr[-3000:]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "fastdet.train", *flags, "--output-dir", str(out), "--workers", "0", "--max-steps", "2",
+           "--log-interval", "1", "--set", "run.eval_interval=100", "--compile"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "SyncBatchNorm" in r.stdout and "in 0 worker process(es)" in r.stdout, r.stdout[-3000:]
+    m = re.search(r"runs compiled from step 1 \([\d.]+ s for that step: 1 graph\(s\), cache: (\d+) FX hit\(s\) "
+                  r"/ 0 miss\(es\), (\d+) AOTAutograd hit\(s\) / 0 miss", r.stdout)
+    assert m and int(m.group(1)) + int(m.group(2)) > 0, r.stdout[-3000:]
+
+
 KEY_BYTES = textwrap.dedent("""
     def key_bytes():
         import torch

@@ -293,11 +293,18 @@ def test_onnx_dense_outputs_match_load_detector(det, onnx_files, demo_small, kin
 
 
 @pytest.mark.slow
-def test_onnx_nms_matches_predict(det, onnx_files, demo_small):
+def test_onnx_nms_matches_predict(det, onnx_files, demo_small, tmp_path):
     import onnx
 
     if onnx_files["nms"] is None:
-        pytest.skip(f"{type(det).__name__} has its own NMS: --nms is refused (dense export only)")
+        # A family with its own NMS (PP-YOLO's Matrix NMS) is exported dense only: --nms is
+        # refused before any export work.
+        from fastdet.export import export_onnx
+
+        with pytest.raises(ValueError, match=f"--nms: {type(det).__name__} has its own NMS"):
+            export_onnx(det, tmp_path / "nms.onnx", IMG, nms=True)
+        assert not (tmp_path / "nms.onnx").exists()
+        return
     ops = {n.op_type for n in onnx.load(str(onnx_files["nms"])).graph.node}
     assert "NonMaxSuppression" in ops
     det = perturbed(det)
