@@ -22,9 +22,11 @@ checked with ``onnx.checker``, holds only standard ONNX ops (no ``fastdet.ops`` 
 and is run once with onnxruntime against torch; the largest difference is printed.
 Needs ``pip install 'fastdet[export]'`` (onnx, onnxruntime, onnxscript).
 
-``--nms`` is for the families whose post-processing is the base multiclass NMS, which
-the ONNX op reproduces: PP-YOLOE and FCOS. YOLOX (class-aware top-1 NMS) and PP-YOLO
-(Matrix NMS) have their own and are exported dense only (``--nms`` is refused, in one line).
+``--nms`` builds each family's own NMS from the ONNX ``NonMaxSuppression`` op: the base
+multiclass NMS (PP-YOLOE, FCOS: every (anchor, class) pair a candidate) and YOLOX's (each
+anchor's best class only, class-aware NMS, every candidate above the threshold).
+PP-YOLO's Matrix NMS decays scores instead, which the op cannot: PP-YOLO is exported
+dense only (``--nms`` is refused, in one line).
 
 The file is self-describing: its metadata (``onnx.load(f).metadata_props``, or
 onnxruntime's ``get_modelmeta().custom_metadata_map``) holds ``class_names``,
@@ -96,20 +98,31 @@ class Dense(nn.Module):
 
 
 class WithNMS(nn.Module):
-    """``images -> (boxes [N,D,4], scores [N,D], labels [N,D], num_dets [N])``: ``Detector.predict`` as fixed-size tensors."""
+    """``images -> (boxes [N,D,4], scores [N,D], labels [N,D], num_dets [N])``: the model's
+    ``predict`` as fixed-size tensors, for an NMS of ``form`` ``multiclass`` or ``best_class``
+    (``Detector.nms_form``)."""
 
     def __init__(self, model: nn.Module, score_thresh: float, iou_thresh: float, max_det: int,
-                 pre_nms_topk: int, per_class_topk: bool = False):
+                 pre_nms_topk: int, per_class_topk: bool = False, form: str = "multiclass"):
         super().__init__()
         self.model = model
         self.score_thresh, self.iou_thresh = float(score_thresh), float(iou_thresh)
         self.max_det, self.pre_nms_topk = int(max_det), int(pre_nms_topk)
         self.per_class_topk = bool(per_class_topk)
+        self.best_class = form == "best_class"
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         boxes, scores = self.model(images)  # [N, A, 4], [N, A, C]
         n, a, c = scores.shape
-        if self.per_class_topk:  # the top-k of each class survive, as multiclass_nms(per_class_topk=True)
+        if self.best_class:
+            # Each anchor keeps only its best class's score (ties: the lower class, as
+            # argmax), so per-class NMS over these is the class-aware NMS of (box, best
+            # score, best label) that yolox_postprocess runs.
+            best = scores.argmax(-1, keepdim=True)  # [N, A, 1]
+            scores = torch.zeros_like(scores).scatter(-1, best, scores.gather(-1, best))
+        if self.pre_nms_topk <= 0:  # every candidate above the threshold enters the NMS
+            cand = scores.transpose(1, 2)  # [N, C, A]
+        elif self.per_class_topk:  # the top-k of each class survive, as multiclass_nms(per_class_topk=True)
             per_class = scores.transpose(1, 2)  # [N, C, A]
             top_s, top_i = per_class.topk(min(self.pre_nms_topk, a), dim=2)
             cand = torch.zeros_like(per_class).scatter(2, top_i, top_s)  # [N, C, A]
@@ -131,10 +144,13 @@ class WithNMS(nn.Module):
 
 # --------------------------------------------------------------------------- export + check
 
-def has_standard_nms(detector: nn.Module) -> bool:
-    """True when ``detector.predict`` is the base multiclass NMS that ``WithNMS`` reproduces
-    (a family with its own NMS, e.g. Matrix NMS, overrides ``predict``)."""
-    return type(detector).predict is Detector.predict
+def export_nms_form(detector: nn.Module) -> str | None:
+    """The form of ``detector.predict``'s NMS that ``WithNMS`` rebuilds (``Detector.nms_form``),
+    as declared by the class that defines ``predict``: a subclass that overrides ``predict``
+    without declaring its form gets None (refused), never the form of the NMS it replaced."""
+    owner = next(k for k in type(detector).__mro__ if "predict" in vars(k))
+    return vars(owner).get("nms_form") if issubclass(owner, Detector) else None
+
 
 def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_batch: bool = False,
                 nms: bool = False, predict_kwargs: dict[str, Any] | None = None) -> Path:
@@ -144,14 +160,15 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
     output = Path(output)
     module: nn.Module = Dense(detector)
     names = OUTPUTS_DENSE
-    table = None
+    table, form = None, None
     if nms:
-        if not has_standard_nms(detector):
+        form = export_nms_form(detector)
+        if form is None:
             raise ValueError(f"--nms: {type(detector).__name__} has its own NMS (its predict), which the ONNX "
                              "NonMaxSuppression op does not reproduce: export without --nms")
         kw = predict_kwargs or detector.info.predict_kwargs
         module = WithNMS(detector, kw["score_thresh"], kw["iou_thresh"], kw["max_det"], kw["pre_nms_topk"],
-                         kw.get("per_class_topk", detector.predict_defaults.get("per_class_topk", False)))
+                         kw.get("per_class_topk", detector.predict_defaults.get("per_class_topk", False)), form)
         names = OUTPUTS_NMS
         table = {torch.ops.fastdet_export.nms.default: _nms_onnx}
     example = torch.zeros(2 if dynamic_batch else 1, 3, img_size, img_size)
@@ -168,7 +185,10 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
         raise RuntimeError(f"{output}: the graph holds non-standard ops {foreign or [f.name for f in proto.functions]}")
     info = getattr(detector, "info", None)
     if info is not None:
-        onnx.helper.set_model_props(proto, onnx_metadata(info, img_size, nms, predict_kwargs))
+        meta = onnx_metadata(info, img_size, nms, predict_kwargs)
+        if form is not None:  # which candidates entered the NMS (Detector.nms_form)
+            meta["nms_form"] = form
+        onnx.helper.set_model_props(proto, meta)
         onnx.save(proto, str(output))
     return output
 

@@ -166,11 +166,11 @@ def test_predict_defaults_are_paddles(monkeypatch):
     Paddle's values, the same as the recipe's post-processing settings."""
     from fastdet import registry
     from fastdet.config import Config, ModelConfig
-    from fastdet.export import has_standard_nms
+    from fastdet.export import export_nms_form
     from fastdet.models import detector
 
     model = build_fcos("r50", num_classes=2).eval()
-    assert has_standard_nms(model)
+    assert export_nms_form(model) == "multiclass"
     seen = {}
 
     def spy(boxes, scores, *args):

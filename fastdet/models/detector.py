@@ -77,6 +77,11 @@ class Detector(nn.Module):
     # here, and one with another NMS (Matrix NMS, YOLOX's) overrides ``predict`` instead.
     predict_defaults: ClassVar[Mapping[str, Any]] = {"score_thresh": 0.01, "iou_thresh": 0.7, "max_det": 300,
                                                      "pre_nms_topk": 1000, "per_class_topk": False}
+    # The form of :meth:`predict`'s NMS that ``fastdet.export --nms`` rebuilds from the ONNX
+    # NonMaxSuppression op, declared by the class that defines ``predict``: "multiclass"
+    # (every (anchor, class) pair is a candidate), "best_class" (one per anchor: its best
+    # class, YOLOX's), or None where the op cannot reproduce it (Matrix NMS).
+    nms_form: ClassVar[str | None] = "multiclass"
 
     def __init__(self, backbone: nn.Module, neck: nn.Module, head: nn.Module):
         super().__init__()

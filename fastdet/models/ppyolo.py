@@ -539,6 +539,8 @@ def matrix_nms(
 class PPYOLO(Detector):
     """PP-YOLO; :meth:`predict` uses Matrix NMS, as PaddleDetection's config does."""
 
+    nms_form = None  # Matrix NMS decays scores; ONNX's NonMaxSuppression cannot
+
     def load_backbone_weights(self, path: str) -> None:
         """The authors' ImageNet ResNet-vd file (``ResNet50_vd_ssld_pretrained.pdparams``,
         ``ResNet18_vd_pretrained.pdparams``), with or without ``backbone.``; the classifier is

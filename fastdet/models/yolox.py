@@ -306,6 +306,8 @@ class YOLOX(Detector):
     """YOLOX. The L1 loss is a loss argument (``use_l1``) that the recipe's phase turns on
     for the last ``optim.no_aug_epochs`` epochs (:func:`yolox_phase`)."""
 
+    nms_form = "best_class"  # yolox_postprocess: each point's best class, class-aware NMS
+
     @torch.no_grad()
     def predict(
         self,
