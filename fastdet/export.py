@@ -120,7 +120,7 @@ class WithNMS(nn.Module):
             # score, best label) that yolox_postprocess runs.
             best = scores.argmax(-1, keepdim=True)  # [N, A, 1]
             scores = torch.zeros_like(scores).scatter(-1, best, scores.gather(-1, best))
-        if self.pre_nms_topk <= 0:  # every candidate above the threshold enters the NMS
+        if self.best_class and self.pre_nms_topk <= 0:  # YOLOX's 0: every candidate enters the NMS
             cand = scores.transpose(1, 2)  # [N, C, A]
         elif self.per_class_topk:  # the top-k of each class survive, as multiclass_nms(per_class_topk=True)
             per_class = scores.transpose(1, 2)  # [N, C, A]
