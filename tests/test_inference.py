@@ -304,8 +304,11 @@ def test_onnx_nms_matches_predict(det, onnx_files, demo_small, tmp_path):
             export_onnx(det, tmp_path / "nms.onnx", IMG, nms=True)
         assert not (tmp_path / "nms.onnx").exists()
         return
-    ops = {n.op_type for n in onnx.load(str(onnx_files["nms"])).graph.node}
-    assert "NonMaxSuppression" in ops
+    proto = onnx.load(str(onnx_files["nms"]))
+    assert "NonMaxSuppression" in {n.op_type for n in proto.graph.node}
+    from fastdet.export import export_nms_form
+
+    assert {p.key: p.value for p in proto.metadata_props}["nms_form"] == export_nms_form(det)
     det = perturbed(det)
     kw = {**det.info.predict_kwargs, "score_thresh": LOW_THRESH}
     images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG)
