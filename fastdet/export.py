@@ -33,7 +33,8 @@ onnxruntime's ``get_modelmeta().custom_metadata_map``) holds ``class_names``,
 ``category_ids``, ``input_size``, ``resize`` (stretch / letterbox / keep_ratio),
 ``pad_value``, ``interpolation`` (the exact call: ``torch.nn.functional.interpolate`` on
 uint8 pixels, ``antialias=False``; PIL's filters give other values), ``mean``/``std``
-(on 0..255) and the NMS settings of the recipe.
+(on 0..255) and the NMS settings of the recipe (with ``--nms`` also ``nms_form``: which
+candidates entered the NMS, ``multiclass`` or ``best_class``).
 """
 
 from __future__ import annotations
