@@ -186,18 +186,16 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
         raise RuntimeError(f"{output}: the graph holds non-standard ops {foreign or [f.name for f in proto.functions]}")
     info = getattr(detector, "info", None)
     if info is not None:
-        meta = onnx_metadata(info, img_size, nms, predict_kwargs)
-        if form is not None:  # which candidates entered the NMS (Detector.nms_form)
-            meta["nms_form"] = form
-        onnx.helper.set_model_props(proto, meta)
+        onnx.helper.set_model_props(proto, onnx_metadata(info, img_size, form, predict_kwargs))
         onnx.save(proto, str(output))
     return output
 
 
-def onnx_metadata(info: Any, img_size: int, nms: bool, predict_kwargs: dict[str, Any] | None = None
+def onnx_metadata(info: Any, img_size: int, nms_form: str | None, predict_kwargs: dict[str, Any] | None = None
                   ) -> dict[str, str]:
     """What a deployment needs to feed the graph and read its outputs, as ONNX metadata
-    (``metadata_props``: string keys and values; lists and mappings as JSON).
+    (``metadata_props``: string keys and values; lists and mappings as JSON). ``nms_form``:
+    the NMS the graph ends with (``Detector.nms_form``), None for the dense outputs.
 
     ``interpolation`` names the exact resize (``torch.nn.functional.interpolate`` on uint8
     pixels, ``align_corners=False, antialias=False``); PIL's resize filters an image before
@@ -228,10 +226,12 @@ def onnx_metadata(info: Any, img_size: int, nms: bool, predict_kwargs: dict[str,
         "normalize": ("(pixel 0..255 - mean) / std per RGB channel" if p.mean is not None
                       else "none: raw 0..255 pixels as float32"),
         "boxes": "xyxy in input pixels; divide x by sx and y by sy (input px per original px) for the original image",
-        "outputs": "boxes, scores, labels, num_dets (after NMS)" if nms else "boxes [N, A, 4], scores [N, A, C] (before NMS)",
+        "outputs": "boxes, scores, labels, num_dets (after NMS)" if nms_form else "boxes [N, A, 4], scores [N, A, C] (before NMS)",
         "nms": json.dumps({k: kw[k] for k in ("score_thresh", "iou_thresh", "max_det", "pre_nms_topk", "per_class_topk")
                            if k in kw}),
     }
+    if nms_form:  # which candidates entered the NMS
+        meta["nms_form"] = nms_form
     return meta
 
 
