@@ -171,14 +171,15 @@ EOF
 [[ -z "$STEM" ]] && STEM="$(date -u +%Y-%m-%d)_unknown"
 [[ $MODE == rehearse ]] && STEM="${STEM}_rehearsal"
 note "result stem: $STEM"
-HAVE_DALI=0 HAVE_COCO=0
+HAVE_DALI=0 HAVE_COCO=0 COCO_WHY=
 for mod in nvidia.dali pycocotools triton pytest_timeout; do
-    if "$PY" -c "import $mod" > /dev/null 2>&1; then
+    if why=$(import_error "$mod"); then
         note "$mod: installed"
         [[ $mod == nvidia.dali ]] && HAVE_DALI=1
         [[ $mod == pycocotools ]] && HAVE_COCO=1
     else
-        note "$mod: NOT installed here (the parts that need it skip or fall back, with a note)"
+        note "$mod: NOT importable here ($why): the parts that need it skip or fall back, with a note"
+        [[ $mod == pycocotools ]] && COCO_WHY=$why
     fi
 done
 LOADER=torch
@@ -321,7 +322,7 @@ if (( HAVE_COCO )); then
     export FAMILIES_LIST="${FAMILIES[*]}"
     part train bash -c 'FAMILIES=($FAMILIES_LIST); TRAIN_GPU=('"${TRAIN_GPU[*]}"'); TRAIN_BACKEND=('"${TRAIN_BACKEND[*]}"'); train_all'
 else
-    skip train "pycocotools is not installed: the trainer's final COCO evaluation needs it (carry its wheel: bench/README.md)"
+    skip train "pycocotools is not importable ($COCO_WHY): the trainer's final COCO evaluation needs it (carry its wheel: bench/README.md)"
 fi
 
 # --- join_precompile: wait for the side lane. Every job is cut at precompile's deadline,

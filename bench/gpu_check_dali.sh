@@ -128,7 +128,11 @@ EOF
 )
 [[ -z "$STEM" ]] && STEM="$(date -u +%Y-%m-%d)_unknown"
 [[ $MODE == rehearse ]] && STEM="${STEM}_rehearsal"
-if "$PY" -c "import nvidia.dali" > /dev/null 2>&1; then note "nvidia.dali: installed"; else note "nvidia.dali: NOT installed: the DALI rows skip with the reason"; fi
+if why=$(import_error nvidia.dali); then
+    note "nvidia.dali: installed"
+else
+    note "nvidia.dali: NOT importable ($why): the DALI rows skip with the reason"
+fi
 if wanted env; then
     status_line env ok 0 "$(( $(date +%s) - T_ENV ))" "" "$(limit env)" main
     record

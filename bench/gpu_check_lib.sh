@@ -164,6 +164,16 @@ EOF
 
 status_line() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS"; }
 
+# import_error MODULE: nothing (status 0) when $PY imports MODULE, else the last line of the
+# error (status 1): a carried wheel that lacks a dependency of its own (DALI's astunparse
+# needs six) must read differently from a wheel that was never carried.
+import_error() {
+    local err
+    err=$("$PY" -c "import $1" 2>&1 > /dev/null) && return 0
+    echo "${err##*$'\n'}"
+    return 1
+}
+
 # skip NAME WHY: record a part that does not run, and why.
 skip() {
     wanted "$1" || return 0
