@@ -136,6 +136,8 @@ pack() {
 # seconds, limit, lane; the parts never reached; the archive), then pack.
 ARCHIVE_BYTES=0
 record() {
+    # A part before env (the DALI call's dali_install) is recorded before the stem is known.
+    [[ -n "${STEM:-}" ]] && rm -f "$OUT_DIR/unknown_${KIND}.json"
     pack
     "$PY" - "$STATUS" "$OUT_DIR/${STEM:-unknown}_${KIND}.json" "$BUDGET" "$(elapsed)" "${STEM:-unknown}" \
         "$PARTS" "$ARCHIVE_BYTES" "$ARCHIVE_MB" "$MODE" "${TRIMMED[*]:-}" "${DROPPED[*]:-}" "${KIND//-/_}" <<'EOF'

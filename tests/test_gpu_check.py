@@ -271,6 +271,7 @@ def test_packing_cuts_the_largest_trace_until_the_archive_fits_and_leaves_checkp
     (work / "profile" / "profile.json").write_text("{}")
     (work / "train" / "yolox" / "latest.pth").write_bytes(os.urandom(2**20))
     (work / "train" / "yolox" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (work / "unknown_gpu-check.json").write_text("{}")  # recorded before the stem was known
     archive, record = pack_with_record(work, out)
     assert record["archive"]["trimmed"] == ["profile/trace_compile_graphs.json"]
     assert record["archive"]["bytes"] == archive.stat().st_size
@@ -279,6 +280,7 @@ def test_packing_cuts_the_largest_trace_until_the_archive_fits_and_leaves_checkp
         trace = tar.extractfile("./profile/trace_compile_graphs.json").read().decode()
     assert "train/yolox/metrics.jsonl" in names and "profile/profile.json" in names
     assert not any(n.endswith(".pth") for n in names)
+    assert "unknown_gpu-check.json" not in names and not (work / "unknown_gpu-check.json").exists()
     assert "cut by gpu_check.sh" in trace and trace.startswith(lines[:120]) and trace.endswith(lines[-120:])
 
 
