@@ -9,7 +9,8 @@ A kernel that does not compile for the GPU would fail first on a lent device, in
 this file's ``__main__`` calls each op of ``torch.ops.fastdet_triton`` on CPU tensors with
 the launches recorded instead of run (outputs are not looked at), then compiles every
 recorded launch with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``.
-It runs in a subprocess: it replaces ``JITFunction.run`` and the ops' device check.
+It runs in a subprocess: it replaces ``JITFunction.run`` and the ops' device check (so
+triton and the kernels are imported inside the functions the subprocess runs, not here).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def _record_launches() -> dict:
 
 def _call_every_op() -> None:
     """Each op as ``fastdet.ops`` calls it on a GPU, in each dtype it takes there."""
-    from fastdet.ops import triton as kernels  # noqa: F401  (registers torch.ops.fastdet_triton)
     from fastdet.ops.synthetic import assign_inputs, random_boxes
     from fastdet.ops.triton import assign, ema, fcos, iou, simota
 
