@@ -23,8 +23,8 @@
 #| install         | main | 20      | fastdet importable (pip -e, no deps, no network)                 | ~15 s (2026-12-04 run)
 #| build           | main | 30      | the extension's CUDA variant                                     | 11 s (GPU.md, measured)
 #| precompile      | side | 200     | 5 bench graphs + each family's trainer graphs, compiled in       | ~150-200 s: 103 s per graph alone on 16 cores
-#|                 |      |         | parallel: 9 jobs, 11 graphs (FCOS's trainer: 3 canvases), 5 jobs | (GPU.md), 11 graphs over 5-9 processes (estimate)
-#|                 |      |         | at a time under 100 GB of GPU memory, else 9                     |
+#|                 |      |         | parallel: 9 jobs, 11 graphs (FCOS's trainer: 3 canvases), at     | (GPU.md), 11 graphs over 5-9 processes (estimate)
+#|                 |      |         | most 5 at once (9 over 100 GB) in the GPU's memory less 12 GiB   |
 #| tests_kernels   | main | 50      | pytest -m gpu: IoU, EMA, assigners, yolo_targets, FCOS, SimOTA   | ~30 s (GPU.md: 17 tests in 110 s with a compile)
 #| tests_capture   | main | 60      | every family's whole step captured = eager, sync-debug           | ~60 s (estimate, seconds per bucket)
 #| train           | main | 80      | a trainer run per family, in parallel: --compile --cuda-graphs,  | ~60 s: graphs from the cache, 40 steps at 256 px
@@ -223,12 +223,19 @@ fi
 # its own process, several at a time, each job cut at the part's deadline.
 CPUS=$(nproc)
 GPU_MB=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 20 if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+# What each precompile job's compiled step should hold on the GPU, GiB, with room to spare
+# (bench/memory_estimate.py --gpu-check, run on the CPU 2026-12-07: its eager bf16 step on
+# fake tensors, scaled by the H200's measured PP-YOLOE-s figures). bench/run_jobs.py starts
+# jobs while their sum, plus 1 GiB each for the CUDA context, fits in the GPU's memory less
+# 12 GiB for the main lane (the 4 trainer runs, the GPU tests).
+declare -A JOB_GIB=([step_ppyoloe]=12 [step_yolox]=13 [step_ppyolo]=28 [step_fcos]=16 [step_b128]=23
+                    [train_ppyoloe]=1 [train_yolox]=1 [train_ppyolo]=1 [train_fcos]=1)
 if [[ $DEVICE == cpu ]]; then
-    JOBS_AT_ONCE=2
+    JOBS_AT_ONCE=2 MEM_GIB=0  # the rehearsal: no GPU memory to share
 elif (( GPU_MB < 100000 )); then
-    JOBS_AT_ONCE=5  # an H100's 80 GB: five batch-64 steps at once
+    JOBS_AT_ONCE=5 MEM_GIB=$(( GPU_MB / 1024 - 12 ))  # an H100's 80 GB: 67 GiB for the jobs
 else
-    JOBS_AT_ONCE=9
+    JOBS_AT_ONCE=9 MEM_GIB=$(( GPU_MB / 1024 - 12 ))
 fi
 PRE_PID=
 if wanted precompile; then
@@ -244,35 +251,29 @@ if wanted precompile; then
         # Only the graphs of the parts this run has (profile's is step_ppyoloe's).
         for p in step_ppyoloe step_yolox step_ppyolo step_fcos; do
             if wanted "$p" || { [[ $p == step_ppyoloe ]] && wanted profile; }; then
-                printf '%s\t%s\n' "$p" "$PY ${STEP_CMD[$p]} --precompile --json $OUT_DIR/precompile/$p.json" >> "$JOBFILE"
+                printf '%s\t%s\t%s\n' "$p" "${JOB_GIB[$p]}" "$PY ${STEP_CMD[$p]} --precompile --json $OUT_DIR/precompile/$p.json" >> "$JOBFILE"
             fi
         done
         if wanted train; then
             for fam in "${FAMILIES[@]}"; do
-                printf '%s\t%s\n' "train_${fam%%:*}" \
+                printf '%s\t%s\t%s\n' "train_${fam%%:*}" "${JOB_GIB[train_${fam%%:*}]}" \
                     "$PY -m fastdet.compile $(train_flags "${fam%%:*}" "${fam#*:}") --output-dir $OUT_DIR/train/${fam%%:*}" >> "$JOBFILE"
             done
         fi
         if wanted step_b128; then
-            printf '%s\t%s\n' step_b128 "$PY ${STEP_CMD[step_b128]} --precompile --json $OUT_DIR/precompile/step_b128.json" >> "$JOBFILE"
+            printf '%s\t%s\t%s\n' step_b128 "${JOB_GIB[step_b128]}" "$PY ${STEP_CMD[step_b128]} --precompile --json $OUT_DIR/precompile/step_b128.json" >> "$JOBFILE"
         fi
         DEADLINE=$(( $(date +%s) + PRE_LIM ))
         THREADS=$(( CPUS / JOBS_AT_ONCE )); (( THREADS < 1 )) && THREADS=1
-        note "precompile: start (limit ${PRE_LIM}s, side lane): $(wc -l < "$JOBFILE") jobs, $JOBS_AT_ONCE at once x $THREADS compile threads"
+        MEM_NOTE="no GPU memory to share"
+        (( MEM_GIB > 0 )) && MEM_NOTE="within $MEM_GIB GiB of GPU memory"
+        note "precompile: start (limit ${PRE_LIM}s, side lane): $(wc -l < "$JOBFILE") jobs, at most $JOBS_AT_ONCE at once x $THREADS compile threads, $MEM_NOTE"
         T_PRE=$(date +%s)
-        (
-            # The jobs share the cores; inductor's cache key leaves compile_threads out, so
-            # the timed parts (default threads) still hit these entries.
-            export TORCHINDUCTOR_COMPILE_THREADS=$THREADS
-            cut -f1 "$JOBFILE" | xargs -P "$JOBS_AT_ONCE" -I{} bash -c '
-                cmd=$(awk -F"\t" -v j="$1" "\$1 == j { print \$2 }" "$2")
-                left=$(( $3 - $(date +%s) ))
-                (( left < 5 )) && { echo "$1 not started: deadline" >> "$4/precompile/done.tsv"; exit 0; }
-                t0=$(date +%s)
-                timeout -k 5 "$left" $cmd > "$4/precompile/$1.log" 2>&1
-                printf "%s\t%s\t%s\n" "$1" "$?" "$(( $(date +%s) - t0 ))" >> "$4/precompile/done.tsv"
-            ' _ {} "$JOBFILE" "$DEADLINE" "$OUT_DIR"
-        ) > "$OUT_DIR/precompile.log" 2>&1 &
+        # The jobs share the cores; inductor's cache key leaves compile_threads out, so the
+        # timed parts (default threads) still hit these entries. Its decisions: jobs.log.
+        TORCHINDUCTOR_COMPILE_THREADS=$THREADS "$PY" "$REPO/bench/run_jobs.py" "$JOBFILE" --deadline "$DEADLINE" \
+            --logs "$OUT_DIR/precompile" --done "$OUT_DIR/precompile/done.tsv" --max-parallel "$JOBS_AT_ONCE" \
+            --memory-gib "$MEM_GIB" > "$OUT_DIR/precompile/jobs.log" 2>&1 &
         PRE_PID=$!
     fi
 fi

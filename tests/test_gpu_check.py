@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import throughput  # noqa: E402
+from bench import run_jobs, throughput  # noqa: E402
 
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 BUDGET_S = 540  # the device tool's 10 minutes less a machine's start and the transfers
@@ -308,3 +308,55 @@ def test_packing_leaves_out_plots_and_cuts_one_line_traces_and_ends(tmp_path):
     assert "train/ppyolo/val_predictions.jpg" not in names
     assert "train/ppyolo/results.png" in names and "train/ppyolo/metrics.jsonl" in names
     assert trace.startswith(one_line[:65536]) and trace.endswith(one_line[-65536:]) and len(trace) < 140_000
+
+
+def _sleep_job(name: str, gib: float, seconds: float) -> run_jobs.Job:
+    return run_jobs.Job(name, gib, [sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+def test_precompile_jobs_start_only_while_their_gpu_memory_fits(tmp_path, capsys):
+    """bench/run_jobs.py with 10 GiB: big (6) and small (3) start together; big2 (6) waits for
+    big to end although small ended first; huge (20, over the budget) waits until it runs alone."""
+    import time
+
+    jobs = [_sleep_job("big", 6, 1.0), _sleep_job("big2", 6, 0.2), _sleep_job("small", 3, 0.2),
+            _sleep_job("huge", 20, 0.2)]
+    done = tmp_path / "done.tsv"
+    run_jobs.run(jobs, time.time() + 120, tmp_path / "logs", done, max_parallel=4, memory_gib=10, per_job_gib=0,
+                 poll_s=0.05)
+    events = [" ".join(line.split()[1:3]) for line in capsys.readouterr().out.splitlines()]
+    assert events[:2] == ["big started", "small started"], events
+    assert events.index("big ended") < events.index("big2 started") < events.index("big2 ended") \
+        < events.index("huge started"), events
+    assert sorted(line.split("\t")[:2] for line in done.read_text().splitlines()) == [
+        ["big", "0"], ["big2", "0"], ["huge", "0"], ["small", "0"]]
+    assert {p.name for p in (tmp_path / "logs").iterdir()} == {"big.log", "big2.log", "small.log", "huge.log"}
+
+
+def test_precompile_jobs_are_cut_at_the_deadline_and_late_ones_not_started(tmp_path, capsys):
+    import time
+
+    done = tmp_path / "done.tsv"
+    t0 = time.time()
+    run_jobs.run([_sleep_job("slow", 1, 60), _sleep_job("late", 1, 0.1)], t0 + 2.5, tmp_path / "logs", done,
+                 max_parallel=1, memory_gib=0, per_job_gib=0, poll_s=0.05, min_start_s=1.0)
+    assert time.time() - t0 < 10
+    lines = done.read_text().splitlines()
+    assert "late not started: deadline" in lines
+    assert [line.split("\t")[:2] for line in lines if line.startswith("slow")] == [["slow", "124"]]
+
+
+@pytest.mark.slow
+def test_the_precompile_jobs_gpu_memory_table_covers_the_estimate():
+    """gpu_check.sh's JOB_GIB holds bench/memory_estimate.py --gpu-check's figures (rounded
+    up): a model or recipe that grows is caught here, not by an out-of-memory on the GPU."""
+    import re
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), "--gpu-check"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    estimate = {line.split("\t")[0]: int(line.split("\t")[1]) for line in r.stdout.splitlines() if "\t" in line}
+    table = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A JOB_GIB=\(([^)]*)\)",
+                                                         SCRIPT.read_text()).group(1)))
+    assert set(estimate) == set(table) and len(table) == 9
+    assert all(int(table[j]) >= estimate[j] for j in table), (table, estimate)
