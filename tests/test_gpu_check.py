@@ -240,6 +240,21 @@ def test_dali_travels_in_pieces_that_join_back_to_the_same_wheels(tmp_path):
     assert {n: (host / "wheels" / n).read_bytes() for n in payload} == payload
 
 
+def test_a_carry_call_fits_the_device_tools_64_mib():
+    """Each DALI call sends the working tree, pycocotools' wheel and one piece: at most 64 MiB
+    (the device tool's limit). A large file committed to the tree would make every call fail."""
+    import re
+
+    r = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip(f"not a git checkout ({r.stderr.decode().strip()[:200]}): the tree that travels is unknown")
+    tree = sum((ROOT / f).stat().st_size for f in r.stdout.decode().split("\0") if f and (ROOT / f).is_file())
+    piece_mb = int(re.search(r"PIECE_MB=\$\{DALI_CARRY_PIECE_MB:-(\d+)\}",
+                             (ROOT / "bench" / "dali_carry.sh").read_text()).group(1))
+    pycocotools_wheel = 2**19  # 402 kB for 2.0.11, cp312
+    assert tree + piece_mb * 2**20 + pycocotools_wheel <= 64 * 2**20, f"tree {tree / 2**20:.1f} MiB"
+
+
 def pack_with_record(work: Path, out: Path) -> tuple[Path, dict]:
     """bench/gpu_check_lib.sh's ``record`` (which packs) on the folder ``work``, with a 1 MiB
     limit, into ``out``: the archive (checked to fit) and the record. One minute at most: a
