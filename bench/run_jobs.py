@@ -91,8 +91,15 @@ def run(jobs: list[Job], deadline: float, logs: Path, done: Path, max_parallel: 
                 continue
             j.log = (logs / f"{j.name}.log").open("w")
             j.t0 = time.time()
-            j.proc = subprocess.Popen(j.command, stdout=j.log, stderr=subprocess.STDOUT, start_new_session=True)
             pending.remove(j)
+            try:
+                j.proc = subprocess.Popen(j.command, stdout=j.log, stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError as e:  # a command that cannot start is that job's failure, not the lane's
+                print(f"cannot start {j.command[:1]}: {e}", file=j.log, flush=True)
+                j.log.close()
+                record(f"{j.name}\t127\t0")
+                print(f"[jobs] {j.name} could not start: {e}", flush=True)
+                continue
             running.append(j)
             budget = f"{memory_gib:g}" if memory_gib > 0 else "unlimited"
             print(f"[jobs] {j.name} started ({j.gib:g} GiB; {in_use():g} of {budget} GiB reserved, "

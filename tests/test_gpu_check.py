@@ -349,14 +349,18 @@ def test_precompile_jobs_start_only_while_their_gpu_memory_fits(tmp_path, capsys
 
 
 def test_precompile_jobs_are_cut_at_the_deadline_and_late_ones_not_started(tmp_path, capsys):
+    """A job that cannot start fails alone (exit 127); one past the deadline is cut (124);
+    one that would start too close to it is not started."""
     import time
 
     done = tmp_path / "done.tsv"
     t0 = time.time()
-    run_jobs.run([_sleep_job("slow", 1, 60), _sleep_job("late", 1, 0.1)], t0 + 2.5, tmp_path / "logs", done,
-                 max_parallel=1, memory_gib=0, per_job_gib=0, poll_s=0.05, min_start_s=1.0)
+    missing = run_jobs.Job("missing", 1, [str(tmp_path / "no-such-program")])
+    run_jobs.run([missing, _sleep_job("slow", 1, 60), _sleep_job("late", 1, 0.1)], t0 + 2.5, tmp_path / "logs",
+                 done, max_parallel=1, memory_gib=0, per_job_gib=0, poll_s=0.05, min_start_s=1.0)
     assert time.time() - t0 < 10
     lines = done.read_text().splitlines()
+    assert lines[0] == "missing\t127\t0" and "no-such-program" in (tmp_path / "logs" / "missing.log").read_text()
     assert "late not started: deadline" in lines
     assert [line.split("\t")[:2] for line in lines if line.startswith("slow")] == [["slow", "124"]]
 
