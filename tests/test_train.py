@@ -229,7 +229,11 @@ def assert_same_training(one: Path, two: Path, arch: str = "ppyoloe", size: str 
         assert x["total_loss"] == pytest.approx(y["total_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
+    """Slow: make test holds the same equality and SyncBatchNorm through two torchrun agents
+    (test_two_nodes_train_as_one_node, which also checks the final AP line is printed once),
+    and this launcher (--nproc_per_node 2) in the compiled, SIGTERM and restart tests."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     one, r = one_process
@@ -495,6 +499,7 @@ def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
     for p, (so, se) in zip(agents, outs):
         assert p.returncode == 0, so[-3000:] + se[-3000:]
     assert any("SyncBatchNorm: BatchNorm statistics over the 2 ranks" in so for so, _ in outs)
+    assert sum(so.count("COCO AP") for so, _ in outs) == 1, outs  # the final line once, not once per rank
     assert_same_training(one, out)
 
 
