@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 from bench.throughput import Bench, parse_args as throughput_args  # noqa: E402  (the path above)
 
@@ -36,19 +38,34 @@ from bench.throughput import Bench, parse_args as throughput_args  # noqa: E402 
 # measured) x 1.2 (slack), the H200's PP-YOLOE-s figures (../shared/GPU.md).
 GPU_CHECK_MARGIN = 0.95
 
-# bench/gpu_check.sh's precompile jobs: (job, arch, size, HxW, batch, boxes). Its trainer
-# runs (256 px, batch 8) are the train_* rows.
-GPU_CHECK_JOBS = [
-    ("step_ppyoloe", "ppyoloe", "s", "640", 64, 100),
-    ("step_yolox", "yolox", "s", "640", 64, 120),
-    ("step_ppyolo", "ppyolo", "r50vd_dcn", "608", 64, 50),
-    ("step_fcos", "fcos", "r50", "800x1344", 16, 100),
-    ("step_b128", "ppyoloe", "s", "640", 128, 100),
-    ("train_ppyoloe", "ppyoloe", "s", "256", 8, 100),
-    ("train_yolox", "yolox", "s", "256", 8, 120),
-    ("train_ppyolo", "ppyolo", "r50vd_dcn", "256", 8, 50),
-    ("train_fcos", "fcos", "r50", "256x448", 8, 100),  # its largest canvas at 256 px
-]
+
+def gpu_check_jobs() -> list[tuple[str, list[str]]]:
+    """bench/gpu_check.sh's precompile jobs as (job, bench/throughput.py arguments), read
+    from its plan: the step parts' own commands; each trainer run's family, batch and
+    largest canvas at its --img-size (FCOS's keep-ratio buckets are not square)."""
+    from fastdet.config import apply_overrides
+    from fastdet.engine.graph_cache import bucket_sizes
+    from fastdet.registry import get_preset
+
+    plan = json.loads(subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--plan"], check=True,
+                                     capture_output=True, text=True).stdout)
+    jobs = []
+    for part in plan["parts"]:
+        if part["part"].startswith("step_"):
+            argv = part["command"].split()[1:]
+            argv[argv.index("--device") + 1] = "cpu"
+            jobs.append((part["part"], argv))
+    flags = argparse.ArgumentParser(add_help=False)
+    for name in ("--arch", "--size", "--img-size", "--batch-size"):
+        flags.add_argument(name)
+    for family, line in plan["train"].items():
+        t, _ = flags.parse_known_args(line.split())
+        cfg = apply_overrides(get_preset(t.arch, t.size), {"data.img_size": int(t.img_size),
+                                                            "data.train_sizes": (int(t.img_size),)})
+        h, w = max(bucket_sizes(cfg), key=lambda hw: hw[0] * hw[1])
+        jobs.append((f"train_{family}", ["--arch", t.arch, "--size", t.size, "--batch-size", t.batch_size,
+                                         "--img-size", f"{h}x{w}"]))
+    return jobs
 
 
 class _NoHandle:
@@ -71,14 +88,14 @@ def _hooks_skip_frozen_parameters() -> None:
         setattr(torch.Tensor, name, safe)
 
 
-def estimate(arch: str, size: str, img_size: str, batch: int, boxes: int, amp: str) -> dict:
-    """GiB at the peak of one eager step, by kind (parameters, activations, ...) and in all."""
+def estimate(bench_argv: list[str], amp: str) -> dict:
+    """GiB at the peak of one eager step of ``bench/throughput.py``'s arguments (its defaults:
+    the recipe's image size and box padding), by kind (parameters, activations, ...) and in all."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     _hooks_skip_frozen_parameters()
-    bench = Bench(throughput_args(["--arch", arch, "--size", size, "--device", "cpu", "--img-size", img_size,
-                                   "--batch-size", str(batch), "--max-boxes", str(boxes), "--amp", amp]))
+    bench = Bench(throughput_args([*bench_argv, "--device", "cpu", "--amp", amp]))
     v = bench.variant("eager_fp32" if amp == "off" else "eager_amp")
     real = bench.synthetic(v, 1)[0]
     # Model, optimizer and EMA are real (a few MB); the batch and all that the step makes are fake.
@@ -91,17 +108,18 @@ def estimate(arch: str, size: str, img_size: str, batch: int, boxes: int, amp: s
             step(batch_fake, kw)
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     by_kind = {str(k).split(".")[-1].split(":")[0].lower(): round(b / 2**30, 3) for k, b in peak.items()}
-    return {"arch": arch, "size": size, "img_size": img_size, "batch_size": batch, "max_boxes": boxes,
-            "amp": amp, "peak_gib": by_kind.pop("total"), "by_kind": by_kind}
+    a = bench.args
+    return {"arch": a.arch, "size": a.size, "img_size": "x".join(map(str, a.img_size)), "batch_size": a.batch_size,
+            "max_boxes": a.max_boxes, "amp": amp, "peak_gib": by_kind.pop("total"), "by_kind": by_kind}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="ppyoloe")
     p.add_argument("--size", default="s")
-    p.add_argument("--img-size", default="640", help="N or HxW")
+    p.add_argument("--img-size", help="N or HxW (default: the recipe's)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-boxes", type=int, default=100)
+    p.add_argument("--max-boxes", type=int, help="default: the recipe's padding")
     p.add_argument("--amp", default="bf16", choices=["off", "bf16", "fp16"])
     p.add_argument("--gpu-check", action="store_true",
                    help="bench/gpu_check.sh's precompile jobs, eager bf16: 'job<TAB>GiB' lines, the GiB "
@@ -110,14 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.gpu_check:
         rows = []
-        for job, arch, size, hw, batch, boxes in GPU_CHECK_JOBS:
-            row = {"job": job, **estimate(arch, size, hw, batch, boxes, "bf16")}
-            row["reserve_gib"] = math.ceil(row["peak_gib"] * GPU_CHECK_MARGIN)
-            rows.append(row)
-            print(f"{job}\t{row['reserve_gib']}\t# {arch}-{size} {hw} b{batch}: eager bf16 {row['peak_gib']:.1f} GiB",
-                  flush=True)
+        for job, argv in gpu_check_jobs():
+            r = {"job": job, **estimate(argv, "bf16")}
+            r["reserve_gib"] = math.ceil(r["peak_gib"] * GPU_CHECK_MARGIN)
+            rows.append(r)
+            print(f"{job}\t{r['reserve_gib']}\t# {r['arch']}-{r['size']} {r['img_size']} b{r['batch_size']} "
+                  f"{r['max_boxes']} boxes: eager bf16 {r['peak_gib']:.1f} GiB", flush=True)
     else:
-        rows = [estimate(a.arch, a.size, a.img_size, a.batch_size, a.max_boxes, a.amp)]
+        argv = ["--arch", a.arch, "--size", a.size, "--batch-size", str(a.batch_size)]
+        argv += ["--img-size", a.img_size] if a.img_size else []
+        argv += ["--max-boxes", str(a.max_boxes)] if a.max_boxes else []
+        rows = [estimate(argv, a.amp)]
         r = rows[0]
         print(f"{r['arch']}-{r['size']} {r['img_size']} b{r['batch_size']} {r['max_boxes']} boxes amp {r['amp']}: "
               f"{r['peak_gib']:.2f} GiB at the peak ({', '.join(f'{k} {v:.2f}' for k, v in r['by_kind'].items() if v)})")
