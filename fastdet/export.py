@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from fastdet.api import CheckpointError, load_detector, preprocess_images
 from fastdet.models import Detector
+from fastdet.runtime.outputs import refuse_replacing
 
 OPSET = 18
 OUTPUTS_DENSE = ("boxes", "scores")
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nms", action="store_true", help="detections after NMS instead of the dense outputs")
     p.add_argument("--score-thresh", type=float, default=None, help="with --nms (default: the recipe's)")
     p.add_argument("--weights", choices=["ema", "model"], default="ema")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     return p
 
 
@@ -300,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--score-thresh: expected a value in [0, 1], got {args.score_thresh}")
         if not Path(args.ckpt).is_file():
             raise ValueError(f"--ckpt {args.ckpt}: no such file")
+        if Path(args.output).resolve() == Path(args.ckpt).resolve():
+            raise ValueError(f"--output {args.output} is the checkpoint; choose another path")
+        if not args.overwrite:
+            refuse_replacing([Path(args.output)], f"--output {args.output}", "--overwrite")
         try:
             import onnx  # noqa: F401
             import onnxruntime  # noqa: F401

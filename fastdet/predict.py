@@ -19,7 +19,9 @@ stretches to the square ``--img-size`` canvas with bicubic interpolation) and no
 ``fastdet.api.preprocess_images`` is that function. Boxes map back with ``(sx, sy)``
 input px per original px.
 
-Files that do not decode are skipped, counted and named in the summary line.
+Files that do not decode are skipped, counted and named in the summary line. A folder
+that already holds a file of these names (an earlier prediction) is refused before any
+work unless ``--exist-ok``; a drawn copy never replaces a source image.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from fastdet.api import CheckpointError, detect, load_detector
 from fastdet.data.augment import ImageDecodeError, decode_image
 from fastdet.data.formats import IMAGE_EXTS as IMAGE_SUFFIXES  # the suffixes the set readers take
 from fastdet.runtime.dist import resolve_device
+from fastdet.runtime.outputs import refuse_replacing
 from fastdet.visualize import draw_detections, save_image
 
 
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--weights", choices=["ema", "model"], default="ema")
+    p.add_argument("--exist-ok", action="store_true",
+                   help="replace the drawn images and predictions.json of an earlier prediction in --output-dir")
     return p
 
 
@@ -121,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         files = find_images(args.source)
         check_no_source_overwritten(files, Path(args.output_dir), output_names(files))
+        if not args.exist_ok:
+            out = Path(args.output_dir)
+            refuse_replacing([out / n for n in output_names(files)] + [out / "predictions.json"],
+                             f"--output-dir {out}", "--exist-ok")
         device = resolve_device(args.device)
         det = load_detector(args.ckpt, ema=args.weights == "ema", device=device)
     except (ValueError, CheckpointError) as e:

@@ -268,6 +268,15 @@ def test_cli_output_and_the_official_file_load_as_detectors(tmp_path, caplog):
     r = subprocess.run([sys.executable, "-m", "fastdet.convert", str(src), "--arch", "yolox", "--size", "s",
                         "--output", str(tmp_path / "x.pth")], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "this looks like yolox-nano" in r.stderr
+    # An existing --output is replaced only with --overwrite.
+    from fastdet.convert.__main__ import main as convert_main
+
+    user_file = tmp_path / "mine.pth"
+    user_file.write_bytes(b"a user's file")
+    assert convert_main([str(src), "--arch", "yolox", "--output", str(user_file)]) == 2
+    assert user_file.read_bytes() == b"a user's file"
+    assert convert_main([str(src), "--arch", "yolox", "--output", str(user_file), "--overwrite"]) == 0
+    assert fastdet.load_detector(user_file).info.size == "nano"
 
 
 def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp_path):

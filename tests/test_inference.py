@@ -200,6 +200,38 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
     assert not out.exists()
 
 
+def test_predict_and_export_never_replace_a_file_unasked(tiny, demo_small, tmp_path, capsys):
+    """An earlier prediction's files, an existing .onnx and the checkpoint itself are refused
+    in one line before any work, untouched; ``--exist-ok`` / ``--overwrite`` replace them."""
+    from fastdet import export, predict
+
+    image = sorted((demo_small / "val2017").glob("*.jpg"))[0]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "predictions.json").write_text("earlier")
+    (out / image.name).write_bytes(b"a user's picture")
+    argv = ["--ckpt", str(tiny.ckpt), "--source", str(image), "--output-dir", str(out), "--device", "cpu"]
+    assert predict.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--exist-ok" in err and "predictions.json" in err and len(err.strip().splitlines()) == 1, err
+    assert (out / "predictions.json").read_text() == "earlier"
+    assert (out / image.name).read_bytes() == b"a user's picture"
+    assert predict.main(argv + ["--exist-ok", "--score-thresh", "0"]) == 0
+    assert json.loads((out / "predictions.json").read_text())
+    assert decode_image(str(out / image.name)).shape == decode_image(str(image)).shape
+
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"an earlier export")
+    for target in (onnx, tiny.ckpt):
+        assert export.main(["--ckpt", str(tiny.ckpt), "--output", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert str(target) in err and len(err.strip().splitlines()) == 1, err
+    assert onnx.read_bytes() == b"an earlier export"
+    assert export.main(["--ckpt", str(tiny.ckpt), "--output", str(tiny.ckpt), "--overwrite"]) == 2
+    assert "is the checkpoint" in capsys.readouterr().err
+    assert load_detector(tiny.ckpt).info.arch == tiny.arch
+
+
 # --------------------------------------------------------------------------- predictions while training
 
 def test_training_logs_val_predictions(tiny):

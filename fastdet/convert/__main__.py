@@ -16,6 +16,7 @@ from typing import Optional
 from fastdet.convert.core import ConvertError, convert
 from fastdet.models import ARCHITECTURES
 from fastdet.runtime.checkpoint import save_checkpoint
+from fastdet.runtime.outputs import refuse_replacing
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -27,12 +28,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--arch", required=True, choices=sorted(ARCHITECTURES))
     ap.add_argument("--size", help="the model size (default: inferred from the shapes)")
     ap.add_argument("--output", "-o", required=True, help="the fastdet checkpoint to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.output)
     try:
         if out.resolve() == Path(args.src).resolve():
             raise ConvertError(f"--output {out} is the source file; choose another path")
+        if not args.overwrite:
+            refuse_replacing([out], f"--output {out}", "--overwrite")
         ck, size = convert(args.src, args.arch, args.size, args.source)
     except (ValueError, FileNotFoundError) as e:
         print(f"fastdet.convert: error: {e}", file=sys.stderr)
