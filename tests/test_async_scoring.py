@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,6 +69,47 @@ def test_scorer_round_trip_and_errors(demo_paths):
             bad.wait(timeout=120)
     finally:
         bad.close()
+
+
+SCORER_PROBE = """
+import sys
+
+
+def modules(gt, results, image_ids):
+    # The main module's code ran here if its name is defined (multiprocessing's child
+    # bootstrap is a bare "-c" main otherwise).
+    return {"torch": "torch" in sys.modules, "main ran": hasattr(sys.modules["__main__"], "TRAINER_LIKE")}
+"""
+
+TRAINER_LIKE_MAIN = """
+import json
+import sys
+
+import torch  # what the trainer's main module (python -m fastdet.train) holds
+
+from fastdet.eval import async_scoring
+
+TRAINER_LIKE = True
+
+if __name__ == "__main__":
+    s = async_scoring.AsyncScorer(sys.argv[1], score_fn="scorer_probe:modules")
+    s.submit([], [], {"step": 1})
+    (job,) = s.wait(timeout=120)
+    s.close()
+    print(json.dumps(job.scores if job.error is None else job.error))
+"""
+
+
+def test_the_scorer_process_runs_neither_the_main_module_nor_torch(demo_paths, tmp_path):
+    """Started from ``python -m <a module importing torch>``, as the trainer starts it, the
+    scoring process imports no torch: spawn does not re-run the main module there, and the
+    scoring path (ground truth, COCOeval, plots) needs none (~3 s of CPU per launch)."""
+    (tmp_path / "scorer_probe.py").write_text(SCORER_PROBE)
+    (tmp_path / "trainer_like.py").write_text(TRAINER_LIKE_MAIN)
+    r = subprocess.run([sys.executable, "-m", "trainer_like", str(demo_paths.val_ann)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"torch": False, "main ran": False}
 
 
 class PointRecorder(Hook):

@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +54,7 @@ from PIL import Image
 
 from fastdet.config import DataConfig
 from fastdet.data import demo
+from fastdet.data.coco_fields import fill_coco_defaults, is_number as _is_number
 from fastdet.data.records import ImageRecord
 
 log = logging.getLogger(__name__)
@@ -303,8 +303,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _read_json(ann_file: Path) -> dict:
@@ -325,29 +323,6 @@ def _read_json(ann_file: Path) -> dict:
         if not isinstance(doc[key], list):
             raise DataError(f"{ann_file}: top-level key '{key}' must be a list, got {type(doc[key]).__name__}")
     return doc
-
-
-def fill_coco_defaults(doc: dict) -> Counter:
-    """Fill in place the annotation fields many tools leave out, as COCO defines them, and
-    count them by field: ``iscrowd`` 0 (an ordinary object), ``area`` the box's w*h (what
-    pycocotools gives a box-only annotation, ``loadRes``), ``id`` numbered after the largest.
-    pycocotools needs all three (``KeyError: 'iscrowd'`` at the first evaluation otherwise)."""
-    filled: Counter = Counter()
-    anns = [a for a in doc.get("annotations") or () if isinstance(a, dict)]
-    next_id = 1 + max((a["id"] for a in anns if type(a.get("id")) is int), default=0)
-    for a in anns:
-        if "iscrowd" not in a:
-            a["iscrowd"] = 0
-            filled["iscrowd"] += 1
-        b = a.get("bbox")
-        if "area" not in a and isinstance(b, list) and len(b) == 4 and all(_is_number(v) for v in b):
-            a["area"] = float(b[2]) * float(b[3])
-            filled["area"] += 1
-        if "id" not in a:
-            a["id"] = next_id
-            next_id += 1
-            filled["id"] += 1
-    return filled
 
 
 def _parse_categories(ann_file: Path, cats: list) -> tuple[list[int], list[str]]:

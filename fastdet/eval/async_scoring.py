@@ -12,20 +12,24 @@ state, from which ``best.pth`` is written (not from the weights current when the
 arrives). As MLPerf's RetinaNet reference scores: asynchronously, in its own process.
 
 The process is started with ``spawn`` (never ``fork``: the trainer holds CUDA and
-threads); a job that fails comes back as an error naming it, and a scorer whose process
-died raises on the next poll instead of hanging.
+threads) and without the trainer's main module, and it imports no torch (scoring and
+plots need numpy, the COCO back end and matplotlib); a job that fails comes back as an
+error naming it, and a scorer whose process died raises on the next poll instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import multiprocessing as mp
 import queue
+import sys
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from fastdet.eval.plots import draw_evaluation
 from fastdet.eval.scoring import load_gt
@@ -83,6 +87,22 @@ def _worker(gt_source: Any, backend: Optional[str], score_fn: str, plot_dir: Opt
         done.put((job_id, scores, None, seconds, extra))
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a process is started: ``spawn`` re-runs the parent's main module in the child
+    (as ``__mp_main__``, so that what it defines unpickles there). The scorer's target and
+    arguments live in fastdet, and the trainer's main module (``python -m fastdet.train``)
+    would import torch, torchvision, Dynamo and every family there for nothing: ~2 s of CPU
+    beside the training at each launch. A bare stand-in has no ``__spec__`` or ``__file__``,
+    so the child runs no main module; the real one is back before ``start()`` returns."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 class AsyncScorer:
     """A background scoring process for one ground truth (rank 0 only).
 
@@ -104,7 +124,8 @@ class AsyncScorer:
                                                                    None if plot_dir is None else str(plot_dir),
                                                                    self._jobs, self._done),
                                  name="fastdet-scorer", daemon=True)
-        self._proc.start()
+        with _main_module_hidden():
+            self._proc.start()
         self._meta: dict[int, dict[str, Any]] = {}
         self._next = 0
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fastdet.data.coco import fill_coco_defaults
+from fastdet.data.coco_fields import fill_coco_defaults
 
 log = logging.getLogger("fastdet")
 
