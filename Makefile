@@ -27,9 +27,11 @@ demo: $(STAMP)
 # The suite CI runs: everything but the tests marked slow (whole-model inductor builds and
 # the ONNX exports of every family), which `make test-all` adds. Test files run in
 # parallel, one pytest-xdist worker a core (`make test TEST_WORKERS=0`: one process);
-# --dist loadfile keeps a file's tests, and the checkpoints its fixtures train, together.
+# --dist loadfile keeps a file's tests, and the checkpoints its fixtures train, together;
+# --no-loadscope-reorder starts the files in collection order, where tests/conftest.py
+# puts the longest first.
 TEST_WORKERS ?= auto
-TEST_FLAGS = -n $(TEST_WORKERS) --dist loadfile
+TEST_FLAGS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(TEST_FLAGS) tests

@@ -28,6 +28,23 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+# The order test files start in under pytest-xdist (Makefile: --dist loadfile
+# --no-loadscope-reorder): each worker runs a file whole, so a file of several minutes
+# that starts late keeps one core busy after the other has finished. These files (each
+# over ~40 s of `make test` on a 2-core CPU, longest first) start first, the rest follow
+# in their usual order: longest-processing-time-first scheduling, ~60 s off the suite's
+# 19-20 min against xdist's own order (files by number of tests). Only the speed of the
+# suite depends on this list; tests/test_structure.py checks that each name exists.
+LONGEST_FIRST = ("test_train.py", "test_background_compile.py", "test_families_cli.py", "test_user_path.py",
+                 "test_inference.py", "test_ppyoloe.py", "test_formats.py", "test_ops_build.py",
+                 "test_gpu_check.py", "test_sync_bn.py", "test_contract.py", "test_yolox.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 @pytest.fixture(scope="session")
 def demo_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_demo(tmp_path_factory.mktemp("demo_small") / "demo", **DEMO_SMALL)

@@ -70,3 +70,12 @@ def test_one_weight_file_reader():
     assert readers["torch.load("] == {"runtime/checkpoint.py"}
     assert readers["Unpickler"] == {"runtime/checkpoint.py"}
     assert readers['"StructuredToParameterName@@"'] == {"models/paddle_names.py"}
+
+
+def test_the_longest_first_files_exist():
+    """tests/conftest.py's scheduling list names test files that exist (a renamed file would
+    silently fall back to the end of the queue)."""
+    from conftest import LONGEST_FIRST  # tests/ is on sys.path (rootdir conftest)
+
+    here = Path(__file__).resolve().parent
+    assert [n for n in LONGEST_FIRST if not (here / n).is_file()] == []
