@@ -248,6 +248,8 @@ def check_config(cfg: Config) -> None:
     d, o = cfg.data, cfg.optim
     if d.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {d.batch_size}")
+    if d.eval_batch_size < 1:
+        raise ConfigError(f"data.eval_batch_size must be at least 1, got {d.eval_batch_size}")
     if d.img_size < div or d.img_size % div:
         raise ConfigError(f"--img-size must be a positive multiple of {div} (the largest stride), "
                           f"got {d.img_size}")

@@ -102,6 +102,32 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small):
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--img-size", "100"], "--img-size must be a positive multiple of 32"),
+])
+def test_eval_cli_bad_values_fail_before_any_work_in_one_line(tmp_path, capsys, extra, message):
+    """Before the checkpoint is read (here it does not exist): exit 2, one line naming the flag."""
+    from fastdet.eval.__main__ import main as eval_main
+
+    assert eval_main(["--ckpt", str(tmp_path / "never_read.pth"), "--data", "demo", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_cli_without_the_loader_it_asks_for_is_one_line(eager_run, demo_small, capsys, monkeypatch):
+    """``--loader dali`` where DALI cannot run: LoaderError's one line, not a traceback."""
+    from fastdet.data import loader
+    from fastdet.eval.__main__ import main as eval_main
+
+    monkeypatch.setattr(loader, "dali_unavailable_reason", lambda device: "nvidia-dali is not installed (test)")
+    out, _ = eager_run
+    assert eval_main(["--ckpt", str(out / "best.pth"), "--data", str(demo_small), "--device", "cpu",
+                      "--loader", "dali"]) == 1
+    err = capsys.readouterr().err
+    assert "--loader dali: nvidia-dali is not installed (test)" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
     # 24 train images (23 with objects) / batch 4 = 5 steps per epoch; stop mid-epoch 0 and
     # resume across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a
@@ -324,6 +350,7 @@ def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, mess
     (["--img-size", "100"], "--img-size must be a positive multiple of 32 (the largest stride), got 100"),
     (["--img-size", "0"], "--img-size must be a positive multiple of 32"),
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--set", "data.eval_batch_size=0"], "data.eval_batch_size must be at least 1, got 0"),
     (["--lr", "-1"], "--lr must be positive, got -1"),
     (["--ckpt", "NOT_A_CKPT"], "is not a checkpoint: torch.save writes a zip archive"),
     (["--ckpt", "MISSING"], "no such file"),

@@ -23,8 +23,10 @@ from fastdet import registry
 from fastdet.api import detector_from_checkpoint, read_any_checkpoint
 from fastdet.data.coco import DataError
 from fastdet.data.formats import load_split
-from fastdet.data.loader import build_eval_loader
+from fastdet.data.loader import build_eval_loader, resolve_backend
+from fastdet.data.schedule import LoaderError
 from fastdet.eval.coco import evaluate
+from fastdet.models import Detector
 from fastdet.runtime import dist
 from fastdet.runtime.amp import resolve_amp
 from fastdet.runtime.logging import setup_logging
@@ -77,8 +79,22 @@ def category_ids_by_name(ck: dict, num_classes: int, val) -> list[int]:
     return [int(val.cat_ids[index[n]]) for n in ours]
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The flag values, before the checkpoint or any data is read: one ValueError naming the flag."""
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    div = Detector.size_divisor
+    if args.img_size is not None and (args.img_size < div or args.img_size % div):
+        raise ValueError(f"--img-size must be a positive multiple of {div} (the largest stride), got {args.img_size}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"fastdet.eval: error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.arch is None and (args.size or args.source):
             raise ValueError("--size and --from describe a released file: give --arch too")
@@ -95,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 over.setdefault(key, None)
         cfg = apply_overrides(cfg, over)
         device = dist.resolve_device(cfg.run.device)
+        resolve_backend(cfg.data, device)  # --loader dali without DALI: said before the data is read
         info = dist.init_distributed(device.type)
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank)
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         loader = build_eval_loader(cfg.data, val, preprocess=registry.family(cfg.model.arch).preprocess,
                                    rank=info.rank, world_size=info.world_size, device=device)
         stats = evaluate(model, loader, val, resolve_amp(cfg.compile.amp, device), registry.predict_kwargs(cfg))
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:  # CheckpointError, ConvertError too
+    except (ConfigError, DataError, FileNotFoundError, ValueError, LoaderError) as e:  # CheckpointError, ConvertError too
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1
     finally:
