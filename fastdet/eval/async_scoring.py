@@ -110,7 +110,8 @@ class AsyncScorer:
         gt_source: an annotation file path or an in-memory COCO document.
         backend: ``fastdet.eval.scoring`` back end (None: ``$FASTDET_COCO_EVAL`` or auto).
         score_fn: ``"module:function"`` called as ``fn(gt, results, image_ids)`` in the
-            process (the default is ``fastdet.eval.scoring.score``).
+            process (the default is ``fastdet.eval.scoring.score``); the module is imported
+            there by name, so it cannot be ``__main__`` (the parent's main module is not run).
         plot_dir: where the process draws each scoring's PR / F1 curves and confusion
             matrix (``fastdet.eval.plots.draw_evaluation``); None: not drawn.
     """
