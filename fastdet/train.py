@@ -248,8 +248,20 @@ def check_config(cfg: Config) -> None:
     d, o = cfg.data, cfg.optim
     if d.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {d.batch_size}")
-    if d.eval_batch_size < 1:
-        raise ConfigError(f"data.eval_batch_size must be at least 1, got {d.eval_batch_size}")
+    # At least 1: a 0 here divides by zero (an interval, a period) or pads no boxes, an
+    # epoch in or at the first evaluation. Each names the flag a user types, else the field.
+    for value, name in ((d.eval_batch_size, "data.eval_batch_size"), (d.max_boxes, "--max-boxes"),
+                        (d.size_period, "data.size_period"), (cfg.run.log_interval, "--log-interval"),
+                        (cfg.run.eval_interval, "--eval-interval")):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    for value, name in ((d.num_workers, "--workers"), (cfg.run.max_steps, "--max-steps (0: the whole schedule)"),
+                        (cfg.run.ckpt_interval_steps, "--ckpt-interval-steps (0: off)"),
+                        (cfg.optim.warmup_steps, "optim.warmup_steps"), (cfg.optim.warmup_epochs, "optim.warmup_epochs")):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+    if not 0 <= cfg.optim.ema_decay < 1:
+        raise ConfigError(f"optim.ema_decay must be in [0, 1), got {cfg.optim.ema_decay}")
     if d.img_size < div or d.img_size % div:
         raise ConfigError(f"--img-size must be a positive multiple of {div} (the largest stride), "
                           f"got {d.img_size}")

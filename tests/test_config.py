@@ -191,3 +191,32 @@ def test_print_config_shows_family_options(capsys):
     assert "family:" in out and "max_det: 50" in out and "static_assigner_epoch: 8" in out
     assert main(["--arch", "ppyoloe", "--set", "family.nope=1", "--print-config"]) == 2
     assert "unknown config field 'family.nope'" in capsys.readouterr().err
+
+
+def test_every_preset_and_demo_recipe_passes_the_trainers_checks():
+    from fastdet.train import check_config
+
+    for name, preset in PRESETS.items():
+        check_config(preset)
+        check_config(apply_overrides(preset, demo_overrides(preset.model.arch)))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("run.log_interval", 0, "--log-interval must be at least 1, got 0"),
+    ("run.eval_interval", 0, "--eval-interval must be at least 1, got 0"),
+    ("data.max_boxes", 0, "--max-boxes must be at least 1, got 0"),
+    ("data.size_period", 0, "data.size_period must be at least 1, got 0"),
+    ("data.num_workers", -1, "--workers must be >= 0, got -1"),
+    ("run.max_steps", -5, "--max-steps (0: the whole schedule) must be >= 0, got -5"),
+    ("optim.warmup_steps", -1, "optim.warmup_steps must be >= 0, got -1"),
+    ("optim.ema_decay", 1.5, "optim.ema_decay must be in [0, 1), got 1.5"),
+])
+def test_the_trainer_refuses_values_that_would_fail_an_epoch_in(key, value, message):
+    """Before these checks: log_interval 0 and eval_interval 0 were a ZeroDivisionError
+    traceback (eval_interval after the first epoch's training), max_boxes 0 and ema_decay 1.5
+    failed after the data and model were built, a negative warm-up or worker count ran."""
+    from fastdet.train import check_config
+
+    with pytest.raises(ConfigError) as e:
+        check_config(apply_overrides(get_preset("ppyoloe", "s"), {key: value}))
+    assert str(e.value) == message
