@@ -303,8 +303,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-
-
 def _read_json(ann_file: Path) -> dict:
     if not ann_file.is_file():
         raise DataError(f"{ann_file}: annotation file not found")
