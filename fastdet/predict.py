@@ -95,11 +95,16 @@ def output_names(files: list[Path]) -> list[str]:
     return names
 
 
-def check_no_source_overwritten(files: list[Path], out: Path, names: list[str]) -> None:
-    """``ValueError`` (one line) if a drawn copy or ``predictions.json`` would replace one of
-    the source files (``--output-dir`` the source folder, or a source named ``predictions.json``)."""
+def output_paths(out: Path, names: list[str]) -> list[Path]:
+    """Every file a prediction into ``out`` writes: the drawn copies, then ``predictions.json``."""
+    return [out / n for n in names] + [out / "predictions.json"]
+
+
+def check_no_source_overwritten(files: list[Path], out: Path, targets: list[Path]) -> None:
+    """``ValueError`` (one line) if one of ``targets`` (:func:`output_paths`) would replace one
+    of the source files (``--output-dir`` the source folder, or a source named ``predictions.json``)."""
     sources = {f.resolve() for f in files}
-    for target in [out / n for n in names] + [out / "predictions.json"]:
+    for target in targets:
         if target.resolve() in sources:
             raise ValueError(f"--output-dir {out}: the drawn copy would replace the source image "
                              f"{target}; choose another --output-dir")
@@ -122,14 +127,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    out = Path(args.output_dir)
     try:
         check_args(args)
         files = find_images(args.source)
-        check_no_source_overwritten(files, Path(args.output_dir), output_names(files))
+        names = output_names(files)
+        targets = output_paths(out, names)
+        check_no_source_overwritten(files, out, targets)
         if not args.exist_ok:
-            out = Path(args.output_dir)
-            refuse_replacing([out / n for n in output_names(files)] + [out / "predictions.json"],
-                             f"--output-dir {out}", "--exist-ok")
+            refuse_replacing(targets, f"--output-dir {out}", "--exist-ok")
         device = resolve_device(args.device)
         det = load_detector(args.ckpt, ema=args.weights == "ema", device=device)
     except (ValueError, CheckpointError) as e:
@@ -137,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = det.info
     size = args.img_size or info.img_size
-    out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids, names = image_ids(files), output_names(files)
+    ids = image_ids(files)
     results: list[dict] = []
     skipped: list[str] = []
     done = 0
