@@ -125,6 +125,38 @@ def test_category_mapping_round_trip(tmp_path):
     assert rec[30].file == str(img_dir.absolute() / "sub" / "c.jpg")
 
 
+@pytest.mark.parametrize("categories, left_out", [
+    # Roboflow's: the project groups the classes and has no box.
+    ([{"id": 0, "name": "pets", "supercategory": "none"}] +
+     [{**c, "supercategory": "pets"} for c in CATEGORIES], ["'pets' (id 0)"]),
+    # COCO's: a class names itself as its supercategory ("person"): a class.
+    ([{**c, "supercategory": c["name"]} for c in CATEGORIES] + [{"id": 9, "name": "yak", "supercategory": "yak"}], []),
+    # A parent with boxes of its own is a class (emu groups cat and dog here).
+    ([{**c, "supercategory": "emu"} for c in CATEGORIES[:2]] + [CATEGORIES[2]], []),
+])
+def test_a_category_that_only_groups_the_others_is_no_class(tmp_path, categories, left_out):
+    from fastdet.eval.scoring import load_gt
+
+    ann, img_dir = make_set(tmp_path, categories=categories)
+    ds = load_coco(ann, img_dir, train=True)
+    kept = [c for c in categories if f"'{c['name']}' (id {c['id']})" not in left_out]
+    assert ds.cat_ids == [c["id"] for c in kept] and ds.class_names == [c["name"] for c in kept]
+    assert ds.report.categories_left_out == left_out
+    assert ("left out 1 category without boxes" in ds.report.summary()) == bool(left_out)
+    rec = {r.image_id: r for r in ds.records}  # the classes keep their labels in file order
+    assert [ds.class_names[k] for k in rec[10].labels] == ["cat", "emu"]
+    gt = load_gt(ann, "pycocotools")  # the scorer's categories are the loader's classes
+    assert gt.cat_ids == ds.cat_ids and gt.class_names == ds.class_names
+
+
+def test_categories_that_would_all_go_are_all_kept(tmp_path):
+    # Every category named as another's supercategory, none with a box: nothing is dropped.
+    cats = [{"id": 1, "name": "a", "supercategory": "b"}, {"id": 2, "name": "b", "supercategory": "a"}]
+    ann, img_dir = make_set(tmp_path, categories=cats, annotations=[])
+    ds = load_coco(ann, img_dir, train=False)
+    assert ds.cat_ids == [1, 2] and ds.report.categories_left_out == []
+
+
 # ----------------------------------------------------------------------------- errors
 
 def test_missing_annotation_file(tmp_path):

@@ -1,6 +1,6 @@
 """Sets shaped as annotation tools and phones leave them, made here from the small demo set:
-a Roboflow YOLO export, CVAT's COCO 1.0 and YOLO 1.1 exports, LabelImg's VOC XMLs beside
-the images and its YOLO txt + classes.txt, Label Studio's COCO and YOLO exports, and a
+Roboflow's YOLO, COCO and Pascal VOC exports, CVAT's COCO 1.0 and YOLO 1.1 exports,
+LabelImg's VOC XMLs beside the images and its YOLO txt + classes.txt, Label Studio's COCO and YOLO exports, and a
 phone's JPEGs (.jpg/.JPG/.jpeg, one stored sideways, one .HEIC).
 
 Each goes through ``python -m fastdet.data check`` (what the report says: counts, and
@@ -77,6 +77,60 @@ def roboflow(demo_small: Path, root: Path) -> list[str]:
     return ["--data", str(root / "data.yaml")]
 
 
+def _roboflow_name(im: dict, k: int) -> str:
+    return f"{Path(im['file_name']).stem}_jpg.rf.{k:08x}ab12cd34.jpg"
+
+
+def roboflow_coco(demo_small: Path, root: Path) -> list[str]:
+    """Roboflow's "COCO" export: ``train/``, ``valid/``, ``test/`` each holding its renamed
+    images and ``_annotations.coco.json``, ids from 0, and Roboflow's first category: the
+    project (id 0, supercategory "none"), named as the supercategory of every class and
+    given to no box."""
+    for split, folder in (("train", "train"), ("val", "valid"), ("val", "test")):
+        doc = _coco(demo_small, split)
+        cats = [{"id": 0, "name": "shapes-xyz", "supercategory": "none"}]
+        cats += [{"id": i + 1, "name": c["name"], "supercategory": "shapes-xyz"} for i, c in enumerate(doc["categories"])]
+        cat = {c["id"]: i + 1 for i, c in enumerate(doc["categories"])}
+        image = {im["id"]: k for k, im in enumerate(doc["images"])}
+        images = []
+        for k, im in enumerate(doc["images"]):
+            _copy(demo_small, split, im, root / folder / _roboflow_name(im, k))
+            images.append({"id": k, "license": 1, "file_name": _roboflow_name(im, k), "height": im["height"],
+                           "width": im["width"], "date_captured": "2026-12-07T08:00:00+00:00"})
+        anns = [{"id": j, "image_id": image[a["image_id"]], "category_id": cat[a["category_id"]], "bbox": a["bbox"],
+                 "area": a["area"], "segmentation": [], "iscrowd": a.get("iscrowd", 0)} for j, a in enumerate(doc["annotations"])]
+        (root / folder / "_annotations.coco.json").write_text(json.dumps(
+            {"info": {"year": "2026", "version": "1", "description": "Exported from roboflow.com"},
+             "licenses": [{"id": 1, "url": "https://creativecommons.org/licenses/by/4.0/", "name": "CC BY 4.0"}],
+             "categories": cats, "images": images, "annotations": anns}))
+    (root / "README.roboflow.txt").write_text("Exported via roboflow.com\n")
+    return ["--data", str(root)]
+
+
+def _voc_xml(doc: dict, im: dict, file_name: str, folder: str) -> str:
+    """A VOC XML of one demo image (1-based inclusive pixels, as VOC writes them)."""
+    cat = {c["id"]: c["name"] for c in doc["categories"]}
+    objs = "".join(f"<object><name>{cat[a['category_id']]}</name><difficult>0</difficult><bndbox>"
+                   f"<xmin>{a['bbox'][0] + 1}</xmin><ymin>{a['bbox'][1] + 1}</ymin>"
+                   f"<xmax>{a['bbox'][0] + a['bbox'][2]}</xmax><ymax>{a['bbox'][1] + a['bbox'][3]}</ymax>"
+                   f"</bndbox></object>" for a in doc["annotations"] if a["image_id"] == im["id"])
+    return (f"<annotation><folder>{folder}</folder><filename>{file_name}</filename><size><width>"
+            f"{im['width']}</width><height>{im['height']}</height><depth>3</depth></size>{objs}</annotation>")
+
+
+def roboflow_voc(demo_small: Path, root: Path) -> list[str]:
+    """Roboflow's "Pascal VOC" export: ``train/``, ``valid/``, ``test/`` each holding its
+    renamed images with an XML beside each (an image without objects has one too)."""
+    for split, folder in (("train", "train"), ("val", "valid"), ("val", "test")):
+        doc = _coco(demo_small, split)
+        for k, im in enumerate(doc["images"]):
+            name = _roboflow_name(im, k)
+            _copy(demo_small, split, im, root / folder / name)
+            (root / folder / name).with_suffix(".xml").write_text(_voc_xml(doc, im, name, ""))
+    (root / "README.roboflow.txt").write_text("Exported via roboflow.com\n")
+    return ["--data", str(root)]
+
+
 def cvat_coco(demo_small: Path, root: Path) -> list[str]:
     """CVAT's "COCO 1.0": one export per task, ``annotations/instances_default.json`` (with
     attributes, empty segmentations, licence fields) beside ``images/``."""
@@ -130,19 +184,17 @@ def labelimg_yolo(demo_small: Path, root: Path) -> list[str]:
 
 
 def labelimg_voc(demo_small: Path, root: Path) -> list[str]:
-    """LabelImg saving Pascal VOC: ``<stem>.xml`` beside each image (no Annotations/ or ImageSets/)."""
+    """LabelImg saving Pascal VOC: ``<stem>.xml`` beside each image (no Annotations/ or
+    ImageSets/), the images of each split in a folder of its own; an image without objects
+    has no XML (LabelImg saves none)."""
     for split in SPLITS:
         doc = _coco(demo_small, split)
-        cat = {c["id"]: c["name"] for c in doc["categories"]}
+        boxed = {a["image_id"] for a in doc["annotations"]}
         for im in doc["images"]:
             _copy(demo_small, split, im, root / split / im["file_name"])
-            objs = "".join(f"<object><name>{cat[a['category_id']]}</name><difficult>0</difficult><bndbox>"
-                           f"<xmin>{a['bbox'][0] + 1}</xmin><ymin>{a['bbox'][1] + 1}</ymin>"
-                           f"<xmax>{a['bbox'][0] + a['bbox'][2]}</xmax><ymax>{a['bbox'][1] + a['bbox'][3]}</ymax>"
-                           f"</bndbox></object>" for a in doc["annotations"] if a["image_id"] == im["id"])
-            (root / split / im["file_name"]).with_suffix(".xml").write_text(
-                f"<annotation><folder>{split}</folder><filename>{im['file_name']}</filename><size><width>"
-                f"{im['width']}</width><height>{im['height']}</height><depth>3</depth></size>{objs}</annotation>")
+            if im["id"] in boxed:
+                (root / split / im["file_name"]).with_suffix(".xml").write_text(
+                    _voc_xml(doc, im, im["file_name"], split))
     return ["--data", str(root)]
 
 
@@ -229,6 +281,46 @@ def test_roboflow_export_checks_as_it_is(demo_small, tmp_path, capsys):
     assert rc == 0, err
     assert "YOLO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
     assert_counts(out, _counts(demo_small))
+
+
+def test_roboflow_coco_export_checks_as_it_is_with_its_project_category_left_out(demo_small, tmp_path, capsys):
+    from fastdet.eval.scoring import score
+
+    root = tmp_path / "rfc"
+    args = roboflow_coco(demo_small, root)
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "COCO format" in out, out
+    assert_counts(out, _counts(demo_small))  # 4 classes, not 5
+    for split, folder in zip(SPLITS, ("train", "valid")):
+        part = split_parts(out)[split]
+        assert str(root / folder / "_annotations.coco.json") in part, part
+        assert ("problems: left out 1 category without boxes that groups the others (the supercategory of the "
+                "classes): 'shapes-xyz' (id 0)") in part, part
+        assert "shapes-xyz" not in part[part.index("boxes per class:"):], part
+    # The scorer leaves it out too: the AP table has the same 4 classes as the labels.
+    ann = root / "valid" / "_annotations.coco.json"
+    doc = json.loads(ann.read_text())
+    results = [{"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9}
+               for a in doc["annotations"]]
+    scores = score(ann, results, [im["id"] for im in doc["images"]], backend="pycocotools")
+    assert list(scores.per_class) == _names(demo_small), scores.per_class
+    assert scores.confusion.shape == (5, 5)
+    # Without a valid/ split: one line naming the file that is missing.
+    shutil.rmtree(root / "valid")
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"annotation file {root / 'valid' / '_annotations.coco.json'} not found" in err, err
+
+
+def test_roboflow_voc_export_checks_as_it_is(demo_small, tmp_path, capsys):
+    root = tmp_path / "rfv"
+    args = roboflow_voc(demo_small, root)
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "VOC format" in out and out.count("problems: nothing dropped or skipped") == 2, out
+    assert_counts(out, _counts(demo_small))
+    assert str(root / "valid") in split_parts(out)["val"], out
 
 
 def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp_path, capsys):
@@ -330,27 +422,28 @@ def test_labelimg_yolo_is_refused_saying_what_to_write_then_reads_with_classes_t
         assert f"not an image file: {root / split / 'classes.txt'}" in split_parts(out)[split], out
 
 
-def test_labelimg_voc_beside_the_images_is_refused_saying_how_to_arrange_it(demo_small, tmp_path, capsys):
+def test_labelimg_voc_in_split_folders_reads_as_it_is_and_in_one_folder_is_refused(demo_small, tmp_path, capsys):
     root = tmp_path / "liv"
     args = labelimg_voc(demo_small, root)
     rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "VOC format" in out and out.count("problems: nothing dropped or skipped") == 2, out
+    assert_counts(out, _counts(demo_small))  # the images without an XML are background images
+    # A stray XML is counted and named, not dropped in silence.
+    (root / "train" / "orphan.xml").write_text("<annotation/>")
+    rc, out, err = check(capsys, args)
+    assert rc == 0 and f"label file without an image: {root / 'train' / 'orphan.xml'}" in out, out
+    # Every image and XML in one folder names no split: one line saying how to arrange it.
+    (root / "train" / "orphan.xml").unlink()
+    (root / "all").mkdir()
+    for split in SPLITS:
+        for f in (root / split).iterdir():
+            shutil.move(f, root / "all" / f.name)
+        (root / split).rmdir()
+    rc, out, err = check(capsys, args)
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "VOC XMLs beside their images (LabelImg's PascalVOC save)" in err, err
-    assert "Annotations/<id>.xml" in err and "JPEGImages/<id>.jpg" in err and "ImageSets/Main/train.txt" in err
-    # Arranged as it says, the same images and boxes.
-    for d in ("Annotations", "JPEGImages", "ImageSets/Main"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        ids = []
-        for img in sorted((root / split).glob("*.jpg")):
-            shutil.move(img, root / "JPEGImages" / img.name)
-            shutil.move(img.with_suffix(".xml"), root / "Annotations" / f"{img.stem}.xml")
-            ids.append(img.stem)
-        (root / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "VOC format" in out
-    assert_counts(out, _counts(demo_small))
+    assert "in train/ and val/" in err and "Annotations/<id>.xml" in err and "ImageSets/Main/train.txt" in err
 
 
 # ----------------------------------------------------------------------------- a short training on each
@@ -359,7 +452,7 @@ def test_labelimg_voc_beside_the_images_is_refused_saying_how_to_arrange_it(demo
 # over the forms (a DALI run on the CPU costs about a minute here, and every form reaches the
 # loaders as the same records), and the phone's pictures, whose sideways one each loader must
 # decode upright, run both.
-TRAININGS = [(roboflow, "torch"), (cvat_coco, "dali"), (cvat_yolo, "torch"), (labelstudio_coco, "dali"),
+TRAININGS = [(roboflow, "torch"), (roboflow_coco, "dali"), (roboflow_voc, "torch"), (cvat_coco, "dali"), (cvat_yolo, "torch"), (labelstudio_coco, "dali"),
              (phone, "torch"), (phone, "dali")]
 
 

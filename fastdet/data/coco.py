@@ -13,7 +13,9 @@ What the records hold (``fastdet.data.records.ImageRecord``):
   pycocotools, which treats crowd regions as "ignore", so nothing is lost there;
 - images without boxes are kept for evaluation; for training only with ``keep_empty``;
 - labels are contiguous ``0..C-1`` in the order of the file's ``categories`` array;
-  ``CocoDataset.cat_ids[label]`` maps back to the COCO category id.
+  ``CocoDataset.cat_ids[label]`` maps back to the COCO category id. A category that only
+  groups the others (named as their ``supercategory``, with no box: Roboflow's first) is
+  no class; the report names it (``coco_fields.grouping_categories``).
 
 Errors that make the file unusable raise :class:`DataError` with one line naming the
 file and the field: a missing annotation file or image directory, invalid JSON (with
@@ -54,7 +56,7 @@ from PIL import Image
 
 from fastdet.config import DataConfig
 from fastdet.data import demo
-from fastdet.data.coco_fields import fill_coco_defaults, is_number as _is_number
+from fastdet.data.coco_fields import fill_coco_defaults, grouping_categories, is_number as _is_number
 from fastdet.data.records import ImageRecord
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,28 @@ def coco_layout(root: str | Path) -> DataPaths:
     )
 
 
+# Roboflow's COCO export: one folder per split, each holding its images and this file.
+ROBOFLOW_ANN = "_annotations.coco.json"
+_ROBOFLOW_SPLITS = {"train": ("train",), "val": ("valid", "val")}  # Roboflow names its val split "valid"
+
+
+def roboflow_layout(root: str | Path) -> Optional[DataPaths]:
+    """Roboflow's COCO export under ``root`` (``train/``, ``valid/``, ``test/``, each with
+    its images and ``_annotations.coco.json`` whose ``file_name`` are the images' names);
+    None when ``root`` is not one (no ``train/_annotations.coco.json``, or a COCO root's
+    ``annotations/`` beside it). The test split is not used: score it with ``--val-ann
+    ROOT/test/_annotations.coco.json --val-images ROOT/test``."""
+    root = Path(root)
+    if not (root / "train" / ROBOFLOW_ANN).is_file() or (root / "annotations").is_dir():
+        return None
+    dirs = {}
+    for split, names in _ROBOFLOW_SPLITS.items():
+        # The first name whose file is there; the first name when none is (named as missing).
+        dirs[split] = next((root / n for n in names if (root / n / ROBOFLOW_ANN).is_file()), root / names[0])
+    return DataPaths(train_ann=dirs["train"] / ROBOFLOW_ANN, train_images=dirs["train"],
+                     val_ann=dirs["val"] / ROBOFLOW_ANN, val_images=dirs["val"])
+
+
 _FLAGS = {
     "train_ann": "--train-ann",
     "train_images": "--train-images",
@@ -95,8 +119,8 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
     """Where the training and validation annotations and images are.
 
     ``data_cfg.data`` is ``"demo"`` (the built-in set, generated on first use under
-    ``data_cfg.cache_dir``) or a COCO root holding ``annotations/instances_{train,val}2017.json``
-    and ``{train,val}2017/``. Each of ``train_ann``, ``train_images``, ``val_ann``,
+    ``data_cfg.cache_dir``), a COCO root holding ``annotations/instances_{train,val}2017.json``
+    and ``{train,val}2017/``, or Roboflow's COCO export (:func:`roboflow_layout`). Each of ``train_ann``, ``train_images``, ``val_ann``,
     ``val_images`` that is set overrides the root's path. Every path is checked; a
     missing one raises :class:`DataError` naming the flag and the path. Only the
     ``splits`` asked for are resolved (evaluation needs no training set); the others are None.
@@ -114,7 +138,7 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
                     f"--data {data_cfg.data}: no such directory (expected 'demo' or a COCO root "
                     "with annotations/ and train2017/, val2017/)"
                 )
-            base = coco_layout(root)
+            base = roboflow_layout(root) or coco_layout(root)
     out: dict[str, Any] = {k: None for k in _FLAGS}
     for key in wanted:
         flag = _FLAGS[key]
@@ -182,6 +206,8 @@ class DataReport:
     box_changes: Counter = field(default_factory=Counter)
     image_changes: Counter = field(default_factory=Counter)
     files_ignored: Counter = field(default_factory=Counter)
+    # Categories that are no class: they group the others and have no box (grouping_categories).
+    categories_left_out: list[str] = field(default_factory=list)
 
     def count(self, counter: Counter, reason: str, n: int = 1, examples: Iterable[str] = ()) -> None:
         """Add ``n`` to ``counter[reason]`` (``box_skips``, ``image_skips``, ``box_changes`` or
@@ -204,6 +230,11 @@ class DataReport:
     def summary(self) -> str:
         """One line, e.g. ``dropped 3 boxes: 2 degenerate, 1 outside image; skipped 1 image: 1 corrupt (/d/a.jpg)``."""
         parts = []
+        if self.categories_left_out:
+            n = len(self.categories_left_out)
+            parts.append(f"left out {n} {'category' if n == 1 else 'categories'} without boxes that "
+                         f"{'groups' if n == 1 else 'group'} the others (the supercategory of the classes): "
+                         + ", ".join(self.categories_left_out))
         if self.filled:
             parts.append("filled in " + ", ".join(f"{n} missing '{k}'" for k, n in sorted(self.filled.items()))
                          + " as COCO defines them")
@@ -617,6 +648,12 @@ def load_coco_doc(
     if not image_dir.is_dir():
         raise DataError(f"{image_dir}: image directory not found (images of {ann_file})")
     cat_ids, class_names = _parse_categories(ann_file, doc["categories"])
+    # Categories that only group the others (Roboflow's first one) are no class; the scorer
+    # leaves the same ones out of the ground truth (fastdet.eval.scoring.load_gt).
+    left_out = {c["id"]: c["name"] for c in grouping_categories(doc)}
+    class_names = [n for i, n in zip(cat_ids, class_names) if i not in left_out]
+    cat_ids = [i for i in cat_ids if i not in left_out]
+    groups = [f"'{name}' (id {i})" for i, name in left_out.items()]
     images = _parse_images(ann_file, doc["images"])
     image_index = {im[0]: i for i, im in enumerate(images)}
     label_of = {c: i for i, c in enumerate(cat_ids)}
@@ -626,7 +663,7 @@ def load_coco_doc(
 
     prior_skips = list(prior_skips)
     report = DataReport(ann_file=str(ann_file), train=train, images_in_file=len(images) + len(prior_skips),
-                        boxes_in_file=len(img), filled=filled)
+                        boxes_in_file=len(img), filled=filled, categories_left_out=groups)
     for reason, path in prior_skips:
         report.count(report.image_skips, reason, examples=[path])
     for reason, path in ignored_files:

@@ -1,8 +1,10 @@
-"""COCO annotation fields as COCO defines them, without torch.
+"""COCO annotation fields as COCO defines them, and the categories that are no class,
+without torch.
 
 The background scorer (``fastdet.eval.async_scoring``) fills the ground truth's missing
-fields as the loader does; it imports this module and not ``fastdet.data.coco``, whose
-batch layout imports torch (~1.3 s of CPU in a process that only scores).
+fields and leaves out the grouping categories as the loader does; it imports this module
+and not ``fastdet.data.coco``, whose batch layout imports torch (~1.3 s of CPU in a
+process that only scores).
 """
 
 from __future__ import annotations
@@ -38,3 +40,25 @@ def fill_coco_defaults(doc: dict) -> Counter:
             next_id += 1
             filled["id"] += 1
     return filled
+
+
+def grouping_categories(doc: dict) -> list[dict]:
+    """The entries of ``doc["categories"]`` that only group the others: named as another
+    category's ``supercategory`` and given to no annotation of ``doc``.
+
+    Roboflow's COCO export puts one first (id 0, named after the project, supercategory
+    ``"none"``) and every class names it as its supercategory. Read as a class it would be
+    a class without a single box: an output channel trained only as background, a row of
+    ``-`` in every AP table. The loader and the scorer both leave these out, so the labels
+    and the scored categories agree. A category that names itself (COCO's ``person``), or
+    one with boxes, is a class. Empty when every category would go (then nothing is a class
+    by this rule, and the file is read as it is).
+    """
+    cats = [c for c in doc.get("categories") or () if isinstance(c, dict)]
+    used = {a.get("category_id") for a in doc.get("annotations") or ()
+            if isinstance(a, dict) and type(a.get("category_id")) is int}
+    parents = {c["supercategory"] for c in cats
+               if isinstance(c.get("supercategory"), str) and c["supercategory"] != c.get("name")}
+    groups = [c for c in cats if isinstance(c.get("name"), str) and c["name"] in parents
+              and type(c.get("id")) is int and c["id"] not in used]
+    return [] if len(groups) == len(cats) else groups

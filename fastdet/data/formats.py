@@ -3,8 +3,9 @@
 ``--data`` says where the set is and its form says which format it is
 (:func:`data_format`):
 
-- ``demo`` or a directory with ``annotations/instances_{train,val}2017.json``: COCO
-  (``fastdet.data.coco``);
+- ``demo``, a directory with ``annotations/instances_{train,val}2017.json``, or
+  Roboflow's COCO export (``train/``, ``valid/``, each with its images and
+  ``_annotations.coco.json``): COCO (``fastdet.data.coco``);
 - a ``.yaml``/``.yml`` file, or a directory holding ``data.yaml``: ultralytics' YOLO
   layout (``path``, ``train``, ``val``, ``names``; one ``labels/*.txt`` per image with
   ``class cx cy w h`` normalised to 0..1; an image without a txt, or an empty one, is
@@ -21,6 +22,10 @@
   every name is one of them, else the sorted names found. ``difficult`` objects are
   ``iscrowd`` regions: never trained on, ignored when scoring (as VOC scores them).
   VOC boxes are 1-based inclusive pixels: ``[xmin - 1, ymin - 1, xmax, ymax]``.
+  The same XMLs kept beside their images, one folder per split (``train/`` and
+  ``valid/`` or ``val/``: Roboflow's Pascal VOC export, LabelImg's saves sorted by
+  split) are read as a VOC set too: an image without an XML is a background image, an
+  XML without an image is counted and named (:func:`_voc_split`).
 
 YOLO and VOC sets are turned into a COCO document in memory and read by
 :func:`fastdet.data.coco.load_coco_doc`, so they get the same records, the same report
@@ -37,7 +42,7 @@ changed (boxes clipped to the image) and what was not read (label files without 
 image, a phone's HEIC/DNG pictures, files of other types in an image folder), with
 examples that name the file and line (YOLO) or XML and object (VOC). Exports that name no
 splits (LabelImg's and Label Studio's YOLO ``classes.txt`` folders, LabelImg's XMLs beside
-the images, a folder holding a COCO export's JSON) are refused by :func:`export_hint` in
+the images in one folder, a folder holding a COCO export's JSON) are refused by :func:`export_hint` in
 one line saying what to write or pass instead.
 
 Bad input is one :class:`~fastdet.data.coco.DataError` line naming the file (and line):
@@ -74,6 +79,8 @@ FORMATS = ("coco", "yolo", "voc")
 # the image and counted): converters that take VOC's 1-based pixels as 0-based write a
 # full-width box as w = 1 + 1/W (1.0016 at 640 px). Further out is an error.
 _TOL = 0.01
+# A set kept as one folder per split (Roboflow's exports): the folder names of each split.
+_FOLDER_SPLITS = {"train": ("train",), "val": ("valid", "val")}
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +97,8 @@ def data_format(data: str) -> str:
             return "voc"
         if ((p / "data.yaml").is_file() or (p / "obj.data").is_file()) and not (p / "annotations").is_dir():
             return "yolo"
+        if is_voc_folders(p):
+            return "voc"
     return "coco"
 
 
@@ -98,8 +107,9 @@ def export_hint(data: str, split: str) -> Optional[str]:
     ``annotations/instances_<split>2017.json``) but an annotation tool's export fastdet does
     not read as it is: one line saying what to change; None otherwise."""
     root = Path(data).expanduser()
-    if data == "demo" or not root.is_dir() or next(root.glob("annotations/instances_*2017.json"), None):
-        return None  # a COCO root, whole or missing a split: resolve_data says which file is missing
+    if data == "demo" or not root.is_dir() or next(root.glob("annotations/instances_*2017.json"), None) \
+            or coco.roboflow_layout(root):
+        return None  # a COCO root or export, whole or missing a split: resolve_data says which file is missing
     classes = next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
     if classes is not None:
         names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
@@ -109,8 +119,9 @@ def export_hint(data: str, split: str) -> Optional[str]:
                 f"'train: {images}', 'val: <held-out images, or {images}>' and 'names: {names}'")
     if next(root.glob("*.xml"), None) or next(root.glob("*/*.xml"), None):
         return (f"--data {data}: VOC XMLs beside their images (LabelImg's PascalVOC save), not a VOC root; "
-                "arrange it as one: Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt "
-                "and val.txt listing the ids of each split")
+                "put the images of each split with their XMLs in train/ and val/, or arrange a VOC root: "
+                "Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt and val.txt "
+                "listing the ids of each split")
     jsons = sorted(str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")])
     if jsons:
         return (f"--data {data}: not a COCO root (no annotations/instances_{split}2017.json); it holds "
@@ -560,31 +571,71 @@ def _voc_image(root: Path, image_id: str, fname: Optional[str]) -> Path:
     return root / "JPEGImages" / fname if not f.is_file() and fname else f
 
 
+def _voc_folder(root: Path, split: str) -> Path:
+    """The split's folder of a VOC set kept as folders of images with their XMLs beside
+    them (Roboflow's Pascal VOC export: ``train/``, ``valid/``; LabelImg's saves sorted
+    into ``train/`` and ``val/``)."""
+    names = _FOLDER_SPLITS[split]
+    folder = next((root / n for n in names if (root / n).is_dir()), None)
+    if folder is None:
+        raise DataError(f"--data {root}: no {' or '.join(n + '/' for n in names)} folder (the {split} images "
+                        "with their VOC XMLs beside them)")
+    return folder
+
+
+def is_voc_folders(root: Path) -> bool:
+    """Whether ``root`` holds a VOC set as folders (see :func:`_voc_folder`): a ``train/``
+    folder with XMLs in it."""
+    return (root / "train").is_dir() and next((root / "train").glob("*.xml"), None) is not None
+
+
+def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Optional[list[Path]], list]:
+    """What one split of a VOC set is made of: the file that describes it (the ids' list, or
+    the folder), each image's XML (None: an image without one, read as background), the image
+    files (None: found from the XMLs, ``_voc_image``), and ``(reason, path)`` of the files
+    not read."""
+    if not is_voc_folders(root):
+        lst, ids = _voc_ids(root, split)
+        return lst, [root / "Annotations" / f"{i}.xml" for i in ids], None, []
+    folder = _voc_folder(root, split)
+    found = sorted(f for f in folder.iterdir() if f.is_file())
+    images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
+    xmls = {f.stem: f for f in found if f.suffix.lower() == ".xml"}
+    if not images:
+        raise DataError(f"--data {root}: no images in {folder}")
+    taken = [xmls.get(f.stem) for f in images]
+    ignored = [("label file without an image", str(x)) for x in xmls.values() if x not in set(taken)]
+    ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS else "not an image file", str(f))
+                for f in found if f.suffix.lower() not in (*IMAGE_EXTS, ".xml")]
+    return folder, taken, images, ignored
+
+
 def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_images: str = "open",
              cache_dir=None) -> CocoDataset:
-    """One split of a Pascal VOC root (see the module docstring)."""
+    """One split of a Pascal VOC set: a VOC root, or folders of images with their XMLs (see
+    the module docstring)."""
     root = Path(data).expanduser().absolute()
-    lst, ids = _voc_ids(root, split)
-    parsed = [_parse_voc_xml(root / "Annotations" / f"{i}.xml") for i in ids]
+    source, xmls, listed, ignored = _voc_split(root, split)
+    parsed = [_parse_voc_xml(x) if x is not None else (0, 0, [], None) for x in xmls]
     # Class names come from both splits, so train and val get the same labels.
-    found: set[str] = set()
-    for s in ("train", "val"):
-        if s == split:
-            found |= {o[0] for p in parsed for o in p[2]}
-        elif (root / "ImageSets" / "Main" / f"{s}.txt").is_file() and not (root / "label_list.txt").is_file():
-            for i in _voc_ids(root, s)[1]:
-                found |= {o[0] for o in _parse_voc_xml(root / "Annotations" / f"{i}.xml")[2]}
+    found = {o[0] for p in parsed for o in p[2]}
+    other = "val" if split == "train" else "train"
+    if not (root / "label_list.txt").is_file():
+        try:
+            others = _voc_split(root, other)[1]
+        except DataError:  # no other split: the names of this one
+            others = []
+        found |= {o[0] for x in others if x is not None for o in _parse_voc_xml(x)[2]}
     names = voc_class_names(root, found)
     label = {n: i for i, n in enumerate(names)}
     images, anns, files = [], [], []
     skips = []
     where: dict[int, str] = {}
-    image_files = [_voc_image(root, i, p[3]) for i, p in zip(ids, parsed)]
+    image_files = listed or [_voc_image(root, x.stem, p[3]) for x, p in zip(xmls, parsed)]
     # Images whose XML gives no size: their headers, read in one pass.
     unsized = [f for f, p in zip(image_files, parsed) if p[:2] == (0, 0) and f.is_file()]
     probed = dict(zip(unsized, _probe_sizes(unsized, "open", cache_dir)[0]))  # upright, as load_coco_doc checks
-    for n, (image_id_str, f, (w, h, objects, _)) in enumerate(zip(ids, image_files, parsed)):
-        xml = root / "Annotations" / f"{image_id_str}.xml"
+    for n, (xml, f, (w, h, objects, _)) in enumerate(zip(xmls, image_files, parsed)):
         if not f.is_file():
             skips.append(("missing file", str(f)))
             continue
@@ -603,11 +654,12 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
             where[len(anns)] = f"{xml} object {k}"
     doc = {"images": images, "annotations": anns, "categories": _categories(names)}
     if not files:
-        raise DataError(f"{lst}: none of the listed images is in {root / 'JPEGImages'}")
+        raise DataError(f"{source}: none of the listed images is in {root / 'JPEGImages'}" if listed is None
+                        else f"{source}: none of its images could be read ({len(skips)} corrupt)")
     # The XML sizes are checked against the files as COCO's are (size mismatch: skipped).
     root_dir = Path(os.path.commonpath([str(x.parent) for x in files]))
     for im in doc["images"]:
         im["file_name"] = str(Path(im["file_name"]).relative_to(root_dir))
-    return coco.load_coco_doc(doc, lst, root_dir, train=train, keep_empty=keep_empty, check_images=check_images,
+    return coco.load_coco_doc(doc, source, root_dir, train=train, keep_empty=keep_empty, check_images=check_images,
                               cache_dir=cache_dir, in_memory=True, prior_skips=skips, crowd_reason="difficult",
-                              ann_where=where)
+                              ann_where=where, ignored_files=ignored)

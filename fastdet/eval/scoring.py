@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fastdet.data.coco_fields import fill_coco_defaults
+from fastdet.data.coco_fields import fill_coco_defaults, grouping_categories
 
 log = logging.getLogger("fastdet")
 
@@ -72,6 +72,9 @@ def load_gt(gt: str | Path | dict, backend: Optional[str] = None) -> GroundTruth
             doc = json.load(f)
     # iscrowd / area / id that many tools leave out, as COCO defines them (load_coco counts them).
     fill_coco_defaults(doc)
+    # Not classes: the loader leaves them out of the labels (fastdet.data.coco.load_coco_doc).
+    groups = [c["id"] for c in grouping_categories(doc)]
+    doc["categories"] = [c for c in doc["categories"] if c.get("id") not in groups]
     with contextlib.redirect_stdout(io.StringIO()):
         if backend == "faster":
             from faster_coco_eval import COCO  # the back end chosen at run time (may be absent)
