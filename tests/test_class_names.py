@@ -1,6 +1,6 @@
 """Classes by name outside training: a converted COCO model (COCO's ids 1..90) scores a
-YOLO-format copy of COCO (ultralytics' ids 0..79, the same names) as it scores COCO's own
-json, a real mismatch is refused naming both sides, and predict labels with the
+YOLO-format copy of COCO (ultralytics' ids 0..79, the same names), a VOC copy and a
+Roboflow COCO export (ids 1..80 after the project's 0) as it scores COCO's own json, a real mismatch is refused naming both sides, and predict labels with the
 checkpoint's own names and category ids."""
 
 from __future__ import annotations
@@ -161,6 +161,49 @@ def test_one_checkpoint_scores_the_same_ap_on_the_coco_yolo_and_voc_forms_of_a_s
         aps.append(float(ap_line(capsys).split()[2]))
     assert aps[0] > 0.5, aps  # the ground truth is the model's own detections
     assert aps[1] == pytest.approx(aps[0], abs=1e-3) and aps[2] == pytest.approx(aps[0], abs=1e-3), aps
+
+
+def write_roboflow_coco(root: Path, images, truth) -> Path:
+    """The same images and boxes as Roboflow's COCO export: ``train/``, ``valid/`` and
+    ``test/`` (the same images in each here), ids from 0, class k's id k + 1, and the
+    project as category 0, the supercategory of every class, with no box."""
+    cats = [{"id": 0, "name": "coco-xyz", "supercategory": "none"}]
+    cats += [{"id": c + 1, "name": n, "supercategory": "coco-xyz"} for c, n in enumerate(ULTRALYTICS_COCO_NAMES)]
+    for folder in ("train", "valid", "test"):
+        (root / folder).mkdir(parents=True)
+        doc = {"images": [], "annotations": [], "categories": cats}
+        for k, (img, boxes) in enumerate(zip(images, truth)):
+            name = f"img{k}_png.rf.{k:04x}.png"
+            Image.fromarray(img).save(root / folder / name)
+            doc["images"].append({"id": k, "file_name": name, "width": img.shape[1], "height": img.shape[0]})
+            for c, x0, y0, x1, y1 in boxes:
+                doc["annotations"].append({"id": len(doc["annotations"]), "image_id": k, "category_id": c + 1,
+                                           "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0),
+                                           "segmentation": [], "iscrowd": 0})
+        (root / folder / "_annotations.coco.json").write_text(json.dumps(doc))
+    return root
+
+
+def test_a_roboflow_coco_export_scores_as_coco_json_its_val_and_test_splits_alike(coco_model, tmp_path, capsys):
+    """Roboflow's project category (id 0, no box) is no class: the 80 names match the
+    checkpoint's, and the valid/ and test/ splits (the same images) score as COCO's json."""
+    from fastdet.eval.__main__ import main as eval_main
+
+    ckpt, images, truth = coco_model
+    ann, _ = write_coco_and_yolo(tmp_path / "coco", images, truth)
+    rf = write_roboflow_coco(tmp_path / "rf", images, truth)
+    common = ["--ckpt", str(ckpt), "--img-size", str(SIZE), "--device", "cpu", "--loader", "torch",
+              "--batch-size", "3"]
+    aps = []
+    for form in (["--val-ann", str(ann), "--val-images", str(tmp_path / "coco" / "images" / "val")],
+                 ["--data", str(rf)], ["--data", str(rf), "--split", "test"]):
+        assert eval_main(common + form) == 0, capsys.readouterr().err
+        aps.append(float(ap_line(capsys).split()[2]))
+    assert aps[0] > 0.5 and aps[1] == pytest.approx(aps[0], abs=1e-3) and aps[2] == aps[1], aps
+    # --split test reads --data's own test split: with --val-ann it is one line, before any work.
+    assert eval_main(common + ["--split", "test", "--val-ann", str(ann)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--split test scores the test split of --data" in err[0], err
 
 
 def test_a_yolo_coco_with_other_names_is_refused_naming_both_sides(coco_model, tmp_path, capsys):

@@ -305,6 +305,7 @@ def test_roboflow_coco_export_checks_as_it_is_with_its_project_category_left_out
                for a in doc["annotations"]]
     scores = score(ann, results, [im["id"] for im in doc["images"]], backend="pycocotools")
     assert list(scores.per_class) == _names(demo_small), scores.per_class
+    assert scores.stats["AP"] == 1.0, scores.per_class  # the boxes themselves, annotation ids from 0 included
     assert scores.confusion.shape == (5, 5)
     # Without a valid/ split: one line naming the file that is missing.
     shutil.rmtree(root / "valid")
@@ -321,6 +322,13 @@ def test_roboflow_voc_export_checks_as_it_is(demo_small, tmp_path, capsys):
     assert "VOC format" in out and out.count("problems: nothing dropped or skipped") == 2, out
     assert_counts(out, _counts(demo_small))
     assert str(root / "valid") in split_parts(out)["val"], out
+    # Its test split, as fastdet.eval --split test reads it.
+    rc, out, err = check(capsys, args + ["--splits", "test"])
+    assert rc == 0 and f"test: {root / 'test'}\n" in out, err
+    n_images, n_boxes = _counts(demo_small)["val"]
+    assert f"  {n_images} images" in out and f"{n_boxes} boxes, 4 classes" in out, out
+    rc, out, err = check(capsys, args + ["--splits", "train,tests"])
+    assert rc == 1 and "--splits takes train, val, test, got tests" in err, err
 
 
 def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp_path, capsys):

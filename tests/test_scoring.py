@@ -114,6 +114,19 @@ def test_the_ground_truth_is_loaded_once_and_reused():
     assert len(doc["annotations"]) == len(hostile_set()[0]["annotations"])  # the caller's dict untouched
 
 
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
+def test_annotation_ids_from_0_or_repeated_score_as_numbered_from_1(backend):
+    """Both back ends read annotation id 0 as "unmatched" and index boxes by id; a file
+    numbered from 0 (Roboflow's) or with repeated ids scores the same as one numbered 1..N."""
+    doc, results, ids = hostile_set()
+    right = score(doc, results, ids, backend=backend).stats
+    for renumber in (lambda k: k, lambda k: k // 3):  # from 0; then three boxes an id
+        other = json.loads(json.dumps(doc))
+        for k, a in enumerate(other["annotations"]):
+            a["id"] = renumber(k)
+        assert score(other, results, ids, backend=backend).stats == right
+
+
 def test_no_results_scores_zero_and_the_table_prints():
     doc, results, ids = hostile_set()
     s = score(doc, [], ids)

@@ -1,6 +1,6 @@
 """``python -m fastdet.data check --data ...``: the dataset report, without training.
 
-For each split (train, then val): images and boxes kept, what was dropped or skipped and
+For each split (train, then val; ``--splits`` picks them, ``test`` included): images and boxes kept, what was dropped or skipped and
 why (the same report training prints), boxes per class, and a histogram of box sizes
 (square root of the area in pixels, with COCO's small / medium / large counts). Exits 1
 with one line naming the file when the set cannot be read. The format (COCO, YOLO
@@ -18,7 +18,7 @@ import numpy as np
 
 from fastdet.config import DataConfig
 from fastdet.data.coco import DataError
-from fastdet.data.formats import data_format, load_split
+from fastdet.data.formats import SPLITS, data_format, load_split
 
 # Edges of the box-size histogram: sqrt(area) in pixels of the original image.
 SIZE_EDGES = (0, 8, 16, 32, 64, 96, 128, 256, 512, float("inf"))
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--val-ann", default=None, metavar="JSON")
     c.add_argument("--val-images", default=None, metavar="DIR")
     c.add_argument("--check-images", choices=["none", "open", "decode"], default="open")
-    c.add_argument("--splits", default="train,val", help="comma-separated (default: train,val)")
+    c.add_argument("--splits", default="train,val", help="comma-separated train, val, test (default: train,val)")
     c.add_argument("--cache-dir", default=None)
     return p
 
@@ -83,19 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    named = {s: getattr(args, f"{s}_ann") is not None and getattr(args, f"{s}_images") is not None for s in splits}
-    if args.data is None and not all(named.values()):
-        missing = [f"--{s}-ann and --{s}-images" for s, ok in named.items() if not ok]
-        print(f"fastdet.data: error: give --data, or COCO files with {' and '.join(missing)}", file=sys.stderr)
+    bad = set(splits) - set(SPLITS)
+    if bad:
+        print(f"fastdet.data: error: --splits takes {', '.join(SPLITS)}, got {sorted(bad)[0]}", file=sys.stderr)
         return 1
+    if "test" in splits and args.data is None:
+        print("fastdet.data: error: --splits test reads the test split of --data: give --data", file=sys.stderr)
+        return 1
+    if args.data is None:  # the splits' files named by the flags (test has none: refused above)
+        missing = [f"--{s}-ann and --{s}-images" for s in splits
+                   if getattr(args, f"{s}_ann") is None or getattr(args, f"{s}_images") is None]
+        if missing:
+            print(f"fastdet.data: error: give --data, or COCO files with {' and '.join(missing)}", file=sys.stderr)
+            return 1
     data = args.data if args.data is not None else DataConfig().data  # every path named by the flags
     cfg = replace(DataConfig(), data=data, train_ann=args.train_ann, train_images=args.train_images,
                   val_ann=args.val_ann, val_images=args.val_images, check_images=args.check_images,
                   **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
-    bad = set(splits) - {"train", "val"}
-    if bad:
-        print(f"fastdet.data: error: --splits takes train and val, got {sorted(bad)[0]}", file=sys.stderr)
-        return 1
     try:
         for i, split in enumerate(splits):
             ds = load_split(cfg, split, train=False)

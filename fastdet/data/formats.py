@@ -80,7 +80,8 @@ FORMATS = ("coco", "yolo", "voc")
 # full-width box as w = 1 + 1/W (1.0016 at 640 px). Further out is an error.
 _TOL = 0.01
 # A set kept as one folder per split (Roboflow's exports): the folder names of each split.
-_FOLDER_SPLITS = {"train": ("train",), "val": ("valid", "val")}
+_FOLDER_SPLITS = {"train": ("train",), "val": ("valid", "val"), "test": ("test",)}
+SPLITS = ("train", "val", "test")
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +134,30 @@ def export_hint(data: str, split: str) -> Optional[str]:
 
 def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None,
                check_images: Optional[str] = None) -> CocoDataset:
-    """The ``"train"`` or ``"val"`` set of ``--data``, whatever its format.
+    """The ``"train"``, ``"val"`` or ``"test"`` set of ``--data``, whatever its format.
 
     ``train`` (default: ``split == "train"``) picks the training rules (empty images only
-    with ``data_cfg.keep_empty_train``); ``check_images`` defaults to ``data_cfg``'s.
+    with ``data_cfg.keep_empty_train``); ``check_images`` defaults to ``data_cfg``'s. The
+    test split is ``--data``'s own (``test/`` of a Roboflow export, ``test:`` of a data.yaml,
+    ``ImageSets/Main/test.txt``, ``instances_test2017.json``); the ``--val-ann`` style flags
+    name only the train and val sets.
     """
+    if split not in SPLITS:
+        raise DataError(f"no split {split!r}: a set has {', '.join(SPLITS)}")
     train = split == "train" if train is None else train
     check = data_cfg.check_images if check_images is None else check_images
     keep_empty = data_cfg.keep_empty_train if train else None
     fmt = data_format(data_cfg.data)
+    if fmt == "coco" and split == "test":
+        if data_cfg.data == "demo":
+            raise DataError("--data demo: the demo set has no test split (it has train and val)")
+        root = Path(data_cfg.data).expanduser()
+        ann, images = (root / "test" / coco.ROBOFLOW_ANN, root / "test") if coco.roboflow_layout(root) \
+            else (demo.ann_path(root, "test"), demo.image_dir(root, "test"))
+        if not ann.is_file():
+            raise DataError(f"--data {data_cfg.data}: annotation file {ann} not found (the test split)")
+        return coco.load_coco(ann, images, train=train, keep_empty=keep_empty, check_images=check,
+                              cache_dir=data_cfg.cache_dir)
     if fmt == "coco":
         hint = None if getattr(data_cfg, f"{split}_ann") else export_hint(data_cfg.data, split)
         if hint:
@@ -617,15 +633,16 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
     root = Path(data).expanduser().absolute()
     source, xmls, listed, ignored = _voc_split(root, split)
     parsed = [_parse_voc_xml(x) if x is not None else (0, 0, [], None) for x in xmls]
-    # Class names come from both splits, so train and val get the same labels.
+    # Class names come from the train and val splits (and this one), so train and val get
+    # the same labels; a test split's names are the same unless it has a class they lack.
     found = {o[0] for p in parsed for o in p[2]}
-    other = "val" if split == "train" else "train"
     if not (root / "label_list.txt").is_file():
-        try:
-            others = _voc_split(root, other)[1]
-        except DataError:  # no other split: the names of this one
-            others = []
-        found |= {o[0] for x in others if x is not None for o in _parse_voc_xml(x)[2]}
+        for other in {"train", "val"} - {split}:
+            try:
+                others = _voc_split(root, other)[1]
+            except DataError:  # no such split: the names of the others
+                others = []
+            found |= {o[0] for x in others if x is not None for o in _parse_voc_xml(x)[2]}
     names = voc_class_names(root, found)
     label = {n: i for i, n in enumerate(names)}
     images, anns, files = [], [], []

@@ -5,7 +5,8 @@ The model is rebuilt from the config stored in the checkpoint, as
 (``--weights model`` picks the raw weights). With ``--arch`` (and optionally ``--size``,
 ``--from``), ``--ckpt`` may be the authors' released file (Megvii, Paddle, torchvision),
 converted on load as ``python -m fastdet.convert`` does. The val set is ``--data``'s
-(or ``--val-ann/--val-images``), defaulting to the one trained on.
+(or ``--val-ann/--val-images``), defaulting to the one trained on; ``--split test`` scores
+``--data``'s test split instead.
 Runs under torchrun too: each rank evaluates its shard, rank 0 scores.
 """
 
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="PATH")
     p.add_argument("--data", default=None, metavar="demo|COCO_ROOT|data.yaml|VOC_ROOT")
+    p.add_argument("--split", choices=["val", "test"], default="val",
+                   help="the split of --data to score (test: a Roboflow export's test/, a data.yaml's test:, "
+                        "ImageSets/Main/test.txt)")
     p.add_argument("--val-ann", default=None, metavar="JSON")
     p.add_argument("--val-images", default=None, metavar="DIR")
     p.add_argument("--img-size", type=int, default=None)
@@ -86,6 +90,9 @@ def check_args(args: argparse.Namespace) -> None:
     div = Detector.size_divisor
     if args.img_size is not None and (args.img_size < div or args.img_size % div):
         raise ValueError(f"--img-size must be a positive multiple of {div} (the largest stride), got {args.img_size}")
+    if args.split == "test" and (args.val_ann or args.val_images or not args.data):
+        raise ValueError("--split test scores the test split of --data: give --data (and no --val-ann/--val-images, "
+                         "which name a set to score as it is)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank)
         setup_logging(None, info.is_main)
-        val = load_split(cfg.data, "val", check_images="open")
+        val = load_split(cfg.data, args.split, check_images="open")
         val = replace(val, cat_ids=category_ids_by_name(ck, cfg.model.num_classes, val))
         # Unfused: evaluation scores the weights as trained (fusing changes only float rounding).
         model = detector_from_checkpoint(ck, cfg, args.ckpt, ema=args.weights == "ema", fuse=False, device=device)

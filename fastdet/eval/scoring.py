@@ -75,6 +75,12 @@ def load_gt(gt: str | Path | dict, backend: Optional[str] = None) -> GroundTruth
     # Not classes: the loader leaves them out of the labels (fastdet.data.coco.load_coco_doc).
     groups = [c["id"] for c in grouping_categories(doc)]
     doc["categories"] = [c for c in doc["categories"] if c.get("id") not in groups]
+    # COCOeval marks a detection's match with the ground truth's annotation id, 0 meaning
+    # "unmatched", and indexes annotations by id: a box with id 0 (Roboflow numbers from 0)
+    # matches as a false positive, boxes sharing an id are scored as one of them. Results
+    # never refer to annotation ids, so they are numbered 1..N here, whatever the file says.
+    for k, a in enumerate(doc["annotations"], 1):
+        a["id"] = k
     with contextlib.redirect_stdout(io.StringIO()):
         if backend == "faster":
             from faster_coco_eval import COCO  # the back end chosen at run time (may be absent)
