@@ -1,5 +1,6 @@
 """Sets shaped as annotation tools and phones leave them, made here from the small demo set:
-Roboflow's YOLO, COCO and Pascal VOC exports, CVAT's COCO 1.0 and YOLO 1.1 exports,
+Roboflow's YOLO, COCO and Pascal VOC exports, CVAT's COCO 1.0 (per task, and a project's
+Train/Validation subsets) and YOLO 1.1 exports, MMDetection's COCO layout,
 LabelImg's VOC XMLs beside the images and its YOLO txt + classes.txt, Label Studio's COCO and YOLO exports, and a
 phone's JPEGs (.jpg/.JPG/.jpeg, one stored sideways, one .HEIC).
 
@@ -149,6 +150,30 @@ def cvat_coco(demo_small: Path, root: Path) -> list[str]:
         args += [f"--{split}-ann", str(task / "annotations" / "instances_default.json"),
                  f"--{split}-images", str(task / "images")]
     return args
+
+
+def cvat_coco_subsets(demo_small: Path, root: Path) -> list[str]:
+    """CVAT's "COCO 1.0" of a project whose tasks are in the subsets Train and Validation:
+    ``annotations/instances_<subset>.json`` and ``images/<subset>/``."""
+    for split, subset in zip(SPLITS, ("Train", "Validation")):
+        doc = _coco(demo_small, split)
+        for im in doc["images"]:
+            _copy(demo_small, split, im, root / "images" / subset / im["file_name"])
+        (root / "annotations").mkdir(exist_ok=True)
+        (root / "annotations" / f"instances_{subset}.json").write_text(json.dumps(doc))
+    return ["--data", str(root)]
+
+
+def mmdet_coco(demo_small: Path, root: Path) -> list[str]:
+    """MMDetection's custom COCO layout: ``annotations/instances_{train,val}.json`` and the
+    images in ``train/`` and ``val/``."""
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        for im in doc["images"]:
+            _copy(demo_small, split, im, root / split / im["file_name"])
+        (root / "annotations").mkdir(exist_ok=True)
+        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(doc))
+    return ["--data", str(root)]
 
 
 def cvat_yolo(demo_small: Path, root: Path) -> list[str]:
@@ -344,6 +369,25 @@ def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp
     assert rc == 1 and "give --data, or COCO files with --val-ann and --val-images" in err, err
 
 
+@pytest.mark.parametrize("make, files", [
+    (cvat_coco_subsets, ("annotations/instances_Train.json", "annotations/instances_Validation.json")),
+    (mmdet_coco, ("annotations/instances_train.json", "annotations/instances_val.json"))])
+def test_coco_roots_with_other_split_names_check_as_they_are(demo_small, tmp_path, capsys, make, files):
+    root = tmp_path / make.__name__
+    args = make(demo_small, root)
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert "COCO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
+    assert_counts(out, _counts(demo_small))
+    for split, f in zip(SPLITS, files):
+        assert f"{split}: {root / f}\n" in out, out
+    # Without its val split: one line naming the file, in the set's own names.
+    (root / files[1]).unlink()
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"annotation file {root / files[1]} not found" in err, err
+
+
 def test_cvat_yolo_export_checks_as_it_is(demo_small, tmp_path, capsys):
     args = cvat_yolo(demo_small, tmp_path / "cvat_yolo")
     rc, out, err = check(capsys, args)
@@ -460,7 +504,8 @@ def test_labelimg_voc_in_split_folders_reads_as_it_is_and_in_one_folder_is_refus
 # over the forms (a DALI run on the CPU costs about a minute here, and every form reaches the
 # loaders as the same records), and the phone's pictures, whose sideways one each loader must
 # decode upright, run both.
-TRAININGS = [(roboflow, "torch"), (roboflow_coco, "dali"), (roboflow_voc, "torch"), (cvat_coco, "dali"), (cvat_yolo, "torch"), (labelstudio_coco, "dali"),
+TRAININGS = [(roboflow, "torch"), (roboflow_coco, "dali"), (roboflow_voc, "torch"), (cvat_coco_subsets, "torch"),
+             (cvat_coco, "dali"), (cvat_yolo, "torch"), (labelstudio_coco, "dali"),
              (phone, "torch"), (phone, "dali")]
 
 

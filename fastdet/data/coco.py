@@ -85,26 +85,52 @@ def coco_layout(root: str | Path) -> DataPaths:
     )
 
 
-# Roboflow's COCO export: one folder per split, each holding its images and this file.
+# The names a split goes by in COCO-format exports, in the order they are looked for: COCO
+# 2017's (train2017/), MMDetection's and Roboflow's (train/, valid/), CVAT's subsets (Train,
+# Validation). Position i of train, val and test is one naming scheme (the name a missing
+# split is reported under); the val names after the third are only looked for.
+COCO_SUBSETS = {"train": ("train2017", "train", "Train"),
+                "val": ("val2017", "val", "Validation", "valid", "Val", "validation"),
+                "test": ("test2017", "test", "Test")}
+# Roboflow's COCO export: one folder per split (train, valid, test), each holding its images and this file.
 ROBOFLOW_ANN = "_annotations.coco.json"
-_ROBOFLOW_SPLITS = {"train": ("train",), "val": ("valid", "val")}  # Roboflow names its val split "valid"
 
 
-def roboflow_layout(root: str | Path) -> Optional[DataPaths]:
-    """Roboflow's COCO export under ``root`` (``train/``, ``valid/``, ``test/``, each with
-    its images and ``_annotations.coco.json`` whose ``file_name`` are the images' names);
-    None when ``root`` is not one (no ``train/_annotations.coco.json``, or a COCO root's
-    ``annotations/`` beside it). The test split is not used: score it with ``--val-ann
-    ROOT/test/_annotations.coco.json --val-images ROOT/test``."""
+def find_split(root: Path, split: str) -> Optional[tuple[str, str]]:
+    """How ``split`` is laid out under a COCO-format ``root``: ``("roboflow", name)`` for
+    ``<name>/_annotations.coco.json``, ``("instances", name)`` for
+    ``annotations/instances_<name>.json``; None when neither is there."""
+    for name in COCO_SUBSETS[split]:
+        if (root / name / ROBOFLOW_ANN).is_file():
+            return "roboflow", name
+        if (root / "annotations" / f"instances_{name}.json").is_file():
+            return "instances", name
+    return None
+
+
+def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
+    """The annotation file and image folder of ``split`` (train, val, test) under a
+    COCO-format ``root``:
+
+    - ``annotations/instances_<name>.json`` with the images in ``images/<name>/`` (CVAT's
+      and Datumaro's COCO export) or ``<name>/`` (COCO 2017: ``train2017/``; MMDetection's);
+    - ``<name>/_annotations.coco.json`` with the images beside it (Roboflow's COCO export);
+
+    ``<name>`` one of :data:`COCO_SUBSETS`. A split that is not there is given the paths
+    its name has in the scheme the train split uses (COCO 2017's when there is none), for
+    the caller to name as missing.
+    """
     root = Path(root)
-    if not (root / "train" / ROBOFLOW_ANN).is_file() or (root / "annotations").is_dir():
-        return None
-    dirs = {}
-    for split, names in _ROBOFLOW_SPLITS.items():
-        # The first name whose file is there; the first name when none is (named as missing).
-        dirs[split] = next((root / n for n in names if (root / n / ROBOFLOW_ANN).is_file()), root / names[0])
-    return DataPaths(train_ann=dirs["train"] / ROBOFLOW_ANN, train_images=dirs["train"],
-                     val_ann=dirs["val"] / ROBOFLOW_ANN, val_images=dirs["val"])
+    found = find_split(root, split)
+    if found is None:
+        kind, name = find_split(root, "train") or ("instances", "train2017")
+        index = COCO_SUBSETS["train"].index(name)
+        found = kind, ("valid" if kind == "roboflow" and split == "val" else COCO_SUBSETS[split][index])
+    kind, name = found
+    if kind == "roboflow":
+        return root / name / ROBOFLOW_ANN, root / name
+    images = root / "images" / name
+    return root / "annotations" / f"instances_{name}.json", images if images.is_dir() else root / name
 
 
 _FLAGS = {
@@ -119,8 +145,9 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
     """Where the training and validation annotations and images are.
 
     ``data_cfg.data`` is ``"demo"`` (the built-in set, generated on first use under
-    ``data_cfg.cache_dir``), a COCO root holding ``annotations/instances_{train,val}2017.json``
-    and ``{train,val}2017/``, or Roboflow's COCO export (:func:`roboflow_layout`). Each of ``train_ann``, ``train_images``, ``val_ann``,
+    ``data_cfg.cache_dir``) or a COCO-format root: ``annotations/instances_{train,val}2017.json``
+    and ``{train,val}2017/`` as COCO 2017 has them, or another export's names
+    (:func:`split_paths`). Each of ``train_ann``, ``train_images``, ``val_ann``,
     ``val_images`` that is set overrides the root's path. Every path is checked; a
     missing one raises :class:`DataError` naming the flag and the path. Only the
     ``splits`` asked for are resolved (evaluation needs no training set); the others are None.
@@ -138,7 +165,7 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
                     f"--data {data_cfg.data}: no such directory (expected 'demo' or a COCO root "
                     "with annotations/ and train2017/, val2017/)"
                 )
-            base = roboflow_layout(root) or coco_layout(root)
+            base = DataPaths(*split_paths(root, "train"), *split_paths(root, "val"))
     out: dict[str, Any] = {k: None for k in _FLAGS}
     for key in wanted:
         flag = _FLAGS[key]

@@ -3,9 +3,10 @@
 ``--data`` says where the set is and its form says which format it is
 (:func:`data_format`):
 
-- ``demo``, a directory with ``annotations/instances_{train,val}2017.json``, or
-  Roboflow's COCO export (``train/``, ``valid/``, each with its images and
-  ``_annotations.coco.json``): COCO (``fastdet.data.coco``);
+- ``demo``, a directory with ``annotations/instances_{train,val}2017.json`` (or the
+  subsets ``train``/``val`` or CVAT's ``Train``/``Validation``, images in ``<subset>/`` or
+  ``images/<subset>/``), or Roboflow's COCO export (``train/``, ``valid/``, each with its
+  images and ``_annotations.coco.json``): COCO (``fastdet.data.coco.split_paths``);
 - a ``.yaml``/``.yml`` file, or a directory holding ``data.yaml``: ultralytics' YOLO
   layout (``path``, ``train``, ``val``, ``names``; one ``labels/*.txt`` per image with
   ``class cx cy w h`` normalised to 0..1; an image without a txt, or an empty one, is
@@ -108,9 +109,8 @@ def export_hint(data: str, split: str) -> Optional[str]:
     ``annotations/instances_<split>2017.json``) but an annotation tool's export fastdet does
     not read as it is: one line saying what to change; None otherwise."""
     root = Path(data).expanduser()
-    if data == "demo" or not root.is_dir() or next(root.glob("annotations/instances_*2017.json"), None) \
-            or coco.roboflow_layout(root):
-        return None  # a COCO root or export, whole or missing a split: resolve_data says which file is missing
+    if data == "demo" or not root.is_dir() or coco.find_split(root, "train") or coco.find_split(root, "val"):
+        return None  # a COCO-format root, whole or missing a split: resolve_data says which file is missing
     classes = next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
     if classes is not None:
         names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
@@ -151,9 +151,7 @@ def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None
     if fmt == "coco" and split == "test":
         if data_cfg.data == "demo":
             raise DataError("--data demo: the demo set has no test split (it has train and val)")
-        root = Path(data_cfg.data).expanduser()
-        ann, images = (root / "test" / coco.ROBOFLOW_ANN, root / "test") if coco.roboflow_layout(root) \
-            else (demo.ann_path(root, "test"), demo.image_dir(root, "test"))
+        ann, images = coco.split_paths(Path(data_cfg.data).expanduser(), "test")
         if not ann.is_file():
             raise DataError(f"--data {data_cfg.data}: annotation file {ann} not found (the test split)")
         return coco.load_coco(ann, images, train=train, keep_empty=keep_empty, check_images=check,
