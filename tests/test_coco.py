@@ -335,6 +335,25 @@ def test_missing_and_corrupt_images_are_skipped(tmp_path):
     assert sorted(trusted.image_ids) == [10, 20, 30, 40, 50, 60, 70] and trusted.report.skipped_images == 0
 
 
+@pytest.mark.parametrize("rename, expected", [
+    (lambda n: f"images/{n}", "the file names start with 'images/', the images folder's own name: give its parent"),
+    (lambda n: "C:\\Users\\ann\\set\\" + n.replace("/", "\\"), "the file names are paths on the machine"),
+    (lambda n: f"/home/ann/set/{n}", "the file names are paths on the machine"),
+])
+def test_no_image_found_says_why_when_the_names_show_it(tmp_path, rename, expected):
+    images = [{**im, "file_name": rename(im["file_name"].split("/")[-1])} for im in IMAGES]
+    ann, img_dir = make_set(tmp_path, write_images=False)
+    for im in IMAGES:  # the pictures themselves, flat in the images folder
+        write_jpeg(img_dir / im["file_name"].split("/")[-1], im["width"], im["height"])
+    doc = json.loads(ann.read_text())
+    doc["images"] = images
+    ann.write_text(json.dumps(doc))
+    err = raises_one_line("no usable images", ann, img_dir, train=True)
+    assert expected in str(err), err
+    (img_dir / "a.jpg").unlink()  # the first image not there either way: no guess
+    assert "file names" not in str(raises_one_line("no usable images", ann, img_dir, train=True))
+
+
 def test_summary_names_a_few_paths_then_counts(tmp_path):
     images = IMAGES + [{"id": 100 + i, "file_name": f"m{i}.jpg", "width": 8, "height": 8} for i in range(5)]
     ann, img_dir = make_set(tmp_path, images=images, write_images=False)

@@ -48,7 +48,7 @@ import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -776,6 +776,24 @@ def load_coco_doc(
         coco_gt=gt,
     )
     if not records:
-        raise DataError(f"{ann_file}: no usable images in {image_dir} ({report.summary()})")
+        hint = _missing_images_hint(image_dir, [im[1] for im in images]) \
+            if images and report.image_skips["missing file"] == len(images) else ""
+        raise DataError(f"{ann_file}: no usable images in {image_dir} ({report.summary()}){hint}")
     log.info("%s", dataset.describe())
     return dataset
+
+
+def _missing_images_hint(image_dir: Path, names: list[str]) -> str:
+    """Why none of ``names`` is under ``image_dir``, when the first one shows it: names that
+    already start with the folder's own name (Label Studio's ``images/x.jpg`` with the
+    ``images`` folder given), or paths of the annotating machine whose base names are here."""
+    first = names[0]
+    parts = Path(first).parts
+    if len(parts) > 1 and parts[0] == image_dir.name and (image_dir.parent / first).is_file():
+        return (f"; the file names start with '{parts[0]}/', the images folder's own name: give its parent "
+                f"{image_dir.parent} as the images folder")
+    base = PureWindowsPath(first).name if "\\" in first else Path(first).name
+    if base != first and (image_dir / base).is_file():
+        return (f"; the file names are paths on the machine that wrote the file ({first}), and the images are "
+                f"in {image_dir} by their base names: write the base names into 'file_name'")
+    return ""
