@@ -1,7 +1,8 @@
 """Classes by name outside training: a converted COCO model (COCO's ids 1..90) scores a
 YOLO-format copy of COCO (ultralytics' ids 0..79, the same names), a VOC copy and a
-Roboflow COCO export (ids 1..80 after the project's 0) as it scores COCO's own json, a real mismatch is refused naming both sides, and predict labels with the
-checkpoint's own names and category ids."""
+Roboflow COCO export (ids 1..80 after the project's 0) as it scores COCO's own json, a
+real mismatch is refused naming both sides, and predict labels with the checkpoint's own
+names and category ids."""
 
 from __future__ import annotations
 

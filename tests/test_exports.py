@@ -90,7 +90,8 @@ def roboflow_coco(demo_small: Path, root: Path) -> list[str]:
     for split, folder in (("train", "train"), ("val", "valid"), ("val", "test")):
         doc = _coco(demo_small, split)
         cats = [{"id": 0, "name": "shapes-xyz", "supercategory": "none"}]
-        cats += [{"id": i + 1, "name": c["name"], "supercategory": "shapes-xyz"} for i, c in enumerate(doc["categories"])]
+        cats += [{"id": i + 1, "name": c["name"], "supercategory": "shapes-xyz"}
+                 for i, c in enumerate(doc["categories"])]
         cat = {c["id"]: i + 1 for i, c in enumerate(doc["categories"])}
         image = {im["id"]: k for k, im in enumerate(doc["images"])}
         images = []
@@ -99,7 +100,8 @@ def roboflow_coco(demo_small: Path, root: Path) -> list[str]:
             images.append({"id": k, "license": 1, "file_name": _roboflow_name(im, k), "height": im["height"],
                            "width": im["width"], "date_captured": "2026-12-07T08:00:00+00:00"})
         anns = [{"id": j, "image_id": image[a["image_id"]], "category_id": cat[a["category_id"]], "bbox": a["bbox"],
-                 "area": a["area"], "segmentation": [], "iscrowd": a.get("iscrowd", 0)} for j, a in enumerate(doc["annotations"])]
+                 "area": a["area"], "segmentation": [], "iscrowd": a.get("iscrowd", 0)}
+                for j, a in enumerate(doc["annotations"])]
         (root / folder / "_annotations.coco.json").write_text(json.dumps(
             {"info": {"year": "2026", "version": "1", "description": "Exported from roboflow.com"},
              "licenses": [{"id": 1, "url": "https://creativecommons.org/licenses/by/4.0/", "name": "CC BY 4.0"}],

@@ -1,8 +1,9 @@
 """``python -m fastdet.data check --data ...``: the dataset report, without training.
 
-For each split (train, then val; ``--splits`` picks them, ``test`` included): images and boxes kept, what was dropped or skipped and
-why (the same report training prints), boxes per class, and a histogram of box sizes
-(square root of the area in pixels, with COCO's small / medium / large counts). Exits 1
+For each split (train, then val; ``--splits`` picks them, ``test`` included): images and
+boxes kept, what was dropped or skipped and why (the same report training prints), boxes
+per class, and a histogram of box sizes (square root of the area in pixels, with COCO's
+small / medium / large counts). Exits 1
 with one line naming the file when the set cannot be read. The format (COCO, YOLO
 ``data.yaml``, Pascal VOC) is detected from ``--data`` as training detects it.
 """
