@@ -144,26 +144,6 @@ def write_voc(root: Path, images, truth) -> Path:
     return root
 
 
-def test_one_checkpoint_scores_the_same_ap_on_the_coco_yolo_and_voc_forms_of_a_set(coco_model, tmp_path,
-                                                                                    capsys):
-    """Issue 41: classes are matched by name, so the three forms of the same val images (COCO's
-    sparse ids, YOLO's 0..79, VOC's names) score one checkpoint alike."""
-    from fastdet.eval.__main__ import main as eval_main
-
-    ckpt, images, truth = coco_model
-    ann, data_yaml = write_coco_and_yolo(tmp_path / "coco_yolo", images, truth)
-    voc = write_voc(tmp_path / "voc", images, truth)
-    common = ["--ckpt", str(ckpt), "--img-size", str(SIZE), "--device", "cpu", "--loader", "torch",
-              "--batch-size", "3"]
-    aps = []
-    for form in (["--val-ann", str(ann), "--val-images", str(tmp_path / "coco_yolo" / "images" / "val")],
-                 ["--data", str(data_yaml)], ["--data", str(voc)]):
-        assert eval_main(common + form) == 0
-        aps.append(float(ap_line(capsys).split()[2]))
-    assert aps[0] > 0.5, aps  # the ground truth is the model's own detections
-    assert aps[1] == pytest.approx(aps[0], abs=1e-3) and aps[2] == pytest.approx(aps[0], abs=1e-3), aps
-
-
 def write_roboflow_coco(root: Path, images, truth) -> Path:
     """The same images and boxes as Roboflow's COCO export: ``train/``, ``valid/`` and
     ``test/`` (the same images in each here), ids from 0, class k's id k + 1, and the
@@ -185,24 +165,34 @@ def write_roboflow_coco(root: Path, images, truth) -> Path:
     return root
 
 
-def test_a_roboflow_coco_export_scores_as_coco_json_its_val_and_test_splits_alike(coco_model, tmp_path, capsys):
-    """Roboflow's project category (id 0, no box) is no class: the 80 names match the
-    checkpoint's, and the valid/ and test/ splits (the same images) score as COCO's json."""
+def test_one_checkpoint_scores_the_same_ap_on_the_coco_yolo_and_voc_forms_of_a_set(coco_model, tmp_path,
+                                                                                    capsys):
+    """Issue 41: classes are matched by name, so the forms of the same val images (COCO's
+    sparse ids, YOLO's 0..79, VOC's names, Roboflow's 1..80 beside its project category 0,
+    which is no class) score one checkpoint alike; Roboflow's valid/ and test/ splits too."""
     from fastdet.eval.__main__ import main as eval_main
 
     ckpt, images, truth = coco_model
-    ann, _ = write_coco_and_yolo(tmp_path / "coco", images, truth)
+    ann, data_yaml = write_coco_and_yolo(tmp_path / "coco_yolo", images, truth)
+    voc = write_voc(tmp_path / "voc", images, truth)
     rf = write_roboflow_coco(tmp_path / "rf", images, truth)
     common = ["--ckpt", str(ckpt), "--img-size", str(SIZE), "--device", "cpu", "--loader", "torch",
               "--batch-size", "3"]
     aps = []
-    for form in (["--val-ann", str(ann), "--val-images", str(tmp_path / "coco" / "images" / "val")],
-                 ["--data", str(rf)], ["--data", str(rf), "--split", "test"]):
-        assert eval_main(common + form) == 0, capsys.readouterr().err
+    for form in (["--val-ann", str(ann), "--val-images", str(tmp_path / "coco_yolo" / "images" / "val")],
+                 ["--data", str(data_yaml)], ["--data", str(voc)], ["--data", str(rf)],
+                 ["--data", str(rf), "--split", "test"]):
+        assert eval_main(common + form) == 0, (form, capsys.readouterr().err)
         aps.append(float(ap_line(capsys).split()[2]))
-    assert aps[0] > 0.5 and aps[1] == pytest.approx(aps[0], abs=1e-3) and aps[2] == aps[1], aps
-    # --split test reads --data's own test split: with --val-ann it is one line, before any work.
-    assert eval_main(common + ["--split", "test", "--val-ann", str(ann)]) == 2
+    assert aps[0] > 0.5, aps  # the ground truth is the model's own detections
+    assert aps[1:] == pytest.approx([aps[0]] * 4, abs=1e-3), aps
+
+
+def test_split_test_with_val_ann_is_one_line_before_any_work(capsys):
+    from fastdet.eval.__main__ import main as eval_main
+
+    # --split test reads --data's own test split; --val-ann names a set to score as it is.
+    assert eval_main(["--ckpt", "/nonexistent.pth", "--split", "test", "--val-ann", "v.json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--split test scores the test split of --data" in err[0], err
 
