@@ -126,13 +126,21 @@ def test_category_mapping_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("categories, left_out", [
-    # Roboflow's: the project groups the classes and has no box.
+    # Roboflow's: the project groups every class and has no box.
     ([{"id": 0, "name": "pets", "supercategory": "none"}] +
      [{**c, "supercategory": "pets"} for c in CATEGORIES], ["'pets' (id 0)"]),
+    # A single-class Roboflow project named after its class: the project entry goes.
+    ([{"id": 0, "name": "cat", "supercategory": "none"}, {"id": 7, "name": "cat", "supercategory": "cat"},
+      {"id": 2, "name": "dog", "supercategory": "cat"}, {"id": 40, "name": "emu", "supercategory": "cat"}],
+     ["'cat' (id 0)"]),
     # COCO's: a class names itself as its supercategory ("person"): a class.
     ([{**c, "supercategory": c["name"]} for c in CATEGORIES] + [{"id": 9, "name": "yak", "supercategory": "yak"}], []),
     # A parent with boxes of its own is a class (emu groups cat and dog here).
     ([{**c, "supercategory": "emu"} for c in CATEGORIES[:2]] + [CATEGORIES[2]], []),
+    # An inner node of a hierarchy (pet groups cat and dog, not emu) is a class even without
+    # boxes: a val file without its boxes must keep the train file's classes.
+    ([{"id": 60, "name": "pet", "supercategory": "none"}] + [{**c, "supercategory": "pet"} for c in CATEGORIES[:2]]
+     + [{**CATEGORIES[2], "supercategory": "bird"}], []),
 ])
 def test_a_category_that_only_groups_the_others_is_no_class(tmp_path, categories, left_out):
     from fastdet.eval.scoring import load_gt
@@ -149,12 +157,12 @@ def test_a_category_that_only_groups_the_others_is_no_class(tmp_path, categories
     assert gt.cat_ids == ds.cat_ids and gt.class_names == ds.class_names
 
 
-def test_categories_that_would_all_go_are_all_kept(tmp_path):
-    # Every category named as another's supercategory, none with a box: nothing is dropped.
-    cats = [{"id": 1, "name": "a", "supercategory": "b"}, {"id": 2, "name": "b", "supercategory": "a"}]
-    ann, img_dir = make_set(tmp_path, categories=cats, annotations=[])
+def test_a_single_class_roboflow_project_named_after_its_class_is_one_class(tmp_path):
+    cats = [{"id": 0, "name": "cat", "supercategory": "none"}, {"id": 7, "name": "cat", "supercategory": "cat"}]
+    anns = [a for a in good_annotations() if a["category_id"] == 7]
+    ann, img_dir = make_set(tmp_path, categories=cats, annotations=anns)
     ds = load_coco(ann, img_dir, train=False)
-    assert ds.cat_ids == [1, 2] and ds.report.categories_left_out == []
+    assert ds.cat_ids == [7] and ds.class_names == ["cat"] and ds.report.categories_left_out == ["'cat' (id 0)"]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -339,6 +347,7 @@ def test_missing_and_corrupt_images_are_skipped(tmp_path):
     (lambda n: f"images/{n}", "the file names start with 'images/', the images folder's own name: give its parent"),
     (lambda n: "C:\\Users\\ann\\set\\" + n.replace("/", "\\"), "the file names are paths on the machine"),
     (lambda n: f"/home/ann/set/{n}", "the file names are paths on the machine"),
+    (lambda n: f"day1/{n}", "the file names hold folders (day1/a.jpg) that"),
 ])
 def test_no_image_found_says_why_when_the_names_show_it(tmp_path, rename, expected):
     images = [{**im, "file_name": rename(im["file_name"].split("/")[-1])} for im in IMAGES]

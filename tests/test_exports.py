@@ -358,6 +358,96 @@ def test_roboflow_voc_export_checks_as_it_is(demo_small, tmp_path, capsys):
     assert rc == 1 and "--splits takes train, val, test, got tests" in err, err
 
 
+def test_roboflow_voc_as_users_keep_it_subfolders_upper_case_no_train_and_a_lost_xml(demo_small, tmp_path, capsys):
+    """Roboflow's VOC export moved about: images and XMLs in a subfolder are read, .JPG/.XML
+    names too; an image whose XML went missing is read as background and counted; without
+    train/ the val and test splits still read (what fastdet.eval needs)."""
+    root = tmp_path / "rfv"
+    args = roboflow_voc(demo_small, root)
+    (root / "train" / "sub").mkdir()
+    for f in sorted((root / "train").glob("*"))[:6]:
+        if f.is_file():
+            f.rename(root / "train" / "sub" / (f.stem + f.suffix.upper()))
+    lost = sorted((root / "valid").glob("*.xml"))[0]
+    lost.unlink()
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert_counts(out, {"train": _counts(demo_small)["train"]})
+    assert f"\n  {_counts(demo_small)['val'][0]} images" in split_parts(out)["val"], out  # its boxes are lost
+    assert f"1 as background: no XML beside them ({lost.with_suffix('.jpg')})" in split_parts(out)["val"], out
+    shutil.rmtree(root / "train")
+    rc, out, err = check(capsys, args + ["--splits", "val,test"])
+    assert rc == 0 and "VOC format" in out, err
+    rc, out, err = check(capsys, args)
+    assert rc == 1 and f"--data {root}: no train/ folder" in err, err
+
+
+def test_a_test_split_keeps_the_classes_of_train_and_val(demo_small, tmp_path, capsys):
+    root = tmp_path / "rfv"
+    args = roboflow_voc(demo_small, root)
+    xml = sorted((root / "test").glob("*.xml"))[0]
+    xml.write_text(xml.read_text().replace("</size>", "</size><object><name>blob</name><bndbox><xmin>1</xmin>"
+                                           "<ymin>1</ymin><xmax>9</xmax><ymax>9</ymax></bndbox></object>"))
+    rc, out, err = check(capsys, args + ["--splits", "test"])
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"{xml}: object 0: class 'blob' is in no train or val XML" in err, err
+
+
+def test_one_layout_for_every_split_and_a_coco_root_stays_coco(demo_small, tmp_path, capsys):
+    """A COCO 2017 root that also holds a Roboflow export (or a VOC folder set) is read as
+    the COCO root, every split: its missing test split is named as COCO 2017 names it."""
+    root = tmp_path / "both"
+    shutil.copytree(demo_small, root)
+    roboflow_coco(demo_small, root)
+    rc, out, err = check(capsys, ["--data", str(root)])
+    assert rc == 0 and f"train: {root / 'annotations' / 'instances_train2017.json'}" in out, err
+    assert "left out" not in out, out  # the COCO files, not Roboflow's
+    rc, out, err = check(capsys, ["--data", str(root), "--splits", "test"])
+    assert rc == 1 and f"annotation file {root / 'annotations' / 'instances_test2017.json'} not found" in err, err
+    voc = tmp_path / "both_voc"
+    shutil.copytree(demo_small, voc)
+    roboflow_voc(demo_small, voc)
+    rc, out, err = check(capsys, ["--data", str(voc)])
+    assert rc == 0 and "COCO format" in out, err
+    # A Roboflow export without train/: its missing split is named in its own scheme.
+    rf = tmp_path / "rf_notrain"
+    roboflow_coco(demo_small, rf)
+    shutil.rmtree(rf / "train")
+    rc, out, err = check(capsys, ["--data", str(rf)])
+    assert rc == 1 and f"annotation file {rf / 'train' / '_annotations.coco.json'} not found" in err, err
+
+
+def test_train_and_val_with_other_classes_say_which(demo_small, tmp_path):
+    """The trainer refuses a set whose val classes differ from train's naming both sides,
+    and the category one file left out as grouping the others (a val box on Roboflow's
+    project category keeps it a class there)."""
+    from fastdet.config import DataConfig
+    from fastdet.data.coco import categories_diff
+    from fastdet.data.formats import load_split
+
+    root = tmp_path / "rfc"
+    roboflow_coco(demo_small, root)
+    ann = root / "valid" / "_annotations.coco.json"
+    doc = json.loads(ann.read_text())
+    doc["annotations"][0]["category_id"] = 0
+    ann.write_text(json.dumps(doc))
+    cfg = DataConfig(data=str(root), cache_dir=str(tmp_path / "cache"))
+    train, val = load_split(cfg, "train"), load_split(cfg, "val")
+    assert categories_diff(train, val) == ("only in train none, only in val 'shapes-xyz' (id 0); train left out "
+                                           "'shapes-xyz' (id 0): it groups every other category and has no box there")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--splits", ""], "--splits takes train, val, test, got ''"),
+    (["--splits", "train", "--val-ann", "v.json"], "--val-ann names a split --splits does not check (train)"),
+    (["--splits", "test", "--data", "/nonexistent"], "--data /nonexistent: no such directory"),
+])
+def test_check_flags_that_cannot_work_are_one_line(capsys, argv, message):
+    assert data_main(["check", *argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp_path, capsys):
     args = cvat_coco(demo_small, tmp_path / "cvat")
     rc, out, err = check(capsys, args)
@@ -481,8 +571,14 @@ def test_labelimg_voc_in_split_folders_reads_as_it_is_and_in_one_folder_is_refus
     args = labelimg_voc(demo_small, root)
     rc, out, err = check(capsys, args)
     assert rc == 0, err
-    assert "VOC format" in out and out.count("problems: nothing dropped or skipped") == 2, out
-    assert_counts(out, _counts(demo_small))  # the images without an XML are background images
+    assert "VOC format" in out, out
+    assert_counts(out, _counts(demo_small))  # the images without an XML are background images, counted
+    for split in SPLITS:
+        doc = _coco(demo_small, split)
+        empty = [im["file_name"] for im in doc["images"] if im["id"] not in {a["image_id"] for a in doc["annotations"]}]
+        assert empty, "the demo set has an image without boxes in each split"
+        assert (f"problems: read {len(empty)} image{'s' * (len(empty) > 1)}: {len(empty)} as background: no XML "
+                f"beside them ({root / split / empty[0]}") in split_parts(out)[split], out
     # A stray XML is counted and named, not dropped in silence.
     (root / "train" / "orphan.xml").write_text("<annotation/>")
     rc, out, err = check(capsys, args)

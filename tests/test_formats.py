@@ -367,6 +367,16 @@ def test_eval_matches_a_checkpoints_classes_to_a_set_by_name(yolo_yaml, demo_sma
     renamed = replace(yolo, class_names=["circle", "square", "triangle", "cross"])
     with pytest.raises(ValueError, match=r"only in the checkpoint \['rectangle'\], only in this set \['square'\]"):
         category_ids_by_name(ck, 4, renamed)
+    # A name twice is said as such (not "only in the checkpoint none, only in this set none").
+    twice = replace(yolo, class_names=["circle", "circle", "triangle", "cross"])
+    with pytest.raises(ValueError, match=r"names the class 'circle' twice"):
+        category_ids_by_name(ck, 4, twice)
+    # A checkpoint that trained Roboflow's project entry as a class: the line says why it differs.
+    project = {"class_names": [*coco.class_names, "shapes"], "cat_ids": [*coco.cat_ids, 0]}
+    yolo.report.categories_left_out.append("'shapes' (id 0)")
+    with pytest.raises(ValueError, match=r"only in the checkpoint \['shapes'\], only in this set none \('shapes' "
+                                         r"groups every other category of the file and has no box"):
+        category_ids_by_name(project, 5, yolo)
     # A checkpoint without names is matched by id, and a different id is refused.
     assert category_ids_by_name({"cat_ids": list(coco.cat_ids)}, 4, coco) == list(coco.cat_ids)
     with pytest.raises(ValueError, match="keeps no class names"):

@@ -161,6 +161,17 @@ def test_resume_rebuilds_the_run_from_its_checkpoint(first_run, tmp_path):
     assert r.returncode == 2
     assert "--resume: --img-size 96 differs from the run's data.img_size 64" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    # The set's classes changed under the run (here: the run's record of them): one line, not
+    # a state-dict size mismatch.
+    from fastdet.runtime.checkpoint import save_checkpoint
+
+    ck = load_checkpoint(out / "latest.pth")
+    ck["class_names"] = [*ck["class_names"], "project"]
+    save_checkpoint(out / "latest.pth", ck)
+    r = run(resume + ["--max-steps", "5"])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "trained 5 classes, the set has 4 now (only in the run: " \
+        "['project'], only in the set: none" in r.stderr, r.stderr
 
 
 # --------------------------------------------------------------------------- 4, 10. custom data, sizes

@@ -85,8 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     bad = set(splits) - set(SPLITS)
-    if bad:
-        print(f"fastdet.data: error: --splits takes {', '.join(SPLITS)}, got {sorted(bad)[0]}", file=sys.stderr)
+    if bad or not splits:
+        got = sorted(bad)[0] if bad else repr(args.splits)
+        print(f"fastdet.data: error: --splits takes {', '.join(SPLITS)}, got {got}", file=sys.stderr)
+        return 1
+    unused = [f"--{s}-{what}" for s in ("train", "val") for what in ("ann", "images")
+              if getattr(args, f"{s}_{what}") is not None and s not in splits]
+    if unused:
+        print(f"fastdet.data: error: {unused[0]} names a split --splits does not check ({args.splits})",
+              file=sys.stderr)
         return 1
     if "test" in splits and args.data is None:
         print("fastdet.data: error: --splits test reads the test split of --data: give --data", file=sys.stderr)

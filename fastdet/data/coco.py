@@ -87,24 +87,37 @@ def coco_layout(root: str | Path) -> DataPaths:
 
 # The names a split goes by in COCO-format exports, in the order they are looked for: COCO
 # 2017's (train2017/), MMDetection's and Roboflow's (train/, valid/), CVAT's subsets (Train,
-# Validation). Position i of train, val and test is one naming scheme (the name a missing
-# split is reported under); the val names after the third are only looked for.
+# Validation). Position i < 3 of train, val and test is one naming scheme (the names a
+# missing split is reported under); the val names after the third are only looked for.
 COCO_SUBSETS = {"train": ("train2017", "train", "Train"),
                 "val": ("val2017", "val", "Validation", "valid", "Val", "validation"),
                 "test": ("test2017", "test", "Test")}
+_VAL_ALIAS_SCHEME = {"valid": 1, "Val": 2, "validation": 1}
 # Roboflow's COCO export: one folder per split (train, valid, test), each holding its images and this file.
 ROBOFLOW_ANN = "_annotations.coco.json"
+_ROBOFLOW_NAMES = {"train": "train", "val": "valid", "test": "test"}
 
 
-def find_split(root: Path, split: str) -> Optional[tuple[str, str]]:
+def find_split(root: Path, split: str, kind: Optional[str] = None) -> Optional[tuple[str, str]]:
     """How ``split`` is laid out under a COCO-format ``root``: ``("roboflow", name)`` for
     ``<name>/_annotations.coco.json``, ``("instances", name)`` for
-    ``annotations/instances_<name>.json``; None when neither is there."""
+    ``annotations/instances_<name>.json`` (only that ``kind`` when given); None when it is
+    not there."""
     for name in COCO_SUBSETS[split]:
-        if (root / name / ROBOFLOW_ANN).is_file():
+        if kind in (None, "roboflow") and (root / name / ROBOFLOW_ANN).is_file():
             return "roboflow", name
-        if (root / "annotations" / f"instances_{name}.json").is_file():
+        if kind in (None, "instances") and (root / "annotations" / f"instances_{name}.json").is_file():
             return "instances", name
+    return None
+
+
+def coco_layout_of(root: Path) -> Optional[tuple[str, str, str]]:
+    """``(kind, split, name)`` of the first of train, val, test found under ``root``
+    (:func:`find_split`): the layout every split of the set is read in; None: no COCO layout."""
+    for split in COCO_SUBSETS:
+        found = find_split(root, split)
+        if found is not None:
+            return found[0], split, found[1]
     return None
 
 
@@ -116,16 +129,22 @@ def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
       and Datumaro's COCO export) or ``<name>/`` (COCO 2017: ``train2017/``; MMDetection's);
     - ``<name>/_annotations.coco.json`` with the images beside it (Roboflow's COCO export);
 
-    ``<name>`` one of :data:`COCO_SUBSETS`. A split that is not there is given the paths
-    its name has in the scheme the train split uses (COCO 2017's when there is none), for
-    the caller to name as missing.
+    ``<name>`` one of :data:`COCO_SUBSETS`. Every split is read in the layout of the first
+    one found (:func:`coco_layout_of`: a COCO root with a Roboflow export inside is read as
+    the COCO root). A split that is not there is given the paths its name has in that
+    layout's scheme (COCO 2017's when there is none), for the caller to name as missing.
     """
     root = Path(root)
-    found = find_split(root, split)
+    layout = coco_layout_of(root)
+    kind = layout[0] if layout else "instances"
+    found = find_split(root, split, kind)
     if found is None:
-        kind, name = find_split(root, "train") or ("instances", "train2017")
-        index = COCO_SUBSETS["train"].index(name)
-        found = kind, ("valid" if kind == "roboflow" and split == "val" else COCO_SUBSETS[split][index])
+        if kind == "roboflow":
+            found = kind, _ROBOFLOW_NAMES[split]
+        else:
+            name = layout[2] if layout else "train2017"
+            index = COCO_SUBSETS[layout[1] if layout else "train"].index(name)
+            found = kind, COCO_SUBSETS[split][_VAL_ALIAS_SCHEME.get(name, index) if index >= 3 else index]
     kind, name = found
     if kind == "roboflow":
         return root / name / ROBOFLOW_ANN, root / name
@@ -194,7 +213,8 @@ IMAGE_REASONS = ("missing file", "corrupt", "size mismatch", "without boxes")
 # Boxes kept but changed, and files of a set's folders that the reader did not take.
 CHANGE_REASONS = ("clipped to the image",)
 UPRIGHT = "turned upright by their EXIF orientation"
-IMAGE_CHANGE_REASONS = (UPRIGHT,)
+NO_XML = "as background: no XML beside them"  # VOC sets kept as folders (fastdet.data.formats)
+IMAGE_CHANGE_REASONS = (UPRIGHT, NO_XML)
 # Phones save HEIC (iPhone) or DNG (raw) pictures beside JPEGs; no decoder here reads them.
 CAMERA_FORMAT = "camera format not read (HEIC, HEIF, DNG: save as JPEG)"
 FILE_REASONS = ("label file without an image", CAMERA_FORMAT, "not an image file")
@@ -651,6 +671,7 @@ def load_coco_doc(
     ann_where: Optional[dict[int, str]] = None,
     ignored_files: Iterable[tuple[str, str]] = (),
     turned_upright: Iterable[str] = (),
+    changed_images: Iterable[tuple[str, str]] = (),
 ) -> CocoDataset:
     """:func:`load_coco` on an already-read COCO document.
 
@@ -663,7 +684,8 @@ def load_coco_doc(
     ``ann_where`` names an annotation id's source for the report's examples (an in-memory
     id means nothing to the user: ``labels/x.txt:3``); ``ignored_files`` are ``(reason,
     path)`` of the files the reader did not take (``FILE_REASONS``); ``turned_upright`` the
-    images whose EXIF orientation the reader's size check already applied.
+    images whose EXIF orientation the reader's size check already applied; ``changed_images``
+    ``(reason, path)`` of the images the reader read otherwise (``IMAGE_CHANGE_REASONS``).
     """
     ann_file = Path(ann_file).expanduser()
     image_dir = Path(image_dir).expanduser().absolute()
@@ -697,6 +719,8 @@ def load_coco_doc(
         report.count(report.files_ignored, reason, examples=[path])
     for path in turned_upright:
         report.count(report.image_changes, UPRIGHT, examples=[path])
+    for reason, path in changed_images:
+        report.count(report.image_changes, reason, examples=[path])
     where = ann_where or {}
 
     def named(ids: np.ndarray) -> Iterable[str]:
@@ -783,6 +807,20 @@ def load_coco_doc(
     return dataset
 
 
+def categories_diff(train: CocoDataset, val: CocoDataset) -> str:
+    """What differs between the train and val sets' classes (ids and names), for the line
+    that refuses them; with the category a file left out as grouping the others, if any."""
+    a, b = list(zip(train.cat_ids, train.class_names)), list(zip(val.cat_ids, val.class_names))
+    only = [[f"{n!r} (id {i})" for i, n in x if (i, n) not in y] for x, y in ((a, b), (b, a))]
+    text = (f"only in train {', '.join(only[0][:5]) or 'none'}, only in val {', '.join(only[1][:5]) or 'none'}"
+            if any(only) else "the same categories in another order")
+    for split, ds in (("train", train), ("val", val)):
+        if ds.report.categories_left_out:
+            text += (f"; {split} left out {', '.join(ds.report.categories_left_out)}: it groups every other "
+                     "category and has no box there")
+    return text
+
+
 def _missing_images_hint(image_dir: Path, names: list[str]) -> str:
     """Why none of ``names`` is under ``image_dir``, when the first one shows it: names that
     already start with the folder's own name (Label Studio's ``images/x.jpg`` with the
@@ -792,8 +830,12 @@ def _missing_images_hint(image_dir: Path, names: list[str]) -> str:
     if len(parts) > 1 and parts[0] == image_dir.name and (image_dir.parent / first).is_file():
         return (f"; the file names start with '{parts[0]}/', the images folder's own name: give its parent "
                 f"{image_dir.parent} as the images folder")
-    base = PureWindowsPath(first).name if "\\" in first else Path(first).name
+    windows = PureWindowsPath(first)
+    base = windows.name if "\\" in first else Path(first).name
     if base != first and (image_dir / base).is_file():
-        return (f"; the file names are paths on the machine that wrote the file ({first}), and the images are "
-                f"in {image_dir} by their base names: write the base names into 'file_name'")
+        if Path(first).is_absolute() or windows.drive:
+            return (f"; the file names are paths on the machine that wrote the file ({first}), and the images "
+                    f"are in {image_dir} by their base names: write the base names into 'file_name'")
+        return (f"; the file names hold folders ({first}) that {image_dir} does not have: the images are there "
+                "by their base names; put them in those folders, or write the base names into 'file_name'")
     return ""

@@ -99,7 +99,7 @@ def data_format(data: str) -> str:
             return "voc"
         if ((p / "data.yaml").is_file() or (p / "obj.data").is_file()) and not (p / "annotations").is_dir():
             return "yolo"
-        if is_voc_folders(p):
+        if coco.coco_layout_of(p) is None and not (p / "annotations").is_dir() and is_voc_folders(p):
             return "voc"
     return "coco"
 
@@ -109,7 +109,7 @@ def export_hint(data: str, split: str) -> Optional[str]:
     ``annotations/instances_<split>2017.json``) but an annotation tool's export fastdet does
     not read as it is: one line saying what to change; None otherwise."""
     root = Path(data).expanduser()
-    if data == "demo" or not root.is_dir() or coco.find_split(root, "train") or coco.find_split(root, "val"):
+    if data == "demo" or not root.is_dir() or coco.coco_layout_of(root):
         return None  # a COCO-format root, whole or missing a split: resolve_data says which file is missing
     classes = next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
     if classes is not None:
@@ -118,7 +118,7 @@ def export_hint(data: str, split: str) -> Optional[str]:
         return (f"--data {data}: a YOLO export without a data.yaml ({classes.name}: LabelImg's or Label Studio's "
                 f"YOLO export), which names no train and val images; write {root / 'data.yaml'} with "
                 f"'train: {images}', 'val: <held-out images, or {images}>' and 'names: {names}'")
-    if next(root.glob("*.xml"), None) or next(root.glob("*/*.xml"), None):
+    if any(_is_xml(f) for d in (root, *filter(Path.is_dir, root.iterdir())) for f in d.iterdir()):
         return (f"--data {data}: VOC XMLs beside their images (LabelImg's PascalVOC save), not a VOC root; "
                 "put the images of each split with their XMLs in train/ and val/, or arrange a VOC root: "
                 "Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt and val.txt "
@@ -151,7 +151,13 @@ def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None
     if fmt == "coco" and split == "test":
         if data_cfg.data == "demo":
             raise DataError("--data demo: the demo set has no test split (it has train and val)")
-        ann, images = coco.split_paths(Path(data_cfg.data).expanduser(), "test")
+        root = Path(data_cfg.data).expanduser()
+        if not root.is_dir():
+            raise DataError(f"--data {data_cfg.data}: no such directory")
+        hint = export_hint(data_cfg.data, split)
+        if hint:
+            raise DataError(hint)
+        ann, images = coco.split_paths(root, "test")
         if not ann.is_file():
             raise DataError(f"--data {data_cfg.data}: annotation file {ann} not found (the test split)")
         return coco.load_coco(ann, images, train=train, keep_empty=keep_empty, check_images=check,
@@ -587,8 +593,8 @@ def _voc_image(root: Path, image_id: str, fname: Optional[str]) -> Path:
 
 def _voc_folder(root: Path, split: str) -> Path:
     """The split's folder of a VOC set kept as folders of images with their XMLs beside
-    them (Roboflow's Pascal VOC export: ``train/``, ``valid/``; LabelImg's saves sorted
-    into ``train/`` and ``val/``)."""
+    them (Roboflow's Pascal VOC export: ``train/``, ``valid/``, ``test/``; LabelImg's saves
+    sorted into ``train/`` and ``val/``)."""
     names = _FOLDER_SPLITS[split]
     folder = next((root / n for n in names if (root / n).is_dir()), None)
     if folder is None:
@@ -597,31 +603,38 @@ def _voc_folder(root: Path, split: str) -> Path:
     return folder
 
 
+def _is_xml(f: Path) -> bool:
+    return f.suffix.lower() == ".xml" and f.is_file()
+
+
 def is_voc_folders(root: Path) -> bool:
-    """Whether ``root`` holds a VOC set as folders (see :func:`_voc_folder`): a ``train/``
-    folder with XMLs in it."""
-    return (root / "train").is_dir() and next((root / "train").glob("*.xml"), None) is not None
+    """Whether ``root`` holds a VOC set as folders (see :func:`_voc_folder`): a split's
+    folder (``train/``, ``valid/``, ``val/``, ``test/``) with XMLs in it, at any depth."""
+    folders = {root / n for names in _FOLDER_SPLITS.values() for n in names}
+    return any(next(filter(_is_xml, d.rglob("*")), None) is not None for d in folders if d.is_dir())
 
 
-def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Optional[list[Path]], list]:
+def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Optional[list[Path]], list, list]:
     """What one split of a VOC set is made of: the file that describes it (the ids' list, or
     the folder), each image's XML (None: an image without one, read as background), the image
-    files (None: found from the XMLs, ``_voc_image``), and ``(reason, path)`` of the files
-    not read."""
+    files (None: found from the XMLs, ``_voc_image``), ``(reason, path)`` of the files not
+    read, and the images read as background for want of an XML (counted in the report: a
+    Roboflow export writes an XML for every image, so there one means lost labels)."""
     if not is_voc_folders(root):
         lst, ids = _voc_ids(root, split)
-        return lst, [root / "Annotations" / f"{i}.xml" for i in ids], None, []
+        return lst, [root / "Annotations" / f"{i}.xml" for i in ids], None, [], []
     folder = _voc_folder(root, split)
-    found = sorted(f for f in folder.iterdir() if f.is_file())
+    found = sorted(f for f in folder.rglob("*") if f.is_file())  # subfolders too, as the YOLO reader
     images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
-    xmls = {f.stem: f for f in found if f.suffix.lower() == ".xml"}
+    xmls = {f.with_suffix(""): f for f in found if f.suffix.lower() == ".xml"}  # by folder and stem
     if not images:
         raise DataError(f"--data {root}: no images in {folder}")
-    taken = [xmls.get(f.stem) for f in images]
+    taken = [xmls.get(f.with_suffix("")) for f in images]
     ignored = [("label file without an image", str(x)) for x in xmls.values() if x not in set(taken)]
     ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS else "not an image file", str(f))
                 for f in found if f.suffix.lower() not in (*IMAGE_EXTS, ".xml")]
-    return folder, taken, images, ignored
+    background = [str(f) for f, x in zip(images, taken) if x is None]
+    return folder, taken, images, ignored, background
 
 
 def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_images: str = "open",
@@ -629,19 +642,27 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
     """One split of a Pascal VOC set: a VOC root, or folders of images with their XMLs (see
     the module docstring)."""
     root = Path(data).expanduser().absolute()
-    source, xmls, listed, ignored = _voc_split(root, split)
+    source, xmls, listed, ignored, background = _voc_split(root, split)
     parsed = [_parse_voc_xml(x) if x is not None else (0, 0, [], None) for x in xmls]
-    # Class names come from the train and val splits (and this one), so train and val get
-    # the same labels; a test split's names are the same unless it has a class they lack.
-    found = {o[0] for p in parsed for o in p[2]}
-    if not (root / "label_list.txt").is_file():
-        for other in {"train", "val"} - {split}:
+    # Class names come from the train and val splits, so that train, val and test get the
+    # same labels (a set with neither: from this split).
+    listed_names = (root / "label_list.txt").is_file()
+    found: set[str] = set()
+    if not listed_names:
+        this = {o[0] for p in parsed for o in p[2]}
+        for other in ("train", "val"):
+            if other == split:
+                found |= this
+                continue
             try:
-                others = _voc_split(root, other)[1]
+                other_xmls = _voc_split(root, other)[1]
             except DataError:  # no such split: the names of the others
-                others = []
-            found |= {o[0] for x in others if x is not None for o in _parse_voc_xml(x)[2]}
+                continue
+            found |= {o[0] for x in other_xmls if x is not None for o in _parse_voc_xml(x)[2]}
+        found = found or this
     names = voc_class_names(root, found)
+    where_names = (f"not in {root / 'label_list.txt'}" if listed_names
+                   else "in no train or val XML: a model trained on this set does not know it")
     label = {n: i for i, n in enumerate(names)}
     images, anns, files = [], [], []
     skips = []
@@ -664,7 +685,7 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
         files.append(f)
         for k, (name, x0, y0, x1, y1, difficult) in enumerate(objects):
             if name not in label:
-                raise DataError(f"{xml}: object {k}: class {name!r} is not in {root / 'label_list.txt'}")
+                raise DataError(f"{xml}: object {k}: class {name!r} is {where_names}")
             anns.append(_annotation(len(anns) + 1, image_id, label[name], x0 - 1, y0 - 1, x1, y1, difficult))
             where[len(anns)] = f"{xml} object {k}"
     doc = {"images": images, "annotations": anns, "categories": _categories(names)}
@@ -677,4 +698,5 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
         im["file_name"] = str(Path(im["file_name"]).relative_to(root_dir))
     return coco.load_coco_doc(doc, source, root_dir, train=train, keep_empty=keep_empty, check_images=check_images,
                               cache_dir=cache_dir, in_memory=True, prior_skips=skips, crowd_reason="difficult",
-                              ann_where=where, ignored_files=ignored)
+                              ann_where=where, ignored_files=ignored,
+                              changed_images=[(coco.NO_XML, f) for f in background])

@@ -176,6 +176,15 @@ class Checkpointer:
         if "optimizer" not in ck:
             raise ValueError(f"--resume: {path} holds weights only (best.pth keeps no optimizer state): "
                              "resume from latest.pth, or fine-tune from it with --ckpt and no --resume")
+        # The set's classes may have changed under the run (a file edited, a reader that reads
+        # it otherwise): said here, before the head's shapes fail to load.
+        trained, now = [str(n) for n in ck.get("class_names") or []], list(self.train_set.class_names)
+        if trained and trained != now:
+            raise ValueError(f"--resume: {path} trained {len(trained)} classes, the set has {len(now)} now "
+                             f"(only in the run: {[n for n in trained if n not in now][:8] or 'none'}, only in the "
+                             f"set: {[n for n in now if n not in trained][:8] or 'none'}; the same names in another "
+                             "order otherwise): start a new run, or fine-tune from it with --ckpt (classes are "
+                             "matched by name)")
         self.model.load_state_dict(ck["model"])
         if self.ema is not None and ck.get("ema") is not None:
             self.ema.load_state_dict(ck["ema"])

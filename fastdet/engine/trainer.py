@@ -23,6 +23,7 @@ import torch
 
 from fastdet import registry
 from fastdet.config import Config
+from fastdet.data.coco import categories_diff
 from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, build_train_loader
 from fastdet.runtime import dist
@@ -126,8 +127,9 @@ class Trainer:
         if len(self.train_set) == 0:
             raise ValueError(f"{self.train_set.ann_file}: no usable training images "
                              f"({self.train_set.report.summary()})")
-        if self.train_set.cat_ids != self.val_set.cat_ids:
-            raise ValueError(f"{self.val_set.ann_file}: categories differ from {self.train_set.ann_file}")
+        if (self.train_set.cat_ids, self.train_set.class_names) != (self.val_set.cat_ids, self.val_set.class_names):
+            raise ValueError(f"{self.val_set.ann_file}: categories differ from {self.train_set.ann_file}'s: "
+                             f"{categories_diff(self.train_set, self.val_set)}")
         return replace(cfg, model=replace(cfg.model, num_classes=self.train_set.num_classes))
 
     def _build_model(self) -> None:

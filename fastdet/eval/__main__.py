@@ -74,11 +74,19 @@ def category_ids_by_name(ck: dict, num_classes: int, val) -> list[int]:
         return list(val.cat_ids)
     if len(ours) != num_classes:
         raise ValueError(f"the checkpoint names {len(ours)} classes but its model has {num_classes}")
-    if sorted(ours) != sorted(theirs) or len(set(theirs)) != len(theirs):
+    for names, whose in ((theirs, f"{val.ann_file}"), (ours, "the checkpoint")):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{whose} names the class {twice[0]!r} twice: classes are matched to the "
+                             "checkpoint's by name")
+    if sorted(ours) != sorted(theirs):
         only_ck = [n for n in ours if n not in theirs]
         only_val = [n for n in theirs if n not in ours]
+        left_out = [n for n in only_ck if any(g.startswith(f"{n!r} (id ") for g in val.report.categories_left_out)]
+        why = (f" ({left_out[0]!r} groups every other category of the file and has no box: it is read as no "
+               "class)") if left_out else ""
         raise ValueError(f"{val.ann_file}: classes differ from the checkpoint's: only in the checkpoint "
-                         f"{only_ck[:10] or 'none'}, only in this set {only_val[:10] or 'none'}")
+                         f"{only_ck[:10] or 'none'}, only in this set {only_val[:10] or 'none'}{why}")
     index = {n: i for i, n in enumerate(theirs)}
     return [int(val.cat_ids[index[n]]) for n in ours]
 
