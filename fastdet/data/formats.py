@@ -23,10 +23,12 @@
   every name is one of them, else the sorted names found. ``difficult`` objects are
   ``iscrowd`` regions: never trained on, ignored when scoring (as VOC scores them).
   VOC boxes are 1-based inclusive pixels: ``[xmin - 1, ymin - 1, xmax, ymax]``.
-  The same XMLs kept beside their images, one folder per split (``train/`` and
-  ``valid/`` or ``val/``: Roboflow's Pascal VOC export, LabelImg's saves sorted by
-  split) are read as a VOC set too: an image without an XML is a background image, an
-  XML without an image is counted and named (:func:`_voc_split`).
+  The same XMLs kept beside their images, one folder per split (``train/``, ``valid/`` or
+  ``val/``, ``test/``, at any depth, ``.xml`` in any case: Roboflow's Pascal VOC export,
+  LabelImg's saves sorted by split) are read as a VOC set too, unless the folder is a COCO
+  root: an image without an XML is read as background and counted, an XML without an
+  image is counted and named (:func:`_voc_split`). Every split takes the classes of
+  train and val, so a test split's class that neither has is an error naming its XML.
 
 YOLO and VOC sets are turned into a COCO document in memory and read by
 :func:`fastdet.data.coco.load_coco_doc`, so they get the same records, the same report
