@@ -137,6 +137,10 @@ def test_category_mapping_round_trip(tmp_path):
     ([{**c, "supercategory": c["name"]} for c in CATEGORIES] + [{"id": 9, "name": "yak", "supercategory": "yak"}], []),
     # A parent with boxes of its own is a class (emu groups cat and dog here).
     ([{**c, "supercategory": "emu"} for c in CATEGORIES[:2]] + [CATEGORIES[2]], []),
+    # A hierarchy's root without boxes here (Roboflow marks its project entry "none"): a class,
+    # as another split may have its boxes.
+    ([{"id": 60, "name": "animal", "supercategory": "life"}] + [{**c, "supercategory": "animal"} for c in CATEGORIES],
+     []),
     # An inner node of a hierarchy (pet groups cat and dog, not emu) is a class even without
     # boxes: a val file without its boxes must keep the train file's classes.
     ([{"id": 60, "name": "pet", "supercategory": "none"}] + [{**c, "supercategory": "pet"} for c in CATEGORIES[:2]]

@@ -319,6 +319,11 @@ def test_roboflow_coco_export_checks_as_it_is_with_its_project_category_left_out
     assert rc == 0, err
     assert "COCO format" in out, out
     assert_counts(out, _counts(demo_small))  # 4 classes, not 5
+    from fastdet.config import DataConfig
+    from fastdet.data.formats import load_split
+
+    described = load_split(DataConfig(data=str(root), cache_dir=str(tmp_path / "cache")), "val").describe()
+    assert described.startswith("valid/_annotations.coco.json: "), described  # which split, in the log
     for split, folder in zip(SPLITS, ("train", "valid")):
         part = split_parts(out)[split]
         assert str(root / folder / "_annotations.coco.json") in part, part
@@ -435,6 +440,57 @@ def test_train_and_val_with_other_classes_say_which(demo_small, tmp_path):
     train, val = load_split(cfg, "train"), load_split(cfg, "val")
     assert categories_diff(train, val) == ("only in train none, only in val 'shapes-xyz' (id 0); train left out "
                                            "'shapes-xyz' (id 0): it groups every other category and has no box there")
+
+
+def test_a_voc_root_with_split_folders_beside_it_reads_its_lists(demo_small, tmp_path, capsys):
+    """A VOC root's ImageSets name its splits even with a train/ folder of XMLs beside them;
+    a set kept as folders is a set of its own: the classes found, not VOC's 20."""
+    root = tmp_path / "vr"
+    labelimg_voc(demo_small, root)
+    for d in ("Annotations", "JPEGImages", "ImageSets/Main"):
+        (root / d).mkdir(parents=True)
+    ids = []
+    for xml in sorted((root / "val").glob("*.xml")):
+        shutil.copy(xml, root / "Annotations" / xml.name)
+        shutil.copy(xml.with_suffix(".jpg"), root / "JPEGImages" / xml.with_suffix(".jpg").name)
+        ids.append(xml.stem)
+    for split in SPLITS:
+        (root / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    rc, out, err = check(capsys, ["--data", str(root)])
+    assert rc == 0 and f"train: {root / 'ImageSets' / 'Main' / 'train.txt'}" in out, out + err
+    # VOC class names on a folder set: the 4 found (a VOC root takes VOC's 20 for them).
+    folders = tmp_path / "vf"
+    args = labelimg_voc(demo_small, folders)
+    for xml in folders.rglob("*.xml"):
+        xml.write_text(xml.read_text().replace(">circle<", ">person<").replace(">rectangle<", ">car<")
+                       .replace(">triangle<", ">dog<").replace(">cross<", ">cat<"))
+    rc, out, err = check(capsys, args)
+    assert rc == 0 and "4 classes" in out and "20 classes" not in out, out + err
+
+
+def test_a_coco_root_takes_its_split_folder_before_an_images_folder(demo_small, tmp_path, capsys):
+    root = tmp_path / "coco"
+    shutil.copytree(demo_small, root)
+    (root / "images" / "train2017").mkdir(parents=True)  # empty, as a tool may leave it
+    rc, out, err = check(capsys, ["--data", str(root)])
+    assert rc == 0 and "problems: nothing dropped or skipped" in split_parts(out)["train"], out + err
+
+
+def test_hints_read_no_unreadable_folder_and_name_a_yaml_of_another_name(tmp_path, capsys, monkeypatch):
+    root = tmp_path / "set"
+    (root / "lost+found").mkdir(parents=True)
+    (root / "dataset.yaml").write_text("train: images\nval: images\nnames: [a]\n")
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self.name == "lost+found":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    rc, out, err = check(capsys, ["--data", str(root)])
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"pass it itself: --data {root / 'dataset.yaml'}" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -125,8 +125,9 @@ def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
     """The annotation file and image folder of ``split`` (train, val, test) under a
     COCO-format ``root``:
 
-    - ``annotations/instances_<name>.json`` with the images in ``images/<name>/`` (CVAT's
-      and Datumaro's COCO export) or ``<name>/`` (COCO 2017: ``train2017/``; MMDetection's);
+    - ``annotations/instances_<name>.json`` with the images in ``<name>/`` (COCO 2017:
+      ``train2017/``; MMDetection's) or, where there is none, ``images/<name>/`` (CVAT's and
+      Datumaro's COCO export);
     - ``<name>/_annotations.coco.json`` with the images beside it (Roboflow's COCO export);
 
     ``<name>`` one of :data:`COCO_SUBSETS`. Every split is read in the layout of the first
@@ -148,8 +149,9 @@ def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
     kind, name = found
     if kind == "roboflow":
         return root / name / ROBOFLOW_ANN, root / name
-    images = root / "images" / name
-    return root / "annotations" / f"instances_{name}.json", images if images.is_dir() else root / name
+    # COCO 2017's and MMDetection's <name>/ first; CVAT's and Datumaro's images/<name>/ otherwise.
+    images = root / name if (root / name).is_dir() else root / "images" / name
+    return root / "annotations" / f"instances_{name}.json", images
 
 
 _FLAGS = {
@@ -369,8 +371,11 @@ class CocoDataset:
     def describe(self) -> str:
         """One line for the log: what was read and what the report counted."""
         r = self.report
+        # Roboflow's files share one name: their split folder says which one this is.
+        name = f"{self.ann_file.parent.name}/{ROBOFLOW_ANN}" if self.ann_file.name == ROBOFLOW_ANN \
+            else self.ann_file.name
         return (
-            f"{self.ann_file.name}: {_plural(r.images_kept, 'image')}, {_plural(r.boxes_kept, 'box')}, "
+            f"{name}: {_plural(r.images_kept, 'image')}, {_plural(r.boxes_kept, 'box')}, "
             f"{_plural(self.num_classes, 'class')}; {r.summary()}"
         )
 

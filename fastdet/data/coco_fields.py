@@ -43,26 +43,26 @@ def fill_coco_defaults(doc: dict) -> Counter:
 
 
 def grouping_categories(doc: dict) -> list[dict]:
-    """The entry of ``doc["categories"]`` that only groups the others, as a list (empty or one):
-    a category that every other category names as its ``supercategory``, and that no
-    annotation of ``doc`` is given.
+    """The entry of ``doc["categories"]`` that only groups the others, as a list (empty or
+    one): Roboflow's project entry, the category whose own ``supercategory`` is ``"none"``,
+    that every other category names as its ``supercategory``, and that no annotation of
+    ``doc`` is given.
 
-    Roboflow's COCO export puts one first (id 0, named after the project, supercategory
-    ``"none"``) and every class names it as its supercategory. Read as a class it would be
-    a class without a single box: an output channel trained only as background, a row of
-    ``-`` in every AP table. The loader and the scorer both leave it out, so the labels and
-    the scored categories agree. Only the root of the whole list counts, so that the train
-    and val files of a set, whose boxes differ, agree on it: a category that groups some
-    classes (a hierarchy's inner node), names itself (COCO's ``person``) or has boxes is a
-    class. A single-class project named after its class has two entries of that name, the
-    project (supercategory ``"none"``) and the class (supercategory itself): the project goes.
+    Roboflow's COCO export puts it first (id 0, named after the project). Read as a class it
+    would be a class without a single box: an output channel trained only as background, a
+    row of ``-`` in every AP table. The loader and the scorer both leave it out, so the
+    labels and the scored categories agree. Nothing else is left out: a hierarchy's root or
+    inner node may have boxes in one split and none in another, and the splits of a set must
+    keep one class list, so only Roboflow's marker counts (a single-class project named
+    after its class has two entries of that name, the project's and the class's: the
+    project's goes).
     """
     cats = [c for c in doc.get("categories") or () if isinstance(c, dict)]
     used = {a.get("category_id") for a in doc.get("annotations") or ()
             if isinstance(a, dict) and type(a.get("category_id")) is int}
     for c in cats:
         others = [d for d in cats if d is not c]
-        if others and type(c.get("id")) is int and c["id"] not in used and isinstance(c.get("name"), str) \
-                and c.get("supercategory") != c["name"] and all(d.get("supercategory") == c["name"] for d in others):
+        if others and c.get("supercategory") == "none" and type(c.get("id")) is int and c["id"] not in used \
+                and isinstance(c.get("name"), str) and all(d.get("supercategory") == c["name"] for d in others):
             return [c]
     return []

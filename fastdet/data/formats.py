@@ -97,7 +97,7 @@ def data_format(data: str) -> str:
     if p.suffix in (".yaml", ".yml", ".data"):
         return "yolo"
     if p.is_dir():
-        if (p / "Annotations").is_dir() and (p / "ImageSets").is_dir():
+        if _is_voc_root(p):
             return "voc"
         if ((p / "data.yaml").is_file() or (p / "obj.data").is_file()) and not (p / "annotations").is_dir():
             return "yolo"
@@ -120,7 +120,11 @@ def export_hint(data: str, split: str) -> Optional[str]:
         return (f"--data {data}: a YOLO export without a data.yaml ({classes.name}: LabelImg's or Label Studio's "
                 f"YOLO export), which names no train and val images; write {root / 'data.yaml'} with "
                 f"'train: {images}', 'val: <held-out images, or {images}>' and 'names: {names}'")
-    if any(_is_xml(f) for d in (root, *filter(Path.is_dir, root.iterdir())) for f in d.iterdir()):
+    yamls = sorted(y.name for y in (*root.glob("*.yaml"), *root.glob("*.yml")))
+    if yamls:
+        return (f"--data {data}: no data.yaml; it holds {', '.join(yamls[:3])}: if that is the set's YOLO "
+                f"description, pass it itself: --data {root / yamls[0]}")
+    if next(root.glob("*.[xX][mM][lL]"), None) or next(root.glob("*/*.[xX][mM][lL]"), None):
         return (f"--data {data}: VOC XMLs beside their images (LabelImg's PascalVOC save), not a VOC root; "
                 "put the images of each split with their XMLs in train/ and val/, or arrange a VOC root: "
                 "Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt and val.txt "
@@ -605,6 +609,12 @@ def _voc_folder(root: Path, split: str) -> Path:
     return folder
 
 
+def _is_voc_root(root: Path) -> bool:
+    """A Pascal VOC root: ``Annotations/`` and ``ImageSets/`` (its lists name the splits, even
+    where split folders of images are there too)."""
+    return (root / "Annotations").is_dir() and (root / "ImageSets").is_dir()
+
+
 def _is_xml(f: Path) -> bool:
     return f.suffix.lower() == ".xml" and f.is_file()
 
@@ -622,7 +632,7 @@ def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Opti
     files (None: found from the XMLs, ``_voc_image``), ``(reason, path)`` of the files not
     read, and the images read as background for want of an XML (counted in the report: a
     Roboflow export writes an XML for every image, so there one means lost labels)."""
-    if not is_voc_folders(root):
+    if _is_voc_root(root) or not is_voc_folders(root):
         lst, ids = _voc_ids(root, split)
         return lst, [root / "Annotations" / f"{i}.xml" for i in ids], None, [], []
     folder = _voc_folder(root, split)
@@ -632,7 +642,8 @@ def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Opti
     if not images:
         raise DataError(f"--data {root}: no images in {folder}")
     taken = [xmls.get(f.with_suffix("")) for f in images]
-    ignored = [("label file without an image", str(x)) for x in xmls.values() if x not in set(taken)]
+    paired = set(taken)
+    ignored = [("label file without an image", str(x)) for x in xmls.values() if x not in paired]
     ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS else "not an image file", str(f))
                 for f in found if f.suffix.lower() not in (*IMAGE_EXTS, ".xml")]
     background = [str(f) for f, x in zip(images, taken) if x is None]
@@ -662,7 +673,9 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
                 continue
             found |= {o[0] for x in other_xmls if x is not None for o in _parse_voc_xml(x)[2]}
         found = found or this
-    names = voc_class_names(root, found)
+    # A VOC root's classes default to VOC's 20 (a VOC year's subset); a set kept as folders is
+    # a set of its own: the names found.
+    names = voc_class_names(root, found) if listed is None or listed_names else sorted(found)
     where_names = (f"not in {root / 'label_list.txt'}" if listed_names
                    else "in no train or val XML: a model trained on this set does not know it")
     label = {n: i for i, n in enumerate(names)}
