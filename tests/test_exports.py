@@ -513,6 +513,21 @@ def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp
     rc, out, err = check(capsys, ["--data", str(tmp_path / "cvat" / "task_val")])
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "it holds annotations/instances_default.json (CVAT's COCO export" in err and "--val-ann" in err, err
+    # Split as the line says: a COCO root --data reads, every image in one split only.
+    split = err[err.index("python -m fastdet.data split "):].split()[4:]
+    split[split.index("<a") :] = [str(tmp_path / "cvat_split")]
+    assert split[:4] == ["--ann", str(tmp_path / "cvat" / "task_val" / "annotations" / "instances_default.json"),
+                         "--images", str(tmp_path / "cvat" / "task_val" / "images")], split
+    assert data_main(["split", *split]) == 0
+    assert "train on it with --data" in capsys.readouterr().out
+    rc, out, err = check(capsys, ["--data", str(tmp_path / "cvat_split")])
+    assert rc == 0 and out.count("problems: nothing dropped or skipped") == 2, out + err
+    parts = [json.loads((tmp_path / "cvat_split" / "annotations" / f"instances_{s}.json").read_text()) for s in SPLITS]
+    names = [{im["file_name"] for im in d["images"]} for d in parts]
+    n_val = _counts(demo_small)["val"][0]
+    assert not names[0] & names[1] and len(names[0]) + len(names[1]) == n_val and len(names[1]) == round(0.2 * n_val)
+    assert sum(len(d["annotations"]) for d in parts) == _counts(demo_small)["val"][1]
+    assert parts[0]["categories"] == parts[1]["categories"] == _coco(demo_small, "val")["categories"]
     rc, out, err = check(capsys, args[:4])  # train alone, no --data: one line saying what is missing
     assert rc == 1 and "give --data, or COCO files with --val-ann and --val-images" in err, err
 

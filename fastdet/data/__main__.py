@@ -1,4 +1,6 @@
-"""``python -m fastdet.data check --data ...``: the dataset report, without training.
+"""``python -m fastdet.data check --data ...``: the dataset report, without training;
+``python -m fastdet.data split --ann JSON --images DIR --output-dir OUT``: a single-split COCO
+export split into train and val (``fastdet.data.split``).
 
 For each split (train, then val; ``--splits`` picks them, ``test`` included): images and
 boxes kept, what was dropped or skipped and why (the same report training prints), boxes
@@ -14,12 +16,14 @@ import argparse
 import logging
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
 from fastdet.config import DataConfig
 from fastdet.data.coco import DataError
 from fastdet.data.formats import SPLITS, data_format, load_split
+from fastdet.data.split import split_export
 
 # Edges of the box-size histogram: sqrt(area) in pixels of the original image.
 SIZE_EDGES = (0, 8, 16, 32, 64, 96, 128, 256, 512, float("inf"))
@@ -77,12 +81,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check-images", choices=["none", "open", "decode"], default="open")
     c.add_argument("--splits", default="train,val", help="comma-separated train, val, test (default: train,val)")
     c.add_argument("--cache-dir", default=None)
+    sp = sub.add_parser("split", help="split a single-split COCO export (CVAT's instances_default.json, Label "
+                                      "Studio's result.json) into train and val that --data reads")
+    sp.add_argument("--ann", required=True, metavar="JSON", help="the export's COCO file")
+    sp.add_argument("--images", required=True, metavar="DIR", help="the folder its file_name are relative to")
+    sp.add_argument("--output-dir", required=True, metavar="OUT",
+                    help="where annotations/instances_{train,val}.json and the train/, val/ links to DIR go")
+    sp.add_argument("--val-fraction", type=float, default=0.2, help="the share of images held out (default 0.2)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--overwrite", action="store_true", help="replace the files an earlier split wrote there")
     return p
+
+
+def split_main(args: argparse.Namespace) -> int:
+    """``split``: the two files and links, then each split's one-line summary and the command."""
+    out = Path(args.output_dir).expanduser()
+    try:
+        train, val = split_export(Path(args.ann).expanduser(), Path(args.images), out, args.val_fraction,
+                                  args.seed, args.overwrite)
+    except (DataError, ValueError, OSError) as e:
+        print(f"fastdet.data: error: {e}", file=sys.stderr)
+        return 1
+    for name, ds in (("train", train), ("val", val)):
+        print(f"{name}: {ds.ann_file} ({len(ds)} images, {ds.report.boxes_kept} boxes)")
+    print(f"train on it with --data {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.command == "split":
+        return split_main(args)
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     bad = set(splits) - set(SPLITS)
     if bad or not splits:

@@ -131,10 +131,14 @@ def export_hint(data: str, split: str) -> Optional[str]:
                 "listing the ids of each split")
     jsons = sorted(str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")])
     if jsons:
+        # CVAT's file is in annotations/ with its images in images/; Label Studio's names
+        # them images/x.jpg from the folder it is in.
+        images = root / "images" if jsons[0].startswith("annotations") and (root / "images").is_dir() else root
         return (f"--data {data}: not a COCO root (no annotations/instances_{split}2017.json); it holds "
                 f"{', '.join(jsons[:3])} (CVAT's COCO export writes annotations/instances_default.json, Label "
                 "Studio's result.json): name a COCO export's files with --train-ann/--train-images and "
-                "--val-ann/--val-images")
+                "--val-ann/--val-images, or split one into train and val: python -m fastdet.data split --ann "
+                f"{root / jsons[0]} --images {images} --output-dir <a new folder>")
     return None
 
 

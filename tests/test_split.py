@@ -1,0 +1,89 @@
+"""``python -m fastdet.data split``: a single-split COCO export into train and val.
+
+What must hold: every image and its boxes land in exactly one split, the same seed gives
+the same split, both files keep the export's categories and fields, ``--data OUT`` reads
+the result, bad values are one line before anything is written, and nothing existing is
+replaced without ``--overwrite`` (and not even then when it is not a split's own output).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fastdet.data.__main__ import main as data_main
+
+
+def export(demo_small: Path, root: Path) -> tuple[Path, Path]:
+    """CVAT's task export of the demo train split, with its own top-level fields."""
+    doc = json.loads((demo_small / "annotations" / "instances_train2017.json").read_text())
+    doc.update(info={"contributor": "cvat"}, licenses=[{"id": 0, "name": "", "url": ""}])
+    shutil.copytree(demo_small / "train2017", root / "images")
+    (root / "annotations").mkdir()
+    (root / "annotations" / "instances_default.json").write_text(json.dumps(doc))
+    return root / "annotations" / "instances_default.json", root / "images"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = data_main(["split", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def val_names(out: Path) -> set[str]:
+    return {im["file_name"] for im in json.loads((out / "annotations" / "instances_val.json").read_text())["images"]}
+
+
+def test_split_is_a_partition_by_image_repeatable_by_seed_and_reads_as_data(demo_small, tmp_path, capsys):
+    ann, images = export(demo_small, tmp_path / "cvat")
+    doc = json.loads(ann.read_text())
+    out = tmp_path / "out"
+    rc, stdout, err = run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(out),
+                          "--val-fraction", "0.25", "--seed", "3")
+    assert rc == 0, err
+    parts = [json.loads((out / "annotations" / f"instances_{s}.json").read_text()) for s in ("train", "val")]
+    ids = [{im["id"] for im in p["images"]} for p in parts]
+    assert not ids[0] & ids[1] and ids[0] | ids[1] == {im["id"] for im in doc["images"]}
+    assert len(ids[1]) == round(0.25 * len(doc["images"]))
+    for p, own in zip(parts, ids):  # each box with its image, none lost
+        assert {a["image_id"] for a in p["annotations"]} <= own
+        assert p["categories"] == doc["categories"] and p["info"] == doc["info"] and p["licenses"] == doc["licenses"]
+    assert sum(len(p["annotations"]) for p in parts) == len(doc["annotations"])
+    assert f"train on it with --data {out}" in stdout
+    assert data_main(["check", "--data", str(out), "--check-images", "decode"]) == 0
+    assert "problems: nothing dropped or skipped" in capsys.readouterr().out
+    # The same seed: the same split; another seed: another one (replacing needs --overwrite).
+    first = val_names(out)
+    rc, _, err = run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(out),
+                     "--val-fraction", "0.25", "--seed", "3")
+    assert rc == 1 and "add --overwrite to replace them" in err and val_names(out) == first, err
+    assert run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "again"),
+               "--val-fraction", "0.25", "--seed", "3")[0] == 0
+    assert val_names(tmp_path / "again") == first
+    assert run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(out),
+               "--val-fraction", "0.25", "--seed", "4", "--overwrite")[0] == 0
+    assert val_names(out) != first
+
+
+def test_split_refuses_in_one_line_before_writing(demo_small, tmp_path, capsys):
+    ann, images = export(demo_small, tmp_path / "cvat")
+    mine = tmp_path / "mine"
+    (mine / "train").mkdir(parents=True)  # a folder of the user's, not a split's link
+    one = tmp_path / "one.json"
+    doc = json.loads(ann.read_text())
+    one.write_text(json.dumps({**doc, "images": doc["images"][:1], "annotations": []}))
+    cases = [
+        (["--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "a"), "--val-fraction", "1"],
+         "--val-fraction must be between 0 and 1, got 1"),
+        (["--ann", str(tmp_path / "nope.json"), "--images", str(images), "--output-dir", str(tmp_path / "b")],
+         "annotation file not found"),
+        (["--ann", str(one), "--images", str(images), "--output-dir", str(tmp_path / "c")],
+         "1 image(s): a split needs at least 2"),
+        (["--ann", str(ann), "--images", str(images), "--output-dir", str(mine), "--overwrite"],
+         f"{mine / 'train'} exists and is not a link to {images}"),
+    ]
+    for argv, message in cases:
+        rc, _, err = run(capsys, *argv)
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+    assert not any((tmp_path / d).exists() for d in "abc") and not (mine / "annotations").exists()
