@@ -66,6 +66,28 @@ def test_split_is_a_partition_by_image_repeatable_by_seed_and_reads_as_data(demo
     assert val_names(out) != first
 
 
+def test_every_class_keeps_a_training_image(demo_small, tmp_path, capsys):
+    """A class with a single image: drawn for val it goes back to train (the model must see
+    it), and the summary says val has no box of it."""
+    ann, images = export(demo_small, tmp_path / "cvat")
+    doc = json.loads(ann.read_text())
+    rare = doc["annotations"][0]
+    doc["categories"].append({"id": 99, "name": "rare", "supercategory": ""})
+    doc["annotations"].append({**rare, "id": 10_000, "category_id": 99})
+    ann.write_text(json.dumps(doc))
+    seeds = []
+    for seed in range(40):  # seeds that draw the rare image for val
+        out = tmp_path / f"s{seed}"
+        rc, stdout, err = run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(out),
+                              "--val-fraction", "0.5", "--seed", str(seed))
+        assert rc == 0, err
+        train = json.loads((out / "annotations" / "instances_train.json").read_text())
+        assert 99 in {a["category_id"] for a in train["annotations"]}, seed
+        if "no box of 1 class(es) in val: rare (not scored on this val split)" in stdout:
+            seeds.append(seed)
+    assert seeds  # some seed drew it for val first: the case the rule is for
+
+
 def test_split_refuses_in_one_line_before_writing(demo_small, tmp_path, capsys):
     ann, images = export(demo_small, tmp_path / "cvat")
     mine = tmp_path / "mine"

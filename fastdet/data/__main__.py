@@ -104,6 +104,11 @@ def split_main(args: argparse.Namespace) -> int:
         return 1
     for name, ds in (("train", train), ("val", val)):
         print(f"{name}: {ds.ann_file} ({len(ds)} images, {ds.report.boxes_kept} boxes)")
+        boxed = {int(k) for r in ds.records for k in r.labels}
+        missing = [n for k, n in enumerate(ds.class_names) if k not in boxed]
+        if missing:
+            print(f"  no box of {len(missing)} class(es) in {name}: {', '.join(missing[:10])}"
+                  + (" (not scored on this val split)" if name == "val" else " (not learned from this split)"))
     print(f"train on it with --data {out}")
     return 0
 

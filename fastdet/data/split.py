@@ -30,13 +30,23 @@ from fastdet.runtime.outputs import refuse_replacing
 
 def split_images(doc: dict, val_fraction: float, seed: int) -> tuple[set, set]:
     """The image ids of train and val: ``round(val_fraction * N)`` images drawn for val (at
-    least 1, at most N - 1), the same for the same ``seed`` and file."""
+    least 1, at most N - 1), the same for the same ``seed`` and file; then, for each class
+    whose every image was drawn for val, its first drawn image goes back to train (a class
+    the model never sees in training cannot be learned; one missing from val only goes
+    unscored, and is said)."""
     ids = [im["id"] for im in doc["images"]]
     if len(ids) < 2:
         raise coco.DataError(f"{len(ids)} image(s): a split needs at least 2")
     n_val = min(len(ids) - 1, max(1, round(val_fraction * len(ids))))
     order = np.random.default_rng(seed).permutation(len(ids))
-    val = {ids[i] for i in order[:n_val]}
+    drawn = [ids[i] for i in order[:n_val]]
+    val = set(drawn)
+    images_of: dict = {}
+    for a in doc["annotations"]:
+        images_of.setdefault(a["category_id"], set()).add(a["image_id"])
+    for cat in sorted(images_of, key=str):
+        if images_of[cat] <= val and len(val) > 1:
+            val.discard(next(i for i in drawn if i in images_of[cat]))
     return set(ids) - val, val
 
 
