@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -468,11 +469,17 @@ def test_a_voc_root_with_split_folders_beside_it_reads_its_lists(demo_small, tmp
     assert rc == 0 and "4 classes" in out and "20 classes" not in out, out + err
 
 
-def test_a_coco_root_takes_its_split_folder_before_an_images_folder(demo_small, tmp_path, capsys):
+def test_a_coco_root_takes_the_split_folder_that_holds_the_images(demo_small, tmp_path, capsys):
     root = tmp_path / "coco"
     shutil.copytree(demo_small, root)
     (root / "images" / "train2017").mkdir(parents=True)  # empty, as a tool may leave it
     rc, out, err = check(capsys, ["--data", str(root)])
+    assert rc == 0 and "problems: nothing dropped or skipped" in split_parts(out)["train"], out + err
+    # And the other way round: CVAT's images/<subset>/ full beside an empty <subset>/.
+    cvat = tmp_path / "cvat"
+    cvat_coco_subsets(demo_small, cvat)
+    (cvat / "Train").mkdir()
+    rc, out, err = check(capsys, ["--data", str(cvat)])
     assert rc == 0 and "problems: nothing dropped or skipped" in split_parts(out)["train"], out + err
 
 
@@ -514,12 +521,13 @@ def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "it holds annotations/instances_default.json (CVAT's COCO export" in err and "--val-ann" in err, err
     # Split as the line says: a COCO root --data reads, every image in one split only.
-    split = err[err.index("python -m fastdet.data split "):].split()[4:]
-    split[split.index("<a") :] = [str(tmp_path / "cvat_split")]
-    assert split[:4] == ["--ann", str(tmp_path / "cvat" / "task_val" / "annotations" / "instances_default.json"),
-                         "--images", str(tmp_path / "cvat" / "task_val" / "images")], split
+    split = shlex.split(err[err.index("python -m fastdet.data split "):])[4:]  # pasted as it is
+    assert split == ["--ann", str(tmp_path / "cvat" / "task_val" / "annotations" / "instances_default.json"),
+                     "--images", str(tmp_path / "cvat" / "task_val" / "images"),
+                     "--output-dir", str(tmp_path / "cvat" / "task_val") + "_split"], split
     assert data_main(["split", *split]) == 0
     assert "train on it with --data" in capsys.readouterr().out
+    shutil.move(str(tmp_path / "cvat" / "task_val") + "_split", tmp_path / "cvat_split")
     rc, out, err = check(capsys, ["--data", str(tmp_path / "cvat_split")])
     assert rc == 0 and out.count("problems: nothing dropped or skipped") == 2, out + err
     parts = [json.loads((tmp_path / "cvat_split" / "annotations" / f"instances_{s}.json").read_text()) for s in SPLITS]
@@ -575,6 +583,12 @@ def test_labelstudio_coco_export_checks_as_it_is_with_its_missing_areas_counted(
         assert f"problems: filled in {boxes} missing 'area'" in split_parts(out)[split], out
     rc, out, err = check(capsys, ["--data", str(tmp_path / "ls" / "project_train")])
     assert rc == 1 and "it holds result.json (CVAT's COCO export" in err and "--train-ann" in err, err
+    # Its split command, pasted as it is, gives a set --data reads (file names images/x.jpg).
+    assert data_main(["split", *shlex.split(err[err.index("python -m fastdet.data split "):])[4:]]) == 0
+    capsys.readouterr()
+    rc, out, err = check(capsys, ["--data", str(tmp_path / "ls" / "project_train") + "_split"])
+    assert rc == 0, out + err
+    assert sum(int(n) for n in re.findall(r"\n  (\d+) images", out)) == _counts(demo_small)["train"][0], out
 
 
 def test_phone_pictures_check_with_the_heic_counted_and_the_sideways_one_turned(demo_small, tmp_path, capsys):

@@ -9,6 +9,7 @@ replaced without ``--overwrite`` (and not even then when it is not a split's own
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -103,9 +104,32 @@ def test_split_refuses_in_one_line_before_writing(demo_small, tmp_path, capsys):
         (["--ann", str(one), "--images", str(images), "--output-dir", str(tmp_path / "c")],
          "1 image(s): a split needs at least 2"),
         (["--ann", str(ann), "--images", str(images), "--output-dir", str(mine), "--overwrite"],
-         f"{mine / 'train'} exists and is not a link to {images}"),
+         f"{mine / 'train'} is not a link an earlier split made"),
+        (["--ann", str(ann), "--images", str(images.parent), "--output-dir", str(tmp_path / "d")],
+         f"no usable images in {images.parent}"),  # the wrong folder: said before writing
+        (["--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "e"), "--seed", "-1"],
+         "--seed must be 0 or more, got -1"),
+        (["--ann", str(ann), "--images", str(images), "--output-dir", str(ann)], f"--output-dir {ann} is a file"),
     ]
     for argv, message in cases:
         rc, _, err = run(capsys, *argv)
         assert rc == 1 and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
-    assert not any((tmp_path / d).exists() for d in "abc") and not (mine / "annotations").exists()
+    assert not any((tmp_path / d).exists() for d in "abcde") and not (mine / "annotations").exists()
+
+
+def test_links_survive_the_working_directory_and_overwrite_follows_a_moved_export(demo_small, tmp_path, capsys,
+                                                                                   monkeypatch):
+    ann, images = export(demo_small, tmp_path / "cvat")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert run(capsys, "--ann", "../cvat/annotations/instances_default.json", "--images", "../cvat/images",
+               "--output-dir", "../out")[0] == 0
+    assert Path(os.readlink(tmp_path / "out" / "train")) == images.resolve()  # not ../cvat/images from work/
+    shutil.move(tmp_path / "cvat", tmp_path / "moved")
+    moved = tmp_path / "moved"
+    rc, out, err = run(capsys, "--ann", str(moved / "annotations" / "instances_default.json"), "--images",
+                       str(moved / "images"), "--output-dir", str(tmp_path / "out"), "--overwrite")
+    assert rc == 0, err
+    assert Path(os.readlink(tmp_path / "out" / "val")) == (moved / "images").resolve()
+    assert data_main(["check", "--data", str(tmp_path / "out")]) == 0

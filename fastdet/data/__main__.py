@@ -97,11 +97,12 @@ def split_main(args: argparse.Namespace) -> int:
     """``split``: the two files and links, then each split's one-line summary and the command."""
     out = Path(args.output_dir).expanduser()
     try:
-        train, val = split_export(Path(args.ann).expanduser(), Path(args.images), out, args.val_fraction,
-                                  args.seed, args.overwrite)
+        export, train, val = split_export(Path(args.ann).expanduser(), Path(args.images), out, args.val_fraction,
+                                          args.seed, args.overwrite)
     except (DataError, ValueError, OSError) as e:
         print(f"fastdet.data: error: {e}", file=sys.stderr)
         return 1
+    print(f"{export.ann_file}: {len(export)} images, {export.report.boxes_kept} boxes; {export.report.summary()}")
     for name, ds in (("train", train), ("val", val)):
         print(f"{name}: {ds.ann_file} ({len(ds)} images, {ds.report.boxes_kept} boxes)")
         boxed = {int(k) for r in ds.records for k in r.labels}

@@ -149,8 +149,13 @@ def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
     kind, name = found
     if kind == "roboflow":
         return root / name / ROBOFLOW_ANN, root / name
-    # COCO 2017's and MMDetection's <name>/ first; CVAT's and Datumaro's images/<name>/ otherwise.
-    images = root / name if (root / name).is_dir() else root / "images" / name
+    # COCO 2017's and MMDetection's <name>/ (or a link of fastdet.data split's, even broken:
+    # then named as missing), unless it is empty beside CVAT's and Datumaro's images/<name>/.
+    own, nested = root / name, root / "images" / name
+    if own.is_symlink() or not nested.is_dir():
+        images = own
+    else:
+        images = own if own.is_dir() and next(own.iterdir(), None) is not None else nested
     return root / "annotations" / f"instances_{name}.json", images
 
 

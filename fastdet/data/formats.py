@@ -60,6 +60,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Optional
@@ -129,16 +130,20 @@ def export_hint(data: str, split: str) -> Optional[str]:
                 "put the images of each split with their XMLs in train/ and val/, or arrange a VOC root: "
                 "Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt and val.txt "
                 "listing the ids of each split")
-    jsons = sorted(str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")])
+    jsons = sorted((str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")]),
+                   key=lambda j: (Path(j).name not in ("instances_default.json", "result.json"), j))
     if jsons:
-        # CVAT's file is in annotations/ with its images in images/; Label Studio's names
-        # them images/x.jpg from the folder it is in.
-        images = root / "images" if jsons[0].startswith("annotations") and (root / "images").is_dir() else root
+        # CVAT's file is in annotations/ with its images in images/ (images/default/ in some
+        # versions); Label Studio's names them images/x.jpg from the folder it is in.
+        images = root
+        if jsons[0].startswith("annotations") and (root / "images").is_dir():
+            images = root / "images" / "default" if (root / "images" / "default").is_dir() else root / "images"
         return (f"--data {data}: not a COCO root (no annotations/instances_{split}2017.json); it holds "
                 f"{', '.join(jsons[:3])} (CVAT's COCO export writes annotations/instances_default.json, Label "
                 "Studio's result.json): name a COCO export's files with --train-ann/--train-images and "
                 "--val-ann/--val-images, or split one into train and val: python -m fastdet.data split --ann "
-                f"{root / jsons[0]} --images {images} --output-dir <a new folder>")
+                f"{shlex.quote(str(root / jsons[0]))} --images {shlex.quote(str(images))} --output-dir "
+                f"{shlex.quote(str(root.absolute()) + '_split')}")
     return None
 
 

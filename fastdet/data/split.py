@@ -59,21 +59,28 @@ def subset(doc: dict, image_ids: set) -> dict:
 
 
 def split_export(ann: Path, images: Path, out: Path, val_fraction: float, seed: int,
-                 overwrite: bool) -> tuple[coco.CocoDataset, coco.CocoDataset]:
-    """Write ``out`` (see the module docstring) and return its two splits as read back."""
+                 overwrite: bool) -> tuple[coco.CocoDataset, coco.CocoDataset, coco.CocoDataset]:
+    """Write ``out`` (see the module docstring); return the export as read (its report: what
+    training will skip) and its two splits as read back. Every check comes before the first
+    write: the flags, the file, its images under ``images`` (headers read: a wrong folder is
+    one line naming it), what ``out`` already holds."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction must be between 0 and 1, got {val_fraction:g}")
-    images = images.expanduser().absolute()
+    if seed < 0:
+        raise ValueError(f"--seed must be 0 or more, got {seed}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir {out} is a file, not a folder")
+    images = images.expanduser().resolve()  # the links hold this: the same from any working directory
     doc = coco._read_json(ann)
-    coco.load_coco_doc(json.loads(json.dumps(doc)), ann, images, train=False, check_images="none")
+    export = coco.load_coco_doc(json.loads(json.dumps(doc)), ann, images, train=False, check_images="open")
     train_ids, val_ids = split_images(doc, val_fraction, seed)
     files = {out / "annotations" / "instances_train.json": subset(doc, train_ids),
              out / "annotations" / "instances_val.json": subset(doc, val_ids)}
     links = [out / "train", out / "val"]
-    if overwrite:  # only what this command wrote: links to the same folder, or files
+    if overwrite:  # what an earlier split wrote: its files, and links (to wherever they pointed)
         for link in links:
-            if link.exists() and not (link.is_symlink() and link.resolve() == images.resolve()):
-                raise ValueError(f"--output-dir {out}: {link} exists and is not a link to {images}; "
+            if link.exists() and not link.is_symlink():
+                raise ValueError(f"--output-dir {out}: {link} is not a link an earlier split made; "
                                  "choose another folder")
     else:
         refuse_replacing([*files, *links], f"--output-dir {out}", "--overwrite")
@@ -81,7 +88,8 @@ def split_export(ann: Path, images: Path, out: Path, val_fraction: float, seed: 
     for path, part in files.items():
         path.write_text(json.dumps(part))
     for link in links:
-        if not link.is_symlink():
-            os.symlink(images, link, target_is_directory=True)
-    return tuple(coco.load_coco(path, link, train=False, check_images="none")  # type: ignore[return-value]
-                 for path, link in zip(files, links))
+        if link.is_symlink():
+            link.unlink()
+        os.symlink(images, link, target_is_directory=True)
+    train, val = (coco.load_coco(path, link, train=False, check_images="none") for path, link in zip(files, links))
+    return export, train, val
