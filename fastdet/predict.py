@@ -30,6 +30,7 @@ import argparse
 import glob
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -67,7 +68,12 @@ def find_images(source: str) -> list[Path]:
     if path.is_dir():
         files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
-            raise ValueError(f"--source {source}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+            # A set's folder keeps its images one level down (images/, an export's split folders).
+            below = Counter(f.suffix for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            where = (f"; its subfolders hold {sum(below.values())}: pass a pattern, e.g. --source "
+                     f"'{path / '**' / ('*' + below.most_common(1)[0][0])}'" if below else "")
+            raise ValueError(f"--source {source}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})"
+                             f"{where}")
         return files
     if glob.has_magic(source):
         files = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())

@@ -246,3 +246,9 @@ def test_predict_finds_the_image_files_the_set_readers_read(tmp_path):
     for name in ("a.jpg", "b.JPG", "c.jfif", "d.HEIC", "notes.txt"):
         (tmp_path / name).write_bytes(b"")
     assert [f.name for f in find_images(str(tmp_path))] == ["a.jpg", "b.JPG", "c.jfif"]
+    # A folder whose images are one level down (an export's images/): the line says how to reach them.
+    (tmp_path / "set" / "images").mkdir(parents=True)
+    (tmp_path / "set" / "images" / "x.png").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"its subfolders hold 1: pass a pattern, e.g. --source '.*/set/\*\*/\*\.png'"):
+        find_images(str(tmp_path / "set"))
+    assert [f.name for f in find_images(str(tmp_path / "set" / "**" / "*.png"))] == ["x.png"]
