@@ -301,14 +301,22 @@ def assert_counts(out: str, counts: dict[str, tuple[int, int]]) -> None:
         assert re.search(rf"\n  {n_images} images \(\d+ without boxes\), {n_boxes} boxes, 4 classes\n", part), part
 
 
+def read_as_it_is(capsys, args: list[str], fmt: str, demo_small: Path) -> str:
+    """``fastdet.data check`` of a form read as it is: exit 0, named by its format, the demo
+    set's images and boxes in each split with its 4 classes; returns the output."""
+    rc, out, err = check(capsys, args)
+    assert rc == 0, err
+    assert f"{fmt} format" in out, out
+    assert_counts(out, _counts(demo_small))
+    return out
+
+
 # ----------------------------------------------------------------------------- check, as they are
 
 def test_roboflow_export_checks_as_it_is(demo_small, tmp_path, capsys):
     args = roboflow(demo_small, tmp_path / "rf")
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "YOLO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
-    assert_counts(out, _counts(demo_small))
+    out = read_as_it_is(capsys, args, "YOLO", demo_small)
+    assert out.count("problems: nothing dropped or skipped") == 2, out
 
 
 def test_roboflow_coco_export_checks_as_it_is_with_its_project_category_left_out(demo_small, tmp_path, capsys):
@@ -316,10 +324,7 @@ def test_roboflow_coco_export_checks_as_it_is_with_its_project_category_left_out
 
     root = tmp_path / "rfc"
     args = roboflow_coco(demo_small, root)
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "COCO format" in out, out
-    assert_counts(out, _counts(demo_small))  # 4 classes, not 5
+    out = read_as_it_is(capsys, args, "COCO", demo_small)  # 4 classes, not 5
     from fastdet.config import DataConfig
     from fastdet.data.formats import load_split
 
@@ -350,10 +355,8 @@ def test_roboflow_coco_export_checks_as_it_is_with_its_project_category_left_out
 def test_roboflow_voc_export_checks_as_it_is(demo_small, tmp_path, capsys):
     root = tmp_path / "rfv"
     args = roboflow_voc(demo_small, root)
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "VOC format" in out and out.count("problems: nothing dropped or skipped") == 2, out
-    assert_counts(out, _counts(demo_small))
+    out = read_as_it_is(capsys, args, "VOC", demo_small)
+    assert out.count("problems: nothing dropped or skipped") == 2, out
     assert str(root / "valid") in split_parts(out)["val"], out
     # Its test split, as fastdet.eval --split test reads it.
     rc, out, err = check(capsys, args + ["--splits", "test"])
@@ -546,10 +549,8 @@ def test_cvat_coco_export_checks_as_it_is_and_its_root_is_a_hint(demo_small, tmp
 def test_coco_roots_with_other_split_names_check_as_they_are(demo_small, tmp_path, capsys, make, files):
     root = tmp_path / make.__name__
     args = make(demo_small, root)
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "COCO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
-    assert_counts(out, _counts(demo_small))
+    out = read_as_it_is(capsys, args, "COCO", demo_small)
+    assert out.count("problems: nothing dropped or skipped") == 2, out
     for split, f in zip(SPLITS, files):
         assert f"{split}: {root / f}\n" in out, out
     # Without its val split: one line naming the file, in the set's own names.
@@ -561,10 +562,8 @@ def test_coco_roots_with_other_split_names_check_as_they_are(demo_small, tmp_pat
 
 def test_cvat_yolo_export_checks_as_it_is(demo_small, tmp_path, capsys):
     args = cvat_yolo(demo_small, tmp_path / "cvat_yolo")
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "YOLO format" in out and out.count("problems: nothing dropped or skipped") == 2, out
-    assert_counts(out, _counts(demo_small))
+    out = read_as_it_is(capsys, args, "YOLO", demo_small)
+    assert out.count("problems: nothing dropped or skipped") == 2, out
     # Without a validation subset CVAT writes no valid.txt: one line saying what to add.
     data = tmp_path / "cvat_yolo" / "obj.data"
     data.write_text(data.read_text().replace("valid = data/valid.txt\n", ""))
@@ -654,10 +653,7 @@ def test_labelimg_yolo_is_refused_saying_what_to_write_then_reads_with_classes_t
 def test_labelimg_voc_in_split_folders_reads_as_it_is_and_in_one_folder_is_refused(demo_small, tmp_path, capsys):
     root = tmp_path / "liv"
     args = labelimg_voc(demo_small, root)
-    rc, out, err = check(capsys, args)
-    assert rc == 0, err
-    assert "VOC format" in out, out
-    assert_counts(out, _counts(demo_small))  # the images without an XML are background images, counted
+    out = read_as_it_is(capsys, args, "VOC", demo_small)  # the images without an XML are background images, counted
     for split in SPLITS:
         doc = _coco(demo_small, split)
         empty = [im["file_name"] for im in doc["images"] if im["id"] not in {a["image_id"] for a in doc["annotations"]}]

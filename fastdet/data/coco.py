@@ -95,7 +95,9 @@ COCO_SUBSETS = {"train": ("train2017", "train", "Train"),
 _VAL_ALIAS_SCHEME = {"valid": 1, "Val": 2, "validation": 1}
 # Roboflow's COCO export: one folder per split (train, valid, test), each holding its images and this file.
 ROBOFLOW_ANN = "_annotations.coco.json"
-_ROBOFLOW_NAMES = {"train": "train", "val": "valid", "test": "test"}
+# The folders of a set kept as one folder per split (Roboflow's COCO and VOC exports, VOC
+# XMLs sorted by split): each split's names, the first the one a missing split is named by.
+SPLIT_FOLDERS = {"train": ("train",), "val": ("valid", "val"), "test": ("test",)}
 
 
 def find_split(root: Path, split: str, kind: Optional[str] = None) -> Optional[tuple[str, str]]:
@@ -141,7 +143,7 @@ def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
     found = find_split(root, split, kind)
     if found is None:
         if kind == "roboflow":
-            found = kind, _ROBOFLOW_NAMES[split]
+            found = kind, SPLIT_FOLDERS[split][0]
         else:
             name = layout[2] if layout else "train2017"
             index = COCO_SUBSETS[layout[1] if layout else "train"].index(name)
@@ -182,16 +184,13 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
     explicit = {k: getattr(data_cfg, k) for k in _FLAGS}
     base: DataPaths | None = None
     if any(explicit[k] is None for k in wanted):
-        if data_cfg.data == "demo":
-            base = coco_layout(demo.demo_root(data_cfg.cache_dir))
-        else:
-            root = Path(data_cfg.data).expanduser()
-            if not root.is_dir():
-                raise DataError(
-                    f"--data {data_cfg.data}: no such directory (expected 'demo' or a COCO root "
-                    "with annotations/ and train2017/, val2017/)"
-                )
-            base = DataPaths(*split_paths(root, "train"), *split_paths(root, "val"))
+        root = demo.demo_root(data_cfg.cache_dir) if data_cfg.data == "demo" else Path(data_cfg.data).expanduser()
+        if not root.is_dir():
+            raise DataError(
+                f"--data {data_cfg.data}: no such directory (expected 'demo' or a COCO root "
+                "with annotations/ and train2017/, val2017/)"
+            )
+        base = DataPaths(*split_paths(root, "train"), *split_paths(root, "val"))
     out: dict[str, Any] = {k: None for k in _FLAGS}
     for key in wanted:
         flag = _FLAGS[key]

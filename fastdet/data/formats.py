@@ -83,8 +83,6 @@ FORMATS = ("coco", "yolo", "voc")
 # the image and counted): converters that take VOC's 1-based pixels as 0-based write a
 # full-width box as w = 1 + 1/W (1.0016 at 640 px). Further out is an error.
 _TOL = 0.01
-# A set kept as one folder per split (Roboflow's exports): the folder names of each split.
-_FOLDER_SPLITS = {"train": ("train",), "val": ("valid", "val"), "test": ("test",)}
 SPLITS = ("train", "val", "test")
 
 log = logging.getLogger(__name__)
@@ -610,7 +608,7 @@ def _voc_folder(root: Path, split: str) -> Path:
     """The split's folder of a VOC set kept as folders of images with their XMLs beside
     them (Roboflow's Pascal VOC export: ``train/``, ``valid/``, ``test/``; LabelImg's saves
     sorted into ``train/`` and ``val/``)."""
-    names = _FOLDER_SPLITS[split]
+    names = coco.SPLIT_FOLDERS[split]
     folder = next((root / n for n in names if (root / n).is_dir()), None)
     if folder is None:
         raise DataError(f"--data {root}: no {' or '.join(n + '/' for n in names)} folder (the {split} images "
@@ -631,7 +629,7 @@ def _is_xml(f: Path) -> bool:
 def is_voc_folders(root: Path) -> bool:
     """Whether ``root`` holds a VOC set as folders (see :func:`_voc_folder`): a split's
     folder (``train/``, ``valid/``, ``val/``, ``test/``) with XMLs in it, at any depth."""
-    folders = {root / n for names in _FOLDER_SPLITS.values() for n in names}
+    folders = {root / n for names in coco.SPLIT_FOLDERS.values() for n in names}
     return any(next(filter(_is_xml, d.rglob("*")), None) is not None for d in folders if d.is_dir())
 
 

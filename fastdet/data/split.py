@@ -18,6 +18,7 @@ existing is replaced unless asked.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -72,7 +73,7 @@ def split_export(ann: Path, images: Path, out: Path, val_fraction: float, seed: 
         raise ValueError(f"--output-dir {out} is a file, not a folder")
     images = images.expanduser().resolve()  # the links hold this: the same from any working directory
     doc = coco._read_json(ann)
-    export = coco.load_coco_doc(json.loads(json.dumps(doc)), ann, images, train=False, check_images="open")
+    export = coco.load_coco_doc(copy.deepcopy(doc), ann, images, train=False, check_images="open")
     train_ids, val_ids = split_images(doc, val_fraction, seed)
     files = {out / "annotations" / "instances_train.json": subset(doc, train_ids),
              out / "annotations" / "instances_val.json": subset(doc, val_ids)}
