@@ -6,7 +6,9 @@ phone's JPEGs (.jpg/.JPG/.jpeg, one stored sideways, one .HEIC).
 
 Each goes through ``python -m fastdet.data check`` (what the report says: counts, and
 examples naming the files), or is refused in one line saying what to change, after which
-the set as changed is read; one slow test trains every readable form for two steps.
+the set as changed is read; the exports that name no splits are split by the
+``fastdet.data split`` command their refusal gives; one slow test trains every readable
+form (two of them as split) for two steps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import pytest
 import yaml
 from PIL import Image
 
+from fastdet.config import DataConfig
 from fastdet.data.__main__ import main as data_main
+from fastdet.data.formats import load_split
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
 SPLITS = ("train", "val")
@@ -607,7 +611,7 @@ def test_phone_pictures_check_with_the_heic_counted_and_the_sideways_one_turned(
 
 def _data_yaml_from_hint(err: str, root: Path, val: str | None = None) -> Path:
     """The data.yaml the one-line refusal asks for, written as it says."""
-    m = re.search(r"write (\S+) with 'train: (\S+)', 'val: <held-out images, or \S+>' and 'names: (\[.*\])'", err)
+    m = re.search(r"write (\S+) with 'train: (\S+)', 'val: <held-out images>' and 'names: (\[.*\])'", err)
     assert m, err
     train, names = m.group(2), yaml.safe_load(m.group(3))
     Path(m.group(1)).write_text(yaml.safe_dump({"train": train, "val": val or train, "names": names}))
@@ -677,6 +681,108 @@ def test_labelimg_voc_in_split_folders_reads_as_it_is_and_in_one_folder_is_refus
     assert "in train/ and val/" in err and "Annotations/<id>.xml" in err and "ImageSets/Main/train.txt" in err
 
 
+# ----------------------------------------------------------------------------- one folder, split as told
+
+def _one_folder(make, demo_small: Path, root: Path) -> None:
+    """``make``'s export with the split folders' files moved into one folder, ``all/``, as a
+    tool saves them before anyone sorts them."""
+    make(demo_small, root)
+    (root / "all").mkdir()
+    for split in SPLITS:
+        for f in (root / split).iterdir():
+            shutil.move(f, root / "all" / f.name)
+        (root / split).rmdir()
+
+
+def _total(demo_small: Path) -> tuple[int, int]:
+    """(images, boxes) of the demo set's train and val together."""
+    counts = _counts(demo_small).values()
+    return sum(n for n, _ in counts), sum(b for _, b in counts)
+
+
+def labelimg_yolo_in_one_folder(demo_small: Path, root: Path) -> tuple[int, int]:
+    _one_folder(labelimg_yolo, demo_small, root)
+    return _total(demo_small)
+
+
+def labelimg_voc_in_one_folder(demo_small: Path, root: Path) -> tuple[int, int]:
+    _one_folder(labelimg_voc, demo_small, root)
+    return _total(demo_small)
+
+
+def labelstudio_yolo_export(demo_small: Path, root: Path) -> tuple[int, int]:
+    labelstudio_yolo(demo_small, root)
+    return _total(demo_small)
+
+
+def cvat_yolo_without_validation(demo_small: Path, root: Path) -> tuple[int, int]:
+    """A CVAT "YOLO 1.1" task without a Validation subset: no ``valid`` line, no valid.txt."""
+    cvat_yolo(demo_small, root)
+    (root / "obj.data").write_text((root / "obj.data").read_text().replace("valid = data/valid.txt\n", ""))
+    (root / "valid.txt").unlink()
+    shutil.rmtree(root / "obj_valid_data")
+    return _counts(demo_small)["train"]
+
+
+@pytest.mark.parametrize("make, fmt", [(labelstudio_yolo_export, "YOLO"), (labelimg_yolo_in_one_folder, "YOLO"),
+                                       (cvat_yolo_without_validation, "YOLO"), (labelimg_voc_in_one_folder, "VOC")])
+def test_a_single_split_export_splits_by_the_command_its_refusal_gives(make, fmt, demo_small, tmp_path, capsys):
+    """The refusal's split command, pasted as it is, writes train and val in the export's
+    format: every image in one split only, every box with its image, the same split for the
+    same seed, and ``--data`` reads it with nothing dropped."""
+    root = tmp_path / "export"
+    n_images, n_boxes = make(demo_small, root)
+    rc, out, err = check(capsys, ["--data", str(root)])
+    assert rc == 1 and "python -m fastdet.data split --data " in err, err
+    argv = shlex.split(err[err.index("python -m fastdet.data split "):].split(", or ")[0])[4:]
+    out_dir = Path(argv[argv.index("--output-dir") + 1])
+    assert out_dir == Path(str(root) + "_split")
+    assert data_main(["split", *argv]) == 0
+    said = capsys.readouterr().out
+    assert f"{n_images} images, {n_boxes} boxes" in said and f"train on it with --data {out_dir}" in said, said
+    rc, out, err = check(capsys, ["--data", str(out_dir), "--check-images", "decode"])
+    assert rc == 0 and f"{fmt} format" in out, out + err
+    if fmt == "YOLO":
+        assert out.count("problems: nothing dropped or skipped") == 2, out
+    else:  # LabelImg saves no XML for an image without boxes: read as background, counted in its split
+        empty = sum(len(_coco(demo_small, s)["images"]) - len({a["image_id"] for a in _coco(demo_small, s)["annotations"]})
+                    for s in SPLITS)
+        assert sum(map(int, re.findall(r"(\d+) as background: no XML beside them", out))) == empty, out
+    sets = {s: load_split(DataConfig(data=str(out_dir)), s, check_images="none") for s in SPLITS}
+    names = {s: sorted(Path(im["file_name"]).name for im in ds.coco_gt["images"]) for s, ds in sets.items()}
+    assert not set(names["train"]) & set(names["val"])
+    assert len(names["train"]) + len(names["val"]) == n_images and len(names["val"]) == round(0.2 * n_images)
+    assert sum(len(ds.coco_gt["annotations"]) for ds in sets.values()) == n_boxes
+    names_in_order = _names(demo_small) if fmt == "YOLO" else sorted(_names(demo_small))  # VOC: the names found
+    assert sets["train"].class_names == sets["val"].class_names == names_in_order
+    # The same seed again: the same val images (replacing needs --overwrite); another seed: others.
+    assert data_main(["split", *argv]) == 1 and "add --overwrite" in capsys.readouterr().err
+    assert data_main(["split", *argv, "--overwrite"]) == 0
+    again = load_split(DataConfig(data=str(out_dir)), "val", check_images="none")
+    assert sorted(Path(im["file_name"]).name for im in again.coco_gt["images"]) == names["val"]
+    assert data_main(["split", *argv, "--overwrite", "--seed", "1"]) == 0
+    other = load_split(DataConfig(data=str(out_dir)), "val", check_images="none")
+    assert sorted(Path(im["file_name"]).name for im in other.coco_gt["images"]) != names["val"]
+    assert make is not labelimg_voc_in_one_folder or not [
+        f for f in (out_dir / "train").rglob("*") if not f.is_symlink() and not f.is_dir()]  # links, no copies
+
+
+def _split(make, demo_small: Path, root: Path) -> list[str]:
+    make(demo_small, root / "export")
+    assert data_main(["split", "--data", str(root / "export"), "--output-dir", str(root / "split")]) == 0
+    return ["--data", str(root / "split")]
+
+
+def labelimg_voc_split(demo_small: Path, root: Path) -> list[str]:
+    """LabelImg's VOC XMLs in one folder, split by ``fastdet.data split``: folders of links."""
+    return _split(labelimg_voc_in_one_folder, demo_small, root)
+
+
+def labelstudio_yolo_split(demo_small: Path, root: Path) -> list[str]:
+    """Label Studio's YOLO export split by ``fastdet.data split``: a data.yaml of image lists."""
+    return _split(labelstudio_yolo_export, demo_small, root)
+
+
 # ----------------------------------------------------------------------------- a short training on each
 
 # Each readable form and the loaders its short training runs with: the loaders alternate
@@ -685,7 +791,7 @@ def test_labelimg_voc_in_split_folders_reads_as_it_is_and_in_one_folder_is_refus
 # decode upright, run both.
 TRAININGS = [(roboflow, "torch"), (roboflow_coco, "dali"), (roboflow_voc, "torch"), (cvat_coco_subsets, "torch"),
              (cvat_coco, "dali"), (cvat_yolo, "torch"), (labelstudio_coco, "dali"),
-             (phone, "torch"), (phone, "dali")]
+             (labelimg_voc_split, "dali"), (labelstudio_yolo_split, "torch"), (phone, "torch"), (phone, "dali")]
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
-"""``python -m fastdet.data split``: a single-split COCO export into train and val.
+"""``python -m fastdet.data split``: a single-split export into train and val (COCO here;
+the YOLO and VOC exports' splits, made by the command their refusals give, in
+tests/test_exports.py).
 
 What must hold: every image and its boxes land in exactly one split, the same seed gives
 the same split, both files keep the export's categories and fields, ``--data OUT`` reads
@@ -14,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from fastdet.data.__main__ import main as data_main
+from test_exports import cvat_yolo, labelimg_voc_in_one_folder, labelstudio_yolo_export  # tests/ is on sys.path
 
 
 def export(demo_small: Path, root: Path) -> tuple[Path, Path]:
@@ -133,3 +136,47 @@ def test_links_survive_the_working_directory_and_overwrite_follows_a_moved_expor
     assert rc == 0, err
     assert Path(os.readlink(tmp_path / "out" / "val")) == (moved / "images").resolve()
     assert data_main(["check", "--data", str(tmp_path / "out")]) == 0
+
+
+def test_split_data_refuses_in_one_line_before_writing(demo_small, tmp_path, capsys):
+    """``--data``: an export that already has its splits, the output inside the export, a bad
+    label line, flags given twice or not at all, a user's own file where the links go: one
+    line each, nothing written."""
+    yolo, voc = tmp_path / "yolo", tmp_path / "voc"
+    labelstudio_yolo_export(demo_small, yolo)
+    labelimg_voc_in_one_folder(demo_small, voc)
+    cvat = tmp_path / "cvat"
+    cvat_yolo(demo_small, cvat)  # has its Validation subset
+    bad = tmp_path / "bad"
+    shutil.copytree(yolo, bad)
+    label = sorted((bad / "labels").rglob("*.txt"))[3]
+    label.write_text(label.read_text() + "0 0.5 0.5 0.2\n")
+    mine = tmp_path / "mine"
+    (mine / "val").mkdir(parents=True)
+    (mine / "val" / "notes.txt").write_text("the user's")
+    cases = [
+        (["--data", str(yolo), "--ann", "x.json", "--images", "y", "--output-dir", str(tmp_path / "a")],
+         "give the export with --data, or a COCO file with --ann and --images (got --data and --ann and --images)"),
+        (["--output-dir", str(tmp_path / "a")], "(got none)"),
+        (["--data", str(cvat), "--output-dir", str(tmp_path / "a")],
+         f"{cvat / 'obj.data'}: already names its val images"),
+        (["--data", str(demo_small), "--output-dir", str(tmp_path / "a")], "already holds its splits (COCO)"),
+        (["--data", str(yolo), "--output-dir", str(yolo / "split")], f"--output-dir {yolo / 'split'} is inside"),
+        (["--data", str(bad), "--output-dir", str(tmp_path / "a")], f"{label}:"),
+        (["--data", str(tmp_path / "nothing"), "--output-dir", str(tmp_path / "a")], "no such file or folder"),
+        (["--data", str(voc), "--output-dir", str(mine), "--overwrite"],
+         f"{mine / 'val'} is not a folder of links an earlier split made ({mine / 'val' / 'notes.txt'})"),
+    ]
+    for argv, message in cases:
+        rc, _, err = run(capsys, *argv)
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+    assert not (tmp_path / "a").exists() and not (yolo / "split").exists()
+    assert sorted(p.name for p in mine.rglob("*")) == ["notes.txt", "val"]
+
+
+def test_split_data_of_a_coco_export_folder_is_the_split_of_its_file(demo_small, tmp_path, capsys):
+    ann, images = export(demo_small, tmp_path / "cvat")
+    assert run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "by_files"))[0] == 0
+    assert run(capsys, "--data", str(tmp_path / "cvat"), "--output-dir", str(tmp_path / "by_folder"))[0] == 0
+    assert val_names(tmp_path / "by_folder") == val_names(tmp_path / "by_files")
+    assert Path(os.readlink(tmp_path / "by_folder" / "val")) == images.resolve()

@@ -1,6 +1,6 @@
 """``python -m fastdet.data check --data ...``: the dataset report, without training;
-``python -m fastdet.data split --ann JSON --images DIR --output-dir OUT``: a single-split COCO
-export split into train and val (``fastdet.data.split``).
+``python -m fastdet.data split --data EXPORT --output-dir OUT`` (or ``--ann JSON --images DIR``):
+a single-split export (COCO, YOLO, VOC XMLs) split into train and val (``fastdet.data.split``).
 
 For each split (train, then val; ``--splits`` picks them, ``test`` included): images and
 boxes kept, what was dropped or skipped and why (the same report training prints), boxes
@@ -23,7 +23,7 @@ import numpy as np
 from fastdet.config import DataConfig
 from fastdet.data.coco import DataError
 from fastdet.data.formats import SPLITS, data_format, load_split
-from fastdet.data.split import split_export
+from fastdet.data.split import split_data, split_export
 
 # Edges of the box-size histogram: sqrt(area) in pixels of the original image.
 SIZE_EDGES = (0, 8, 16, 32, 64, 96, 128, 256, 512, float("inf"))
@@ -81,12 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check-images", choices=["none", "open", "decode"], default="open")
     c.add_argument("--splits", default="train,val", help="comma-separated train, val, test (default: train,val)")
     c.add_argument("--cache-dir", default=None)
-    sp = sub.add_parser("split", help="split a single-split COCO export (CVAT's instances_default.json, Label "
-                                      "Studio's result.json) into train and val that --data reads")
-    sp.add_argument("--ann", required=True, metavar="JSON", help="the export's COCO file")
-    sp.add_argument("--images", required=True, metavar="DIR", help="the folder its file_name are relative to")
+    sp = sub.add_parser("split", help="split a single-split export (CVAT's or Label Studio's COCO, a YOLO folder "
+                                      "with classes.txt, LabelImg's VOC XMLs) into train and val that --data reads")
+    sp.add_argument("--data", default=None, metavar="FOLDER|data.yaml|obj.data",
+                    help="the export: a YOLO folder with classes.txt (or its data.yaml / obj.data without val), "
+                         "LabelImg's VOC XMLs beside their images, or a folder holding a COCO export's JSON")
+    sp.add_argument("--ann", default=None, metavar="JSON", help="a COCO export's file (instead of --data)")
+    sp.add_argument("--images", default=None, metavar="DIR", help="the folder its file_name are relative to")
     sp.add_argument("--output-dir", required=True, metavar="OUT",
-                    help="where annotations/instances_{train,val}.json and the train/, val/ links to DIR go")
+                    help="where the split goes: COCO's annotations/instances_{train,val}.json and train/, val/ "
+                         "links; YOLO's data.yaml, train.txt, val.txt; VOC's train/ and val/ of links")
     sp.add_argument("--val-fraction", type=float, default=0.2, help="the share of images held out (default 0.2)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--overwrite", action="store_true", help="replace the files an earlier split wrote there")
@@ -96,9 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
 def split_main(args: argparse.Namespace) -> int:
     """``split``: the two files and links, then each split's one-line summary and the command."""
     out = Path(args.output_dir).expanduser()
+    if (args.data is None) == (args.ann is None) or (args.ann is None) != (args.images is None):
+        print("fastdet.data: error: give the export with --data, or a COCO file with --ann and --images "
+              f"(got {' and '.join(f for f in ('--data', '--ann', '--images') if getattr(args, f[2:])) or 'none'})",
+              file=sys.stderr)
+        return 1
     try:
-        export, train, val = split_export(Path(args.ann).expanduser(), Path(args.images), out, args.val_fraction,
-                                          args.seed, args.overwrite)
+        if args.data is not None:
+            export, train, val = split_data(args.data, out, args.val_fraction, args.seed, args.overwrite)
+        else:
+            export, train, val = split_export(Path(args.ann).expanduser(), Path(args.images), out,
+                                              args.val_fraction, args.seed, args.overwrite)
     except (DataError, ValueError, OSError) as e:
         print(f"fastdet.data: error: {e}", file=sys.stderr)
         return 1

@@ -46,7 +46,8 @@ image, a phone's HEIC/DNG pictures, files of other types in an image folder), wi
 examples that name the file and line (YOLO) or XML and object (VOC). Exports that name no
 splits (LabelImg's and Label Studio's YOLO ``classes.txt`` folders, LabelImg's XMLs beside
 the images in one folder, a folder holding a COCO export's JSON) are refused by :func:`export_hint` in
-one line saying what to write or pass instead.
+one line saying what to write or pass instead, and the ``fastdet.data split`` command that
+splits them (``fastdet.data.split``).
 
 Bad input is one :class:`~fastdet.data.coco.DataError` line naming the file (and line):
 a label line that is not numbers, a class id not in ``names``, a coordinate further
@@ -112,37 +113,82 @@ def export_hint(data: str, split: str) -> Optional[str]:
     root = Path(data).expanduser()
     if data == "demo" or not root.is_dir() or coco.coco_layout_of(root):
         return None  # a COCO-format root, whole or missing a split: resolve_data says which file is missing
-    classes = next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
+    split_it = (f"python -m fastdet.data split --data {shlex.quote(str(root))} --output-dir "
+                f"{shlex.quote(str(root.absolute()) + '_split')}")
+    classes = yolo_classes_file(root)
     if classes is not None:
         names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
         images = "images" if (root / "images").is_dir() else "."
         return (f"--data {data}: a YOLO export without a data.yaml ({classes.name}: LabelImg's or Label Studio's "
-                f"YOLO export), which names no train and val images; write {root / 'data.yaml'} with "
-                f"'train: {images}', 'val: <held-out images, or {images}>' and 'names: {names}'")
+                f"YOLO export), which names no train and val images; split its images into train and val: "
+                f"{split_it}, or write {root / 'data.yaml'} with 'train: {images}', 'val: <held-out images>' and "
+                f"'names: {names}'")
     yamls = sorted(y.name for y in (*root.glob("*.yaml"), *root.glob("*.yml")))
     if yamls:
         return (f"--data {data}: no data.yaml; it holds {', '.join(yamls[:3])}: if that is the set's YOLO "
                 f"description, pass it itself: --data {root / yamls[0]}")
     if next(root.glob("*.[xX][mM][lL]"), None) or next(root.glob("*/*.[xX][mM][lL]"), None):
         return (f"--data {data}: VOC XMLs beside their images (LabelImg's PascalVOC save), not a VOC root; "
-                "put the images of each split with their XMLs in train/ and val/, or arrange a VOC root: "
+                f"split them into train and val: {split_it}, or put the images of each split with their XMLs "
+                "in train/ and val/, or arrange a VOC root: "
                 "Annotations/<id>.xml, JPEGImages/<id>.jpg, and ImageSets/Main/train.txt and val.txt "
                 "listing the ids of each split")
-    jsons = sorted((str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")]),
-                   key=lambda j: (Path(j).name not in ("instances_default.json", "result.json"), j))
-    if jsons:
-        # CVAT's file is in annotations/ with its images in images/ (images/default/ in some
-        # versions); Label Studio's names them images/x.jpg from the folder it is in.
-        images = root
-        if jsons[0].startswith("annotations") and (root / "images").is_dir():
-            images = root / "images" / "default" if (root / "images" / "default").is_dir() else root / "images"
+    found = coco_export_files(root)
+    if found:
+        jsons, images = found
+        ann = jsons[0]
         return (f"--data {data}: not a COCO root (no annotations/instances_{split}2017.json); it holds "
-                f"{', '.join(jsons[:3])} (CVAT's COCO export writes annotations/instances_default.json, Label "
+                f"{', '.join(str(j.relative_to(root)) for j in jsons[:3])} (CVAT's COCO export writes annotations/instances_default.json, Label "
                 "Studio's result.json): name a COCO export's files with --train-ann/--train-images and "
                 "--val-ann/--val-images, or split one into train and val: python -m fastdet.data split --ann "
-                f"{shlex.quote(str(root / jsons[0]))} --images {shlex.quote(str(images))} --output-dir "
+                f"{shlex.quote(str(ann))} --images {shlex.quote(str(images))} --output-dir "
                 f"{shlex.quote(str(root.absolute()) + '_split')}")
     return None
+
+
+def coco_export_files(root: Path) -> Optional[tuple[list[Path], Path]]:
+    """A single-split COCO export in ``root`` (no COCO root): its JSON files, the export's
+    own first, and the folder their ``file_name`` are relative to, as the tools write them;
+    None without a JSON."""
+    jsons = sorted((str(j.relative_to(root)) for j in [*root.glob("annotations/*.json"), *root.glob("*.json")]),
+                   key=lambda j: (Path(j).name not in ("instances_default.json", "result.json"), j))
+    if not jsons:
+        return None
+    # CVAT's file is in annotations/ with its images in images/ (images/default/ in some
+    # versions); Label Studio's names them images/x.jpg from the folder it is in.
+    images = root
+    if jsons[0].startswith("annotations") and (root / "images").is_dir():
+        images = root / "images" / "default" if (root / "images" / "default").is_dir() else root / "images"
+    return [root / j for j in jsons], images
+
+
+def yolo_classes_file(root: Path) -> Optional[Path]:
+    """LabelImg's or Label Studio's class list of a YOLO export without a data.yaml."""
+    return next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
+
+
+def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any]:
+    """A YOLO export that names no val images, to be split in two (``fastdet.data split``):
+    ``(the file that describes it, names, root, its images' entry)``. It is a folder with
+    ``classes.txt`` (LabelImg's save beside the images; Label Studio's ``images/`` and
+    ``labels/``), or a data.yaml / ``obj.data`` without a val entry (CVAT's task without a
+    Validation subset); one naming val images is refused."""
+    p = Path(data).expanduser()
+    classes = yolo_classes_file(p) if p.is_dir() and not (p / "data.yaml").is_file() \
+        and not (p / "obj.data").is_file() else None
+    if classes is not None:
+        names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
+        if not names:
+            raise DataError(f"{classes}: no class names")
+        return classes, names, p, "images" if (p / "images").is_dir() else "."
+    path = _yolo_yaml(data)
+    doc = _read_darknet(path) if path.suffix == ".data" else _read_yaml(path)
+    names, root = yolo_names(path, doc), yolo_root(path, doc)
+    if doc.get("val") is not None:
+        raise DataError(f"{path}: already names its val images (val: {doc['val']}): train on it as it is")
+    if doc.get("train") is None:
+        raise DataError(f"{path}: no 'train' entry (the images to split)")
+    return path, names, root, doc["train"]
 
 
 def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None,
@@ -375,7 +421,7 @@ def yolo_root(path: Path, doc: dict) -> Path:
     raise DataError(f"{path}: field 'path': no directory {' or '.join(str(c) for c in candidates)}")
 
 
-def _yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Path], list[tuple[str, str]]]:
+def yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Path], list[tuple[str, str]]]:
     """The image files of a split entry (a folder, a txt list of images, or a list of those),
     and ``(reason, path)`` of the files in its folders that are not read: other file types,
     and label files whose image is not there."""
@@ -427,7 +473,7 @@ def yolo_label_path(image: Path) -> Path:
     return Path(s).with_suffix(".txt")
 
 
-def _yolo_boxes(label: Path, num_classes: int) -> list[tuple[int, int, float, float, float, float]]:
+def yolo_boxes(label: Path, num_classes: int) -> list[tuple[int, int, float, float, float, float]]:
     """``(line, class, cx, cy, w, h)`` per box line of one label file (normalised)."""
     out = []
     for n, line in enumerate(read_text(label).splitlines(), 1):
@@ -468,9 +514,19 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
     if split not in doc or doc[split] is None:
         if darknet:  # CVAT writes valid.txt only for a task with a Validation subset
             raise DataError(f"{path}: no 'valid = ...' line (the val images): add one naming a list of "
-                            "held-out images, e.g. 'valid = valid.txt' as CVAT writes it for a Validation subset")
+                            "held-out images, e.g. 'valid = valid.txt' as CVAT writes it for a Validation subset, "
+                            f"or split the train images: python -m fastdet.data split --data {shlex.quote(str(path))} "
+                            f"--output-dir {shlex.quote(str(path.parent.absolute()) + '_split')}")
         raise DataError(f"{path}: no '{split}' entry (the {split} images)")
-    files, ignored = _yolo_images(path, root, split, doc[split])
+    return yolo_dataset(path, names, root, split, doc[split], train=train, keep_empty=keep_empty,
+                        check_images=check_images, cache_dir=cache_dir)
+
+
+def yolo_dataset(path: Path, names: list[str], root: Path, split: str, entry: Any, *, train: bool,
+                 keep_empty=None, check_images: str = "open", cache_dir=None) -> CocoDataset:
+    """The images of one split ``entry`` (a folder, a txt list, or a list of those, relative to
+    ``root``) with their label files, ``path`` being the file that names them (in messages)."""
+    files, ignored = yolo_images(path, root, split, entry)
     sizes, skips, turned = _probe_sizes(files, check_images, cache_dir)
     images, anns, kept = [], [], []
     where: dict[int, str] = {}
@@ -484,7 +540,7 @@ def load_yolo(data: str, split: str, *, train: bool, keep_empty=None, check_imag
         label = yolo_label_path(f)
         if not label.is_file():
             continue
-        for line, c, cx, cy, bw, bh in _yolo_boxes(label, len(names)):
+        for line, c, cx, cy, bw, bh in yolo_boxes(label, len(names)):
             anns.append(_annotation(len(anns) + 1, image_id, c, (cx - bw / 2) * w, (cy - bh / 2) * h,
                                     (cx + bw / 2) * w, (cy + bh / 2) * h))
             where[len(anns)] = f"{label}:{line}"
@@ -643,7 +699,13 @@ def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Opti
         lst, ids = _voc_ids(root, split)
         return lst, [root / "Annotations" / f"{i}.xml" for i in ids], None, [], []
     folder = _voc_folder(root, split)
-    found = sorted(f for f in folder.rglob("*") if f.is_file())  # subfolders too, as the YOLO reader
+    return (folder, *voc_pairs(root, folder))
+
+
+def voc_pairs(root: Path, folder: Path) -> tuple[list[Optional[Path]], list[Path], list, list]:
+    """The images under ``folder`` (subfolders too, as the YOLO reader) and the XML beside
+    each (None: none), the files not read and the images without an XML (see :func:`_voc_split`)."""
+    found = sorted(f for f in folder.rglob("*") if f.is_file())
     images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
     xmls = {f.with_suffix(""): f for f in found if f.suffix.lower() == ".xml"}  # by folder and stem
     if not images:
@@ -654,7 +716,12 @@ def _voc_split(root: Path, split: str) -> tuple[Path, list[Optional[Path]], Opti
     ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS else "not an image file", str(f))
                 for f in found if f.suffix.lower() not in (*IMAGE_EXTS, ".xml")]
     background = [str(f) for f, x in zip(images, taken) if x is None]
-    return folder, taken, images, ignored, background
+    return taken, images, ignored, background
+
+
+def voc_objects(xml: Optional[Path]) -> list[tuple[str, float, float, float, float, int]]:
+    """``(name, xmin, ymin, xmax, ymax, difficult)`` of each object of an XML (None: an image without one)."""
+    return [] if xml is None else _parse_voc_xml(xml)[2]
 
 
 def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_images: str = "open",
@@ -678,13 +745,32 @@ def load_voc(data: str, split: str, *, train: bool, keep_empty=None, check_image
                 other_xmls = _voc_split(root, other)[1]
             except DataError:  # no such split: the names of the others
                 continue
-            found |= {o[0] for x in other_xmls if x is not None for o in _parse_voc_xml(x)[2]}
+            found |= {o[0] for x in other_xmls for o in voc_objects(x)}
         found = found or this
     # A VOC root's classes default to VOC's 20 (a VOC year's subset); a set kept as folders is
     # a set of its own: the names found.
     names = voc_class_names(root, found) if listed is None or listed_names else sorted(found)
     where_names = (f"not in {root / 'label_list.txt'}" if listed_names
                    else "in no train or val XML: a model trained on this set does not know it")
+    return _voc_dataset(root, source, xmls, parsed, listed, ignored, background, names, where_names, train=train,
+                        keep_empty=keep_empty, check_images=check_images, cache_dir=cache_dir)
+
+
+def load_voc_folder(folder: Path, *, check_images: str = "open", cache_dir=None) -> CocoDataset:
+    """Every image under ``folder`` with the XML beside it, as one set whose classes are the
+    names found (LabelImg's PascalVOC saves in one folder, before ``fastdet.data split``)."""
+    folder = folder.expanduser().absolute()
+    xmls, images, ignored, background = voc_pairs(folder, folder)
+    parsed = [_parse_voc_xml(x) if x is not None else (0, 0, [], None) for x in xmls]
+    names = sorted({o[0] for p in parsed for o in p[2]})
+    return _voc_dataset(folder, folder, xmls, parsed, images, ignored, background, names, "", train=False,
+                        check_images=check_images, cache_dir=cache_dir)
+
+
+def _voc_dataset(root: Path, source: Path, xmls: list[Optional[Path]], parsed: list, listed: Optional[list[Path]],
+                 ignored: list, background: list, names: list[str], where_names: str, *, train: bool,
+                 keep_empty=None, check_images: str = "open", cache_dir=None) -> CocoDataset:
+    """The images and parsed XMLs of one VOC split (see :func:`_voc_split`) as a dataset of ``names``."""
     label = {n: i for i, n in enumerate(names)}
     images, anns, files = [], [], []
     skips = []
