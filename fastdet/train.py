@@ -232,8 +232,8 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
             shown = flag if flag in SWITCHES else f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
             raise ConfigError(
                 f"--resume: {shown} differs from the run's {key} {old_v} (stored in {path}); a resumed run keeps its config, only --max-steps, "
-                "--log-interval, --eval-interval, --ckpt-interval-steps, --workers, --device and the "
-                "compile flags may change: drop the flag, or start a new run")
+                "--log-interval, --eval-interval, --ckpt-interval-steps, --workers, --device, --loader, "
+                "--compile, --cuda-graphs and the profiling flags may change: drop the flag, or start a new run")
         cfg = apply_overrides(cfg, {key: value})
     if not overrides.get("run.output_dir") and not overrides.get("run.ckpt"):
         cfg = apply_overrides(cfg, {"run.output_dir": str(path.parent)})

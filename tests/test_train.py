@@ -287,12 +287,13 @@ def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path,
     assert_same_training(one, tmp_path / "two")
 
 
-def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(demo_small, tmp_path,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize("backend, said", [("auto", "faster-coco-eval on"), ("pycocotools", "pycocotools on")])
+def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(backend, said, demo_small, tmp_path,
+                                                                                 monkeypatch, capfd):
     """On the CPU an eval batch of the recipe's size costs seconds of eager forward before
     the first step (PP-YOLO at 608 px: 12 s of a warm launch's 30 s); two images still run
     the loader, predict, collation of unequal images and pycocotools. A GPU evaluates the
-    whole batch, which also shows that it fits in memory."""
+    whole batch, which also shows that it fits in memory. The log names the scorer it ran."""
     from fastdet.engine import preflight
     from fastdet.engine.trainer import Trainer
     from fastdet.runtime import dist
@@ -306,6 +307,7 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
         return real(model, loader, dataset, *args, **kwargs)
 
     monkeypatch.setattr(preflight.coco_eval_mod, "evaluate", spy)
+    monkeypatch.setenv("FASTDET_COCO_EVAL", backend)
     args = build_parser().parse_args(train_cmd(demo_small, tmp_path / "out")[3:])  # eval batch 8
     trainer = Trainer(resolve_config(args))
     try:
@@ -313,6 +315,8 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
     finally:
         dist.shutdown()
     assert seen == [2]
+    logged = capfd.readouterr()
+    assert said in logged.out + logged.err and "checked before training" in logged.out + logged.err, logged
     assert preflight.preflight_images(8, torch.device("cuda")) == 8
     assert preflight.preflight_images(1, torch.device("cpu")) == 1
 

@@ -2,9 +2,10 @@
 
 Before the first training step the trainer evaluates its (untrained) weights on a few val
 images per rank (:func:`preflight_images`) through the real path (the eval loader with the family's preprocessing,
-``model.predict``, the gather across ranks, pycocotools on the val annotation file),
-scores a made-up detection per image so that pycocotools' ``loadRes`` / ``evaluate`` /
-``accumulate`` run even when the untrained model detects nothing, and writes (then
+``model.predict``, the gather across ranks, the COCO scorer on the val annotation file:
+faster-coco-eval, or pycocotools, ``fastdet.eval.scoring``), scores a made-up detection per
+image so that the scorer's ``loadRes`` / ``evaluate`` / ``accumulate`` run even when the
+untrained model detects nothing, and writes (then
 removes) a checkpoint of the full state next to the run. A dataset, environment or disk
 problem then fails in the first minute with one line, not at the first evaluation hours in.
 """

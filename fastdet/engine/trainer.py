@@ -37,6 +37,7 @@ from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, setup_lo
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
 from fastdet.engine.rundir import free_run_dir
+from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
 from fastdet.runtime.amp import backend_flags
 from fastdet.models.recipe import pretrained_backbone_note
@@ -347,8 +348,9 @@ class Trainer:
                                          self.out, d.is_main)
         except PreflightError as e:
             raise TrainingError(str(e)) from e
+        scorer = {"faster": "faster-coco-eval"}.get(resolve_backend(), "pycocotools")  # the back end it scored by
         log.info("checked before training: evaluation of %d val image(s) per rank (eval loader, predict, "
-                 "pycocotools on %s) and a checkpoint write (%.1f s)", per_rank, self.val_set.ann_file.name, secs)
+                 "%s on %s) and a checkpoint write (%.1f s)", per_rank, scorer, self.val_set.ann_file.name, secs)
 
 
 def train(cfg: Config, hooks: Sequence[Hook] = ()) -> dict[str, float]:
