@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import fastdet.models.yolox as yolox_mod
+from fastdet.models.yolox import BGR_TO_RGB, STEM_WEIGHT
 
 
 def max_rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,12 +63,11 @@ def yolox_pair(size: str = "s"):
     from fastdet.models.yolox import build_yolox, from_megvii
 
     ref = megvii_yolox(size).double().train()
-    state = ref.state_dict(keep_vars=True)
-    converted, num_classes = from_megvii(state)
+    converted, num_classes = from_megvii(ref.state_dict())
     ours = build_yolox(size, num_classes).double().train()
     ours.load_state_dict(converted)
-    by_id = {id(v): k for k, v in state.items()}
-    names = {k: by_id[id(v)] for k, v in converted.items() if k in dict(ours.named_parameters())}
+    megvii_name = {"backbone": "backbone.backbone", "neck": "backbone", "head": "head"}
+    names = {k: f"{megvii_name[k.split('.', 1)[0]]}.{k.split('.', 1)[1]}" for k, _ in ours.named_parameters()}
     return ref, ours, names
 
 
@@ -89,7 +89,8 @@ def run_ours(ours, x, targets, use_l1: bool):
 def yolox_differences(ref, ours, names, use_l1: bool) -> dict[str, float]:
     """Largest relative difference of each loss component and of all gradients."""
     x, labels, targets = yolox_batch()
-    theirs, their_grads = run_megvii(ref, x, labels, use_l1)
+    theirs, their_grads = run_megvii(ref, x.flip(1), labels, use_l1)  # Megvii reads BGR (from_megvii)
+    their_grads[names[STEM_WEIGHT]] = their_grads[names[STEM_WEIGHT]][:, BGR_TO_RGB]
     got, our_grads = run_ours(ours, x, targets, use_l1)
     # Megvii reports 5 x the IoU loss as iou_loss; L1 is a float 0.0 when off.
     pairs = {"total_loss": ("total_loss", 1.0), "loss_iou": ("iou_loss", 5.0), "loss_obj": ("conf_loss", 1.0),

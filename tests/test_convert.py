@@ -147,8 +147,10 @@ def megvii_yolox(size: str):
 
 
 def megvii_dense(model):
+    """Megvii's model on the BGR pixels of the RGB image ``x`` (its images come from
+    ``cv2.imread`` and are not swapped; fastdet's are RGB)."""
     def run(x, dtype):
-        out = model.to(dtype)(x)  # [B, A, 5 + C]: cx, cy, w, h px, sigmoid obj, sigmoid cls
+        out = model.to(dtype)(x.flip(1))  # [B, A, 5 + C]: cx, cy, w, h px, sigmoid obj, sigmoid cls
         boxes = torch.cat([out[..., :2] - out[..., 2:4] / 2, out[..., :2] + out[..., 2:4] / 2], -1)
         return boxes, out[..., 5:] * out[..., 4:5]
     return run
@@ -296,7 +298,10 @@ def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp
     skipped = load_weights_tolerant(model, ck["model"])
     assert sorted(s.split(" ")[0] for s in skipped) == sorted(
         f"head.cls_preds.{i}.{p}" for i in range(3) for p in ("weight", "bias"))
-    torch.testing.assert_close(model.backbone.stem.conv.conv.weight, ref.backbone.backbone.stem.conv.conv.weight)
+    torch.testing.assert_close(model.backbone.dark2[0].dconv.conv.weight, ref.backbone.backbone.dark2[0].dconv.conv.weight)
+    # The stem reads RGB where Megvii's reads BGR: each space-to-depth patch's channels reversed.
+    stem = ref.backbone.backbone.stem.conv.conv.weight
+    torch.testing.assert_close(model.backbone.stem.conv.conv.weight, stem.unflatten(1, (4, 3)).flip(2).flatten(1, 2))
     with pytest.raises(ConvertError, match="this looks like yolox-nano"):
         load_any(src, "yolox", "s")
 

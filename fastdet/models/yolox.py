@@ -472,10 +472,19 @@ RECIPE = Recipe(
 # --------------------------------------------------------------------------- released weights
 
 
+# Megvii trains and evaluates on BGR pixels (``cv2.imread``, no channel swap in ``preproc``);
+# fastdet feeds RGB. The Focus stem's first conv sees 4 space-to-depth patches of 3 channels
+# each ([C_out, 12, k, k]): reversing each patch's 3 input channels makes it read RGB as
+# Megvii's reads BGR.
+STEM_WEIGHT = "backbone.stem.conv.conv.weight"
+BGR_TO_RGB = [3 * patch + c for patch in range(4) for c in (2, 1, 0)]
+
+
 def from_megvii(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """Megvii's names -> fastdet's: ``backbone.backbone.*`` (CSPDarknet) -> ``backbone.*``,
-    the PAFPN's own ``backbone.*`` -> ``neck.*``, ``head.*`` unchanged (same module tree).
-    BatchNorm eps/momentum are not in the file; :func:`build_yolox` sets Megvii's."""
+    the PAFPN's own ``backbone.*`` -> ``neck.*``, ``head.*`` unchanged (same module tree);
+    the stem's input channels from BGR to RGB (``BGR_TO_RGB``). BatchNorm eps/momentum are
+    not in the file; :func:`build_yolox` sets Megvii's."""
     out = {}
     for k, v in state.items():
         if k.startswith("backbone.backbone."):
@@ -488,6 +497,8 @@ def from_megvii(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
             raise KeyError(f"{k} (Megvii YOLOX names start with backbone. or head.)")
     if "head.cls_preds.0.weight" not in out:
         raise KeyError("head.cls_preds.0.weight (absent: not a Megvii YOLOX model)")
+    if STEM_WEIGHT in out and out[STEM_WEIGHT].dim() == 4 and out[STEM_WEIGHT].shape[1] == len(BGR_TO_RGB):
+        out[STEM_WEIGHT] = out[STEM_WEIGHT][:, BGR_TO_RGB].contiguous()
     return out, int(out["head.cls_preds.0.weight"].shape[0])
 
 
