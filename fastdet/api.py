@@ -27,7 +27,7 @@ from torch import Tensor
 from fastdet import registry
 from fastdet.config import Config, ConfigError
 from fastdet.convert import load_any
-from fastdet.data.augment import ImageDecodeError, decode_image
+from fastdet.data.augment import ImageDecodeError, decode_image, rgb_of
 from fastdet.data.preprocess import Preprocess, boxes_to_original
 from fastdet.runtime.checkpoint import load_checkpoint, select_weights
 from fastdet.models import ARCHITECTURES, Detector
@@ -165,7 +165,7 @@ def _one_rgb(image: Any, where: str) -> np.ndarray:
         except ImageDecodeError as e:
             raise ValueError(str(e)) from None
     if isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))  # grayscale, palette, RGBA (alpha dropped)
+        return rgb_of(image)  # grayscale (8 or 16 bits), palette, RGBA (alpha dropped)
     if isinstance(image, Tensor):
         image = image.detach().cpu().numpy()
     if not isinstance(image, np.ndarray):

@@ -91,13 +91,19 @@ def image_ids(files: list[Path]) -> list[int]:
 
 
 def output_names(files: list[Path]) -> list[str]:
-    """``<stem>.jpg`` per file; a stem seen before (a glob over folders) gets ``_<n>``."""
-    seen: dict[str, int] = {}
+    """``<stem>.jpg`` per file, all different: a stem seen before (a glob over folders,
+    ``a.jpg`` beside ``a.png``) gets the first ``<stem>_<n>.jpg`` no other file's name takes
+    (``a_1.jpg`` stays the drawn copy of a source named ``a_1``)."""
+    taken = {f"{f.stem}.jpg" for f in files}  # each stem's own name, kept for its first file
+    given: set[str] = set()
     names = []
     for f in files:
-        n = seen.get(f.stem, 0)
-        seen[f.stem] = n + 1
-        names.append(f"{f.stem}.jpg" if n == 0 else f"{f.stem}_{n}.jpg")
+        name, n = f"{f.stem}.jpg", 0
+        while name in given or (n > 0 and name in taken):
+            n += 1
+            name = f"{f.stem}_{n}.jpg"
+        given.add(name)
+        names.append(name)
     return names
 
 
@@ -109,6 +115,10 @@ def output_paths(out: Path, names: list[str]) -> list[Path]:
 def check_no_source_overwritten(files: list[Path], out: Path, targets: list[Path]) -> None:
     """``ValueError`` (one line) if one of ``targets`` (:func:`output_paths`) would replace one
     of the source files (``--output-dir`` the source folder, or a source named ``predictions.json``)."""
+    folders = {f.resolve().parent for f in files}
+    if out.resolve() in folders:
+        raise ValueError(f"--output-dir {out} is the folder of the source images: the drawn copies would be read "
+                         "as images by the next prediction; choose another --output-dir")
     sources = {f.resolve() for f in files}
     for target in targets:
         if target.resolve() in sources:

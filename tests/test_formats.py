@@ -552,3 +552,41 @@ def test_a_sideways_stored_photo_is_read_upright_under_its_labels(tmp_path, load
         assert inside > 200 and outside / images[b].numel() < 30, (b, float(inside))
 
 
+
+
+@pytest.mark.parametrize("loader", ["torch", "dali"])
+def test_a_16_bit_grayscale_png_keeps_its_high_byte_in_every_decoder(tmp_path, loader):
+    """A 16-bit grayscale PNG (a depth or medical camera's, a scanner's) reads as its high
+    byte, as DALI's decoder reads it, in both loaders, predict's decoder and ``fastdet.detect``
+    on a PIL image: PIL's ``convert("RGB")`` clips every value above 255, so the picture was
+    all white."""
+    from PIL import Image
+
+    from fastdet.api import as_rgb_images
+    from fastdet.data.augment import decode_image
+    from fastdet.data.loader import build_eval_loader
+    from fastdet.data.preprocess import Preprocess
+
+    if loader == "dali":
+        pytest.importorskip("nvidia.dali")
+    root = tmp_path / "set"
+    (root / "images" / "val").mkdir(parents=True)
+    (root / "labels" / "val").mkdir(parents=True)
+    pixels = np.full((64, 64), 40 * 256 + 100, np.uint16)  # high byte 40 left, 200 right
+    pixels[:, 32:] = 200 * 256 + 255
+    for name in ("a", "b"):
+        Image.fromarray(pixels).save(root / "images" / "val" / f"{name}.png")
+        (root / "labels" / "val" / f"{name}.txt").write_text("0 0.25 0.5 0.25 0.5\n")
+    (root / "data.yaml").write_text(yaml.safe_dump({"path": ".", "train": "images/val", "val": "images/val",
+                                                    "names": ["object"]}))
+    png = root / "images" / "val" / "a.png"
+    high = np.repeat((pixels >> 8).astype(np.uint8)[:, :, None], 3, axis=2)
+    assert Image.open(png).mode.startswith("I")
+    assert np.array_equal(decode_image(str(png)), high)
+    assert np.array_equal(as_rgb_images(Image.open(png))[0], high)
+    ds = load_split(cfg_for(root / "data.yaml"), "val")
+    cfg = replace(cfg_for(root / "data.yaml"), loader=loader, img_size=64, eval_batch_size=2, num_workers=0)
+    batch = next(iter(build_eval_loader(cfg, ds, preprocess=Preprocess(mean=None, std=None), rank=0,
+                                        world_size=1, device="cpu")))
+    images = batch["images"].float()  # [2, 3, 64, 64], 0..255, the image at its own size
+    assert images[:, :, :, 2:30].sub(40).abs().max() <= 1 and images[:, :, :, 34:62].sub(200).abs().max() <= 1

@@ -193,11 +193,25 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
                          (base + ["--batch-size", "0"], "--batch-size"),
                          (base[:2] + ["--source", str(tmp_path / "nothing*.png")] + base[4:], "matches no files"),
                          (base[:2] + ["--source", str(tmp_path / "missing.jpg")] + base[4:], "no such file"),
-                         (["--ckpt", str(junk)] + base[2:], "not a fastdet checkpoint")):
+                         (["--ckpt", str(junk)] + base[2:], "not a fastdet checkpoint"),
+                         (base[:2] + ["--source", str(Path(image).parent), "--output-dir", str(Path(image).parent)],
+                          "is the folder of the source images")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_drawn_copies_have_a_name_each():
+    """Two sources of one stem (``a.jpg`` and ``a.png``, or in two folders) and a source
+    whose stem is a renamed copy's (``a_1``): every drawn copy gets its own file, and a
+    source keeps its own stem where it can."""
+    from fastdet.predict import output_names
+
+    files = [Path("x/a.jpg"), Path("x/a.png"), Path("x/a_1.jpg"), Path("y/a.jpg"), Path("y/b.jpg")]
+    names = output_names(files)
+    assert len(set(names)) == len(files)
+    assert names[0] == "a.jpg" and names[2] == "a_1.jpg" and names[4] == "b.jpg"
 
 
 def test_predict_and_export_never_replace_a_file_unasked(tiny, demo_small, tmp_path, capsys):

@@ -96,9 +96,19 @@ def decode_image(path: str) -> np.ndarray:
         with Image.open(path) as im:
             # In place: the usual picture, stored upright, is not copied once more.
             ImageOps.exif_transpose(im, in_place=True)
-            return np.array(im.convert("RGB"))
-    except (OSError, ValueError, SyntaxError) as e:
+            return rgb_of(im)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise ImageDecodeError(f"{path}: cannot decode image ({e})") from None
+
+
+def rgb_of(im: Image.Image) -> np.ndarray:
+    """RGB uint8 [H, W, 3] of a PIL image. 16-bit grayscale (PNG, TIFF: modes ``I;16*``, and
+    ``I`` as PIL opens some of them) keeps its high byte, as DALI's decoder and PIL's own
+    16-bit RGB reading do; ``convert("RGB")`` would clip every value above 255 to white."""
+    if im.mode.startswith("I;16") or im.mode == "I":
+        gray = (np.clip(np.asarray(im, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    return np.array(im.convert("RGB"))
 
 
 # --------------------------------------------------------------------------- colour
