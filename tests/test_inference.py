@@ -482,3 +482,16 @@ def test_onnx_file_describes_its_input_and_classes(det, onnx_files):
     mode = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}[p.interp]
     assert f"mode='{mode}'" in meta["interpolation"]
     assert mode == "nearest-exact" or "antialias=False" in meta["interpolation"]
+
+
+def test_an_image_over_pils_pixel_limit_is_a_decode_error(demo_small, monkeypatch):
+    """PIL refuses a picture over twice ``MAX_IMAGE_PIXELS`` with DecompressionBombError,
+    not an OSError: predict's decoder turns it into its counted skip, not a traceback."""
+    from PIL import Image
+
+    from fastdet.data.augment import ImageDecodeError
+
+    f = sorted((demo_small / "val2017").glob("*.jpg"))[0]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(ImageDecodeError, match="cannot decode image"):
+        decode_image(str(f))
