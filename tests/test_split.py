@@ -16,7 +16,9 @@ import shutil
 from pathlib import Path
 
 from fastdet.data.__main__ import main as data_main
-from test_exports import cvat_yolo, labelimg_voc_in_one_folder, labelstudio_yolo_export  # tests/ is on sys.path
+import yaml
+from test_exports import (cvat_coco_subsets, cvat_yolo, labelimg_voc, labelimg_voc_in_one_folder,  # tests/ on sys.path
+                          labelimg_yolo_in_one_folder, labelstudio_yolo_export)
 
 
 def export(demo_small: Path, root: Path) -> tuple[Path, Path]:
@@ -105,7 +107,7 @@ def test_split_refuses_in_one_line_before_writing(demo_small, tmp_path, capsys):
         (["--ann", str(tmp_path / "nope.json"), "--images", str(images), "--output-dir", str(tmp_path / "b")],
          "annotation file not found"),
         (["--ann", str(one), "--images", str(images), "--output-dir", str(tmp_path / "c")],
-         "1 image(s): a split needs at least 2"),
+         f"{one}: 1 image(s) that read: a split needs at least 2"),
         (["--ann", str(ann), "--images", str(images), "--output-dir", str(mine), "--overwrite"],
          f"{mine / 'train'} is not a link an earlier split made"),
         (["--ann", str(ann), "--images", str(images.parent), "--output-dir", str(tmp_path / "d")],
@@ -180,3 +182,113 @@ def test_split_data_of_a_coco_export_folder_is_the_split_of_its_file(demo_small,
     assert run(capsys, "--data", str(tmp_path / "cvat"), "--output-dir", str(tmp_path / "by_folder"))[0] == 0
     assert val_names(tmp_path / "by_folder") == val_names(tmp_path / "by_files")
     assert Path(os.readlink(tmp_path / "by_folder" / "val")) == images.resolve()
+
+
+def _listed(out: Path, split: str) -> list[str]:
+    """The image file names of one split of a YOLO or VOC split's output."""
+    if (out / "data.yaml").is_file():
+        return [Path(line).name for line in (out / f"{split}.txt").read_text().splitlines()]
+    return [f.name for f in (out / split).rglob("*") if f.suffix != ".xml"]
+
+
+def test_images_sharing_a_label_file_land_in_one_split(demo_small, tmp_path, capsys):
+    """``a.jpg`` and ``a.png`` beside one ``a.txt`` / ``a.xml``: the same split for every seed
+    (the VOC split linked the XML twice and failed half-written; YOLO put the pair apart)."""
+    from PIL import Image
+
+    for make in (labelimg_yolo_in_one_folder, labelimg_voc_in_one_folder):
+        root = tmp_path / make.__name__
+        make(demo_small, root)
+        jpgs = [j for j in sorted((root / "all").glob("*.jpg"))[:6]  # with a label file (LabelImg's VOC: boxes)
+                if j.with_suffix(".txt").is_file() or j.with_suffix(".xml").is_file()]
+        for j in jpgs:
+            Image.open(j).save(j.with_suffix(".png"))
+        for seed in range(6):
+            out = tmp_path / f"{make.__name__}_{seed}"
+            rc, _, err = run(capsys, "--data", str(root), "--output-dir", str(out), "--seed", str(seed),
+                             "--val-fraction", "0.5")
+            assert rc == 0, err
+            val = set(_listed(out, "val"))
+            assert all((j.name in val) == (j.with_suffix(".png").name in val) for j in jpgs), (seed, val)
+
+
+def test_what_the_export_does_not_read_decides_before_writing(demo_small, tmp_path, capsys):
+    """XMLs with a classes.txt beside them and no YOLO label: a VOC export; YOLO labels where
+    ultralytics' rule does not look: refused, not split into a set of no box; an unreadable
+    image stays in train (counted there again), never alone in val."""
+    voc = tmp_path / "voc"
+    labelimg_voc_in_one_folder(demo_small, voc)
+    (voc / "all" / "classes.txt").write_text("circle\nrectangle\ntriangle\ncross\n")
+    rc, out, err = run(capsys, "--data", str(voc), "--output-dir", str(tmp_path / "voc_out"))
+    assert rc == 0 and "149 boxes" in out and (tmp_path / "voc_out" / "val").is_dir(), out + err
+    beside = tmp_path / "beside"
+    labelimg_yolo_in_one_folder(demo_small, beside)
+    shutil.move(beside / "all", beside / "images")  # txt files beside the images in images/
+    rc, _, err = run(capsys, "--data", str(beside), "--output-dir", str(tmp_path / "beside_out"))
+    assert rc == 1 and "not one box" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "beside_out").exists()
+    broken = tmp_path / "broken"
+    labelimg_yolo_in_one_folder(demo_small, broken)
+    (broken / "all" / "zz.jpg").write_bytes(b"not a jpeg")
+    for seed in range(4):
+        out_dir = tmp_path / f"broken_{seed}"
+        rc, out, err = run(capsys, "--data", str(broken), "--output-dir", str(out_dir), "--seed", str(seed),
+                           "--val-fraction", "0.5")
+        assert rc == 0 and "zz.jpg" in _listed(out_dir, "train") and "zz.jpg" not in _listed(out_dir, "val"), err
+
+
+def test_split_data_takes_a_train_split_alone_and_keeps_a_test_entry(demo_small, tmp_path, capsys, monkeypatch):
+    """A CVAT project's Train subset without Validation, a VOC train/ folder alone: their
+    train split is split; a data.yaml's test entry is kept; CVAT's obj.data named by a
+    relative path reads (its lists were joined to its folder twice)."""
+    subsets = tmp_path / "subsets"
+    cvat_coco_subsets(demo_small, subsets)
+    (subsets / "annotations" / "instances_Validation.json").unlink()
+    assert run(capsys, "--data", str(subsets), "--output-dir", str(tmp_path / "s_out"))[0] == 0
+    assert data_main(["check", "--data", str(tmp_path / "s_out")]) == 0
+    folders = tmp_path / "folders"
+    labelimg_voc(demo_small, folders)
+    shutil.rmtree(folders / "val")
+    assert run(capsys, "--data", str(folders), "--output-dir", str(tmp_path / "f_out"))[0] == 0
+    assert data_main(["check", "--data", str(tmp_path / "f_out")]) == 0
+    capsys.readouterr()
+    yolo = tmp_path / "yolo"
+    labelstudio_yolo_export(demo_small, yolo)
+    (yolo / "data.yaml").write_text(yaml.safe_dump({"train": "images/train", "test": "images/val",
+                                                    "names": ["circle", "rectangle", "triangle", "cross"]}))
+    assert run(capsys, "--data", str(yolo), "--output-dir", str(tmp_path / "y_out"))[0] == 0
+    assert data_main(["check", "--data", str(tmp_path / "y_out"), "--splits", "test"]) == 0
+    assert "8 images" in capsys.readouterr().out
+    cvat = tmp_path / "cvat"
+    cvat_yolo(demo_small, cvat)
+    monkeypatch.chdir(tmp_path)
+    assert data_main(["check", "--data", "cvat"]) == 0
+
+
+def test_an_earlier_split_moved_or_of_another_format_is_said(demo_small, tmp_path, capsys):
+    """--overwrite replaces a split of the same format only: one of another would be read in
+    place of the new one; a VOC split whose export moved says so, instead of calling its
+    links an export to split; a COCO export's folder may not hold its own split; LabelImg's
+    XMLs saved apart from the images are one line."""
+    yolo, voc = tmp_path / "yolo", tmp_path / "voc"
+    labelstudio_yolo_export(demo_small, yolo)
+    labelimg_voc_in_one_folder(demo_small, voc)
+    out = tmp_path / "out"
+    assert run(capsys, "--data", str(yolo), "--output-dir", str(out))[0] == 0
+    rc, _, err = run(capsys, "--data", str(voc), "--output-dir", str(out), "--overwrite")
+    assert rc == 1 and f"holds an earlier split of another format ({out / 'data.yaml'})" in err, err
+    assert run(capsys, "--data", str(voc), "--output-dir", str(tmp_path / "v_out"))[0] == 0
+    shutil.move(voc, tmp_path / "moved")
+    rc = data_main(["check", "--data", str(tmp_path / "v_out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "which is missing: the export a split linked has moved" in err, err
+    ann, images = export(demo_small, tmp_path / "cvat")
+    rc, _, err = run(capsys, "--data", str(tmp_path / "cvat"), "--output-dir", str(tmp_path / "cvat"))
+    assert rc == 1 and "is inside the export" in err, err
+    apart = tmp_path / "apart"
+    labelimg_voc_in_one_folder(demo_small, apart)
+    (apart / "annotations").mkdir()
+    for x in (apart / "all").glob("*.xml"):
+        shutil.move(x, apart / "annotations" / x.name)
+    rc, _, err = run(capsys, "--data", str(apart), "--output-dir", str(tmp_path / "a_out"))
+    assert rc == 1 and "has an XML beside it" in err and "is elsewhere" in err, err

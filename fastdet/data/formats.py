@@ -115,6 +115,11 @@ def export_hint(data: str, split: str) -> Optional[str]:
         return None  # a COCO-format root, whole or missing a split: resolve_data says which file is missing
     split_it = (f"python -m fastdet.data split --data {shlex.quote(str(root))} --output-dir "
                 f"{shlex.quote(str(root.absolute()) + '_split')}")
+    dangling = _dangling_link(root)
+    if dangling is not None:
+        return (f"--data {data}: {dangling} links to {os.readlink(dangling)}, which is missing: the export a "
+                "split linked has moved; split it again from where it is now (python -m fastdet.data split "
+                f"--data <the export> --output-dir {shlex.quote(str(root))} --overwrite)")
     classes = yolo_classes_file(root)
     if classes is not None:
         names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
@@ -146,6 +151,18 @@ def export_hint(data: str, split: str) -> Optional[str]:
     return None
 
 
+def _dangling_link(root: Path) -> Optional[Path]:
+    """A link in a split folder of ``root`` whose target is gone (a VOC split's links to an
+    export that moved), or None."""
+    for name in (n for names in coco.SPLIT_FOLDERS.values() for n in names):
+        folder = root / name
+        if folder.is_dir():
+            for f in folder.rglob("*"):
+                if f.is_symlink() and not f.exists():
+                    return f
+    return None
+
+
 def coco_export_files(root: Path) -> Optional[tuple[list[Path], Path]]:
     """A single-split COCO export in ``root`` (no COCO root): its JSON files, the export's
     own first, and the folder their ``file_name`` are relative to, as the tools write them;
@@ -167,9 +184,15 @@ def yolo_classes_file(root: Path) -> Optional[Path]:
     return next((c for c in (root / "classes.txt", root / "labels" / "classes.txt") if c.is_file()), None)
 
 
-def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any]:
+def has_yolo_labels(root: Path) -> bool:
+    """Whether an image under ``root`` has its label file where ultralytics' rule puts it."""
+    return any(yolo_label_path(f).is_file() for f in root.rglob("*") if f.suffix.lower() in IMAGE_EXTS)
+
+
+def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any, Any]:
     """A YOLO export that names no val images, to be split in two (``fastdet.data split``):
-    ``(the file that describes it, names, root, its images' entry)``. It is a folder with
+    ``(the file that describes it, names, root, its images' entry, its test entry as absolute
+    paths or None)``. It is a folder with
     ``classes.txt`` (LabelImg's save beside the images; Label Studio's ``images/`` and
     ``labels/``), or a data.yaml / ``obj.data`` without a val entry (CVAT's task without a
     Validation subset); one naming val images is refused."""
@@ -180,7 +203,7 @@ def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any]:
         names = [ln.strip() for ln in read_text(classes).splitlines() if ln.strip()]
         if not names:
             raise DataError(f"{classes}: no class names")
-        return classes, names, p, "images" if (p / "images").is_dir() else "."
+        return classes, names, p, "images" if (p / "images").is_dir() else ".", None
     path = _yolo_yaml(data)
     doc = _read_darknet(path) if path.suffix == ".data" else _read_yaml(path)
     names, root = yolo_names(path, doc), yolo_root(path, doc)
@@ -188,7 +211,11 @@ def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any]:
         raise DataError(f"{path}: already names its val images (val: {doc['val']}): train on it as it is")
     if doc.get("train") is None:
         raise DataError(f"{path}: no 'train' entry (the images to split)")
-    return path, names, root, doc["train"]
+    test = doc.get("test")
+    if test is not None:
+        test = [str(yolo_entry_path(root, e)) for e in test] if isinstance(test, list) \
+            else str(yolo_entry_path(root, test))
+    return path, names, root, doc["train"], test
 
 
 def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None,
@@ -358,6 +385,7 @@ def _read_darknet(path: Path) -> dict:
     """darknet's ``obj.data`` (CVAT's "YOLO 1.1" export): ``key = value`` lines naming the
     class list (``names``) and the ``train`` and ``valid`` image lists, as the data.yaml
     document they stand for (``path``: the file's folder; ``val``: ``valid``)."""
+    path = path.absolute()  # its lists are joined to its folder once (a relative folder twice: a wrong path)
     fields: dict[str, str] = {}
     for n, line in enumerate(read_text(path).splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -431,18 +459,15 @@ def yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Pa
     for e in entries:
         if not isinstance(e, str):
             raise DataError(f"{path}: field '{split}' must be a path or a list of paths, got {e!r}")
-        p = Path(e).expanduser()
-        p = p if p.is_absolute() else root / p
-        if not p.exists() and e.startswith("../"):
-            # Roboflow writes `train: ../train/images` beside its data.yaml; ultralytics
-            # retries such a path inside the set's root, and so do we.
-            p = root / e[3:]
+        p = yolo_entry_path(root, e)
         if p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file())
             images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
             labels = {yolo_label_path(f) for f in images}
             files += images
-            ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS else "not an image file", str(f))
+            ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS
+                         else "label file without an image" if f.suffix == ".txt" and f.name != "classes.txt"
+                         else "not an image file", str(f))
                         for f in found if f.suffix.lower() not in IMAGE_EXTS and f not in labels]
             label_dir = yolo_label_path(p / "x.jpg").parent  # where this folder's images have their labels
             if label_dir != p and label_dir.is_dir():
@@ -462,6 +487,17 @@ def yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Pa
     if not files:
         raise DataError(f"{path}: field '{split}': no images ({', '.join(map(str, entries))})")
     return [f.absolute() for f in files], ignored
+
+
+def yolo_entry_path(root: Path, entry: str) -> Path:
+    """A data.yaml split entry's path: as written if absolute, else inside ``root``; Roboflow
+    writes ``train: ../train/images`` beside its data.yaml, which ultralytics retries inside
+    the set's root, and so do we."""
+    p = Path(entry).expanduser()
+    p = p if p.is_absolute() else root / p
+    if not p.exists() and entry.startswith("../"):
+        p = root / entry[3:]
+    return p
 
 
 def yolo_label_path(image: Path) -> Path:
