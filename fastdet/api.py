@@ -89,7 +89,14 @@ def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | N
         ck, converted = load_any(path, arch, size, source)
         if converted:
             return ck, registry.config_from_dict(ck["config"])
-    return read_checkpoint(path)
+    ck, cfg = read_checkpoint(path)
+    asked = [(flag, v, own) for flag, v, own in (("--arch", arch, cfg.model.arch), ("--size", size, cfg.model.size))
+             if v is not None and v != own] + ([("--from", source, "fastdet")] if source is not None else [])
+    if asked:  # a fastdet checkpoint says what it is: a flag that says otherwise is a mistake, not an order
+        flag, v, _ = asked[0]
+        raise CheckpointError(f"{path}: a fastdet {cfg.model.arch}-{cfg.model.size} checkpoint, but {flag} {v} "
+                              "was given (it is for the authors' released files): drop it")
+    return ck, cfg
 
 
 def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, ema: bool = True,
@@ -175,6 +182,8 @@ def _one_rgb(image: Any, where: str) -> np.ndarray:
         x = x[:, :, None]
     if x.ndim != 3 or x.shape[2] not in (1, 3, 4):
         raise ValueError(f"{where}: expected an [H, W] or [H, W, 1|3|4] image, got shape {tuple(image.shape)}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{where}: an image of no pixels (shape {tuple(image.shape)})")
     if x.dtype.kind == "f":
         lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
         if not (np.isfinite(lo) and np.isfinite(hi)) or lo < 0 or hi > 255:
@@ -217,8 +226,14 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
         img_size: overrides the recipe's evaluation input size (a multiple of 32).
     """
     info: DetectorInfo = detector.info
+    if img_size is not None and (img_size < 32 or img_size % 32):
+        raise ValueError(f"img_size: expected a positive multiple of 32, got {img_size}")
+    if score_thresh is not None and not 0.0 <= score_thresh <= 1.0:
+        raise ValueError(f"score_thresh: expected a value in [0, 1], got {score_thresh}")
     size = img_size or info.img_size
     images = as_rgb_images(images)
+    if not images:
+        return []
     batch, scales = preprocess_images(images, info.preprocess, size)
     kw = dict(info.predict_kwargs)
     if score_thresh is not None:

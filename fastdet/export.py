@@ -245,9 +245,10 @@ def compare_with_torch(detector: nn.Module, path: str | Path, images: Tensor, nm
     ``scores``; ``unmatched = total = 0``. NMS: each onnxruntime detection is paired with
     the torch detection (``detector.predict``) of the same image and class whose box is
     nearest; pairs within 0.01 px and 1e-4 in score match, the difference is taken over
-    them, and ``unmatched`` counts the detections of either side left without a pair.
-    Those appear where candidate scores tie (an untrained model scores every anchor at
-    its prior): the greedy NMS order, and so the kept boxes, then depend on rounding.
+    them. ``total`` is the larger side's count per image, ``unmatched`` the part of it left
+    without a pair (0..total). Those appear where candidate scores tie (an untrained model
+    scores every anchor at its prior): the greedy NMS order, and so the kept boxes, then
+    depend on rounding.
     """
     import onnxruntime as ort  # optional: the export extra
 
@@ -257,25 +258,30 @@ def compare_with_torch(detector: nn.Module, path: str | Path, images: Tensor, nm
         ref = detector(images)
         return max(float((torch.from_numpy(o) - r).abs().max()) for o, r in zip(outs, ref)), 0, 0
     kw = predict_kwargs or detector.info.predict_kwargs
-    diff, unmatched, total = 0.0, 0, 0
-    for j, r in enumerate(detector.predict(images, **kw)):
+    return match_detections(outs, detector.predict(images, **kw))
+
+
+def match_detections(outs: list, refs: list[dict[str, Tensor]]) -> tuple[float, int, int]:
+    """``(largest difference, unmatched, total)`` of the NMS outputs ``outs`` (boxes [N, K, 4],
+    scores [N, K], labels [N, K], counts [N], numpy) against torch's detections per image
+    (:func:`compare_with_torch`)."""
+    diff, matched, total = 0.0, 0, 0
+    for j, r in enumerate(refs):
         k = int(outs[3][j])
         boxes, scores = torch.from_numpy(outs[0][j, :k]), torch.from_numpy(outs[1][j, :k])
         labels = torch.from_numpy(outs[2][j, :k])
         total += max(k, len(r["scores"]))
         if k == 0 or len(r["scores"]) == 0:
-            unmatched += k + len(r["scores"])
             continue
         dist = (boxes[:, None] - r["boxes"][None].float()).abs().amax(-1)  # [k, K] px
         dist[labels[:, None] != r["labels"][None]] = float("inf")
         near, idx = dist.min(1)
         sdiff = (scores - r["scores"][idx].float()).abs()
         ok = (near < 1e-2) & (sdiff < 1e-4)
-        paired = len(set(idx[ok].tolist()))
-        unmatched += (k - paired) + (len(r["scores"]) - paired)
+        matched += len(set(idx[ok].tolist()))  # torch detections with an onnxruntime one paired
         if ok.any():
             diff = max(diff, float(near[ok].max()), float(sdiff[ok].max()))
-    return diff, unmatched, total
+    return diff, total - matched, total
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--score-thresh: expected a value in [0, 1], got {args.score_thresh}")
         if not Path(args.ckpt).is_file():
             raise ValueError(f"--ckpt {args.ckpt}: no such file")
+        if Path(args.output).is_dir():
+            raise ValueError(f"--output {args.output} is a folder; name the file to write (e.g. {Path(args.output) / 'model.onnx'})")
         if Path(args.output).resolve() == Path(args.ckpt).resolve():
             raise ValueError(f"--output {args.output} is the checkpoint; choose another path")
         if not args.overwrite:

@@ -140,6 +140,19 @@ def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det):
             load_detector(path)
         msg = str(e.value)
         assert "\n" not in msg and str(path) in msg and "not a fastdet checkpoint" in msg, msg
+    # With --arch (a released file to convert), the same files and a missing one say what they are.
+    other = "ppyoloe" if tiny.arch != "ppyoloe" else "yolox"
+    for path, says in ((junk, "neither a torch file"), (cut, "a zip archive that does not open"),
+                       (tmp_path / "missing.pth", "no such file")):
+        with pytest.raises((CheckpointError, ValueError)) as e:
+            load_detector(path, arch=other)
+        assert "\n" not in str(e.value) and str(path) in str(e.value) and says in str(e.value), str(e.value)
+    # A fastdet checkpoint says what it is: --arch, --size or --from that say otherwise are refused.
+    size = det.info.size
+    for kw in ({"arch": other}, {"arch": tiny.arch, "size": "x"}, {"arch": tiny.arch, "source": "megvii"}):
+        with pytest.raises(CheckpointError, match=f"a fastdet {tiny.arch}-{size} checkpoint, but --"):
+            load_detector(tiny.ckpt, **kw)
+    assert load_detector(tiny.ckpt, arch=tiny.arch, size=size).info.arch == tiny.arch
 
 
 # --------------------------------------------------------------------------- fastdet.predict
@@ -243,6 +256,8 @@ def test_predict_and_export_never_replace_a_file_unasked(tiny, demo_small, tmp_p
     assert onnx.read_bytes() == b"an earlier export"
     assert export.main(["--ckpt", str(tiny.ckpt), "--output", str(tiny.ckpt), "--overwrite"]) == 2
     assert "is the checkpoint" in capsys.readouterr().err
+    assert export.main(["--ckpt", str(tiny.ckpt), "--output", str(out), "--overwrite"]) == 2  # a folder
+    assert f"--output {out} is a folder" in capsys.readouterr().err
     assert load_detector(tiny.ckpt).info.arch == tiny.arch
 
 
@@ -466,6 +481,12 @@ def test_detect_takes_a_path_a_pil_image_and_one_array(det, demo_small):
         assert len(got) == 1, type(one)
         torch.testing.assert_close(got[0]["boxes"], ref["boxes"])
         torch.testing.assert_close(got[0]["scores"], ref["scores"])
+    assert detect(det, []) == []  # one result per image: none
+    for images, kw, says in ((np.zeros((1, 0, 3), np.uint8), {}, "an image of no pixels"),
+                             ([f], {"img_size": 0}, "img_size"), ([f], {"img_size": 100}, "img_size"),
+                             ([f], {"score_thresh": 2.0}, "score_thresh")):
+        with pytest.raises(ValueError, match=says):
+            detect(det, images, **kw)
 
 
 def test_onnx_file_describes_its_input_and_classes(det, onnx_files):
@@ -495,3 +516,19 @@ def test_an_image_over_pils_pixel_limit_is_a_decode_error(demo_small, monkeypatc
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ImageDecodeError, match="cannot decode image"):
         decode_image(str(f))
+
+
+def test_the_export_check_counts_matches_between_none_and_all():
+    """Each image's larger side is the total; a torch detection paired with an onnxruntime
+    one counts once (the count went negative when both sides' leftovers were added)."""
+    from fastdet.export import match_detections
+
+    boxes = torch.tensor([[0.0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50]])
+    ref = {"boxes": boxes, "scores": torch.tensor([0.9, 0.8, 0.7]), "labels": torch.tensor([0, 0, 1])}
+    moved = (boxes + 5).numpy()[None]  # nothing pairs
+    outs = [moved, np.array([[0.9, 0.8, 0.7]]), np.array([[0, 0, 1]]), np.array([3])]
+    assert match_detections(outs, [ref]) == (0.0, 3, 3)
+    outs[0] = boxes.numpy()[None].copy()
+    outs[0][0, 2] += 5  # two of three pair
+    assert match_detections(outs, [ref])[1:] == (1, 3)
+    assert match_detections([outs[0][:, :0], outs[1][:, :0], outs[2][:, :0], np.array([0])], [ref])[1:] == (3, 3)

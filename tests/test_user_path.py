@@ -82,7 +82,7 @@ def test_predict_never_writes_over_a_source_image(demo_small, tmp_path):
     r = run([sys.executable, "-m", "fastdet.predict", "--ckpt", str(ckpt), "--source", str(imgs / "a.jpg"),
              "--output-dir", str(imgs), "--device", "cpu"])
     assert r.returncode == 2
-    assert "would replace the source image" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "is the folder of the source images" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert (imgs / "a.jpg").read_bytes() == before
 
 

@@ -81,6 +81,24 @@ def _fit(state: Mapping[str, torch.Tensor], arch: str, size: str, num_classes: i
     return None
 
 
+def weight_file_format(path: Path) -> str:
+    """``"torch"`` (a zip archive, as ``torch.save`` writes) or ``"paddle"`` (a pickle, as
+    ``paddle.save`` writes ``.pdparams``); anything else, or no file, is one line saying so."""
+    if not path.is_file():
+        raise ConvertError(f"{path}: no such file")
+    if is_torch_file(path):
+        return "torch"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(b"PK"):
+        raise ConvertError(f"{path}: a zip archive that does not open (truncated or damaged): not a readable "
+                           "torch file")
+    if head[:1] == b"\x80":
+        return "paddle"
+    raise ConvertError(f"{path}: neither a torch file (a zip archive) nor a Paddle .pdparams (a pickle): "
+                       "not a weight file, or damaged")
+
+
 def pick_source(arch: str, path: Path, source: Optional[str]) -> str:
     fam = ARCHITECTURES[arch]
     if not fam.weight_sources:
@@ -90,7 +108,7 @@ def pick_source(arch: str, path: Path, source: Optional[str]) -> str:
             raise ConvertError(f"{path}: {arch} converts weights from {', '.join(sorted(fam.weight_sources))}, "
                                f"not {source!r}")
         return source
-    fmt = "torch" if is_torch_file(path) else "paddle"
+    fmt = weight_file_format(path)
     names = [n for n, s in fam.weight_sources.items() if s.file_format == fmt]
     if len(names) != 1:
         raise ConvertError(f"{path}: a {fmt} file; {arch} reads {fmt} files from "
