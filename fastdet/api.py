@@ -74,6 +74,10 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
     if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict) or "model" not in ck:
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
                               "a plain state dict is not enough to rebuild the model)")
+    model = ck["config"].get("model")
+    if not isinstance(model, dict) or not model.get("arch") or not model.get("size"):
+        # The defaults would build another model than the weights' (PP-YOLOE-s, 80 classes).
+        raise CheckpointError(f"{path}: its stored config names no model.arch and model.size")
     try:
         cfg = registry.config_from_dict(ck["config"])
     except (ConfigError, TypeError, KeyError) as e:
@@ -113,6 +117,8 @@ def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, 
         model.load_state_dict(weights)
     except RuntimeError as e:
         first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+        if len(first) > 240:  # the first keys of a list of hundreds
+            first = first[:240].rsplit(", ", 1)[0] + ", ..."
         raise CheckpointError(f"{path}: its weights do not fit {arch}-{cfg.model.size} ({first})") from None
     model.eval()
     if fuse:

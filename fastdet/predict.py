@@ -43,6 +43,8 @@ from fastdet.runtime.dist import resolve_device
 from fastdet.runtime.outputs import refuse_replacing
 from fastdet.visualize import draw_detections, save_image
 
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".wmv")  # refused by name: predict reads images
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastdet.predict", description=__doc__,
@@ -64,6 +66,9 @@ def find_images(source: str) -> list[Path]:
     """The files ``source`` names, sorted; ``ValueError`` (one line) when there are none."""
     path = Path(source).expanduser()
     if path.is_file():
+        if path.suffix.lower() in VIDEO_SUFFIXES:
+            raise ValueError(f"--source {source}: a video; fastdet.predict reads images: extract its frames "
+                             f"first (e.g. ffmpeg -i {path.name} frames/%06d.jpg) and pass the folder")
         return [path]
     if path.is_dir():
         files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 keep.append(i)
             except ImageDecodeError:
                 skipped.append(str(files[i]))
+                (out / names[i]).unlink(missing_ok=True)  # an earlier run's copy (--exist-ok) is not this image's
         if imgs:
             with torch.inference_mode():
                 dets = detect(det, imgs, score_thresh=args.score_thresh, img_size=size)
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         msg += f"; skipped {len(skipped)} unreadable file(s): {', '.join(skipped)}"
     print(msg)
-    return 0
+    return 0 if done else 1  # nothing predicted: a failure, for the script that called it
 
 
 if __name__ == "__main__":

@@ -460,6 +460,12 @@ def test_resolve_errors(demo_small: Path, kwargs, message):
         resolve_data(cfg)
 
 
+def test_data_naming_a_file_says_where_a_coco_file_goes(demo_small: Path):
+    ann = demo_small / "annotations" / "instances_val2017.json"
+    with pytest.raises(DataError, match=r"a file, not a folder: a COCO file goes with --train-ann/--val-ann"):
+        resolve_data(DataConfig(data=str(ann)))
+
+
 def test_resolve_root_without_val_split(demo_small: Path, tmp_path):
     root = tmp_path / "coco"
     (root / "annotations").mkdir(parents=True)

@@ -140,6 +140,18 @@ def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det):
             load_detector(path)
         msg = str(e.value)
         assert "\n" not in msg and str(path) in msg and "not a fastdet checkpoint" in msg, msg
+    ck = torch.load(tiny.ckpt, weights_only=False)
+    nameless = tmp_path / "nameless.pth"
+    torch.save({**ck, "config": {"model": {}}}, nameless)  # rebuilt as the defaults' model before
+    with pytest.raises(CheckpointError, match="its stored config names no model.arch and model.size"):
+        load_detector(nameless)
+    other = {**ck, "config": {"model": {"arch": "ppyoloe", "size": "x",
+                                        "num_classes": ck["config"]["model"]["num_classes"]}}}
+    if tiny.arch != "ppyoloe":
+        torch.save(other, tmp_path / "other.pth")
+        with pytest.raises(CheckpointError, match="its weights do not fit ppyoloe-x") as e:
+            load_detector(tmp_path / "other.pth")
+        assert len(str(e.value)) < 500, str(e.value)  # the first keys, not hundreds
     # With --arch (a released file to convert), the same files and a missing one say what they are.
     other = "ppyoloe" if tiny.arch != "ppyoloe" else "yolox"
     for path, says in ((junk, "neither a torch file"), (cut, "a zip archive that does not open"),
@@ -200,6 +212,8 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
     out = tmp_path / "never"
     junk = tmp_path / "junk.pth"
     junk.write_bytes(b"hello")
+    video = tmp_path / "clip.MP4"
+    video.write_bytes(b"\x00\x00\x00\x18ftypmp42")
     base = ["--ckpt", str(tiny.ckpt), "--source", image, "--output-dir", str(out)]
     for argv, needle in ((base + ["--score-thresh", "2"], "--score-thresh"),
                          (base + ["--img-size", "50"], "--img-size"),
@@ -208,7 +222,8 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
                          (base[:2] + ["--source", str(tmp_path / "missing.jpg")] + base[4:], "no such file"),
                          (["--ckpt", str(junk)] + base[2:], "not a fastdet checkpoint"),
                          (base[:2] + ["--source", str(Path(image).parent), "--output-dir", str(Path(image).parent)],
-                          "is the folder of the source images")):
+                          "is the folder of the source images"),
+                         (base[:2] + ["--source", str(video)] + base[4:], "a video; fastdet.predict reads images")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
@@ -246,6 +261,14 @@ def test_predict_and_export_never_replace_a_file_unasked(tiny, demo_small, tmp_p
     assert predict.main(argv + ["--exist-ok", "--score-thresh", "0"]) == 0
     assert json.loads((out / "predictions.json").read_text())
     assert decode_image(str(out / image.name)).shape == decode_image(str(image)).shape
+    # The source now unreadable: nothing predicted is a failure, and its earlier drawn copy goes.
+    broken = tmp_path / "broken" / image.name
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a jpeg any more")
+    assert predict.main(["--ckpt", str(tiny.ckpt), "--source", str(broken), "--output-dir", str(out),
+                         "--device", "cpu", "--exist-ok"]) == 1
+    assert "skipped 1 unreadable file(s)" in capsys.readouterr().out
+    assert not (out / image.name).exists() and json.loads((out / "predictions.json").read_text()) == []
 
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"an earlier export")

@@ -186,10 +186,11 @@ def resolve_data(data_cfg: DataConfig, splits: tuple[str, ...] = ("train", "val"
     if any(explicit[k] is None for k in wanted):
         root = demo.demo_root(data_cfg.cache_dir) if data_cfg.data == "demo" else Path(data_cfg.data).expanduser()
         if not root.is_dir():
-            raise DataError(
-                f"--data {data_cfg.data}: no such directory (expected 'demo' or a COCO root "
-                "with annotations/ and train2017/, val2017/)"
-            )
+            what = ("a file, not a folder: a COCO file goes with --train-ann/--val-ann and its images with "
+                    "--train-images/--val-images; --data takes 'demo', a set's folder, a data.yaml or obj.data"
+                    if root.is_file() else "no such directory (expected 'demo' or a COCO root with "
+                    "annotations/ and train2017/, val2017/)")
+            raise DataError(f"--data {data_cfg.data}: {what}")
         base = DataPaths(*split_paths(root, "train"), *split_paths(root, "val"))
     out: dict[str, Any] = {k: None for k in _FLAGS}
     for key in wanted:

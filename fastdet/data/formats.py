@@ -239,7 +239,7 @@ def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None
             raise DataError("--data demo: the demo set has no test split (it has train and val)")
         root = Path(data_cfg.data).expanduser()
         if not root.is_dir():
-            raise DataError(f"--data {data_cfg.data}: no such directory")
+            raise DataError(f"--data {data_cfg.data}: {'a file, not a folder' if root.is_file() else 'no such directory'}")
         hint = export_hint(data_cfg.data, split)
         if hint:
             raise DataError(hint)
