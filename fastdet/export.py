@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--img-size: expected a positive multiple of 32, got {args.img_size}")
         if args.score_thresh is not None and not 0.0 <= args.score_thresh <= 1.0:
             raise ValueError(f"--score-thresh: expected a value in [0, 1], got {args.score_thresh}")
+        if args.score_thresh is not None and not args.nms:
+            raise ValueError("--score-thresh is the threshold of the exported NMS: give --nms too (the dense "
+                             "outputs keep every score, to threshold where they are read)")
         if not Path(args.ckpt).is_file():
             raise ValueError(f"--ckpt {args.ckpt}: no such file")
         if Path(args.output).is_dir():

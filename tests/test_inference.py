@@ -281,6 +281,8 @@ def test_predict_and_export_never_replace_a_file_unasked(tiny, demo_small, tmp_p
     assert "is the checkpoint" in capsys.readouterr().err
     assert export.main(["--ckpt", str(tiny.ckpt), "--output", str(out), "--overwrite"]) == 2  # a folder
     assert f"--output {out} is a folder" in capsys.readouterr().err
+    assert export.main(["--ckpt", str(tiny.ckpt), "--output", str(tmp_path / "d.onnx"), "--score-thresh", "0.5"]) == 2
+    assert "give --nms too" in capsys.readouterr().err and not (tmp_path / "d.onnx").exists()
     assert load_detector(tiny.ckpt).info.arch == tiny.arch
 
 
