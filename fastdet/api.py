@@ -15,6 +15,7 @@ an exported ONNX model).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,11 +27,14 @@ from torch import Tensor
 
 from fastdet import registry
 from fastdet.config import Config, ConfigError
-from fastdet.convert import load_any
+from fastdet.convert import load_any, stale_conversion_note
 from fastdet.data.augment import ImageDecodeError, decode_image, rgb_of
 from fastdet.data.preprocess import Preprocess, boxes_to_original
 from fastdet.runtime.checkpoint import load_checkpoint, select_weights
 from fastdet.models import ARCHITECTURES, Detector
+
+
+log = logging.getLogger("fastdet")
 
 
 class CheckpointError(ValueError):
@@ -74,6 +78,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
     if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict) or "model" not in ck:
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
                               "a plain state dict is not enough to rebuild the model)")
+    note = stale_conversion_note(ck, path)
+    if note:
+        log.warning(note)
     model = ck["config"].get("model")
     if not isinstance(model, dict) or not model.get("arch") or not model.get("size"):
         # The defaults would build another model than the weights' (PP-YOLOE-s, 80 classes).
@@ -178,6 +185,8 @@ def _one_rgb(image: Any, where: str) -> np.ndarray:
         except ImageDecodeError as e:
             raise ValueError(str(e)) from None
     if isinstance(image, Image.Image):
+        if image.width == 0 or image.height == 0:
+            raise ValueError(f"{where}: an image of no pixels ({image.width}x{image.height})")
         return rgb_of(image)  # grayscale (8 or 16 bits), palette, RGBA (alpha dropped)
     if isinstance(image, Tensor):
         image = image.detach().cpu().numpy()

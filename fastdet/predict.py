@@ -120,8 +120,7 @@ def output_paths(out: Path, names: list[str]) -> list[Path]:
 def check_no_source_overwritten(files: list[Path], out: Path, targets: list[Path]) -> None:
     """``ValueError`` (one line) if one of ``targets`` (:func:`output_paths`) would replace one
     of the source files (``--output-dir`` the source folder, or a source named ``predictions.json``)."""
-    folders = {f.resolve().parent for f in files}
-    if out.resolve() in folders:
+    if out.absolute() in {f.absolute().parent for f in files}:  # as named: links are files of their folder too
         raise ValueError(f"--output-dir {out} is the folder of the source images: the drawn copies would be read "
                          "as images by the next prediction; choose another --output-dir")
     sources = {f.resolve() for f in files}
@@ -197,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     (out / "predictions.json").write_text(json.dumps(results))
     msg = (f"predicted {done} image(s), {len(results)} detection(s) above {args.score_thresh} "
-           f"({info.arch}-{info.size}, {size}x{size}, {device}): drawn images and predictions.json in {out}")
+           f"({info.arch}-{info.size}, {size}x{size}, {device}): "
+           + (f"drawn images and predictions.json in {out}" if done else f"an empty predictions.json in {out}"))
     if skipped:
         msg += f"; skipped {len(skipped)} unreadable file(s): {', '.join(skipped)}"
     print(msg)

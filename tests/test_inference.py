@@ -7,6 +7,7 @@ trained in-process for 2 steps at 64 px on the small demo set (once per family).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -128,7 +129,7 @@ def test_detect_maps_boxes_to_original_pixels(det, demo_small):
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
 
 
-def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det):
+def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det, caplog):
     junk = tmp_path / "junk.pth"
     junk.write_bytes(os.urandom(512))
     plain = tmp_path / "state_dict.pth"
@@ -145,6 +146,12 @@ def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det):
     torch.save({**ck, "config": {"model": {}}}, nameless)  # rebuilt as the defaults' model before
     with pytest.raises(CheckpointError, match="its stored config names no model.arch and model.size"):
         load_detector(nameless)
+    if tiny.arch == "yolox":  # converted from Megvii's BGR-trained file before the stem was turned to RGB
+        stale = tmp_path / "stale.pth"
+        torch.save({**ck, "converted_from": {"file": "yolox_s.pth", "source": "megvii"}}, stale)
+        with caplog.at_level(logging.WARNING, logger="fastdet"):
+            load_detector(stale)
+        assert "convert yolox_s.pth again" in caplog.text, caplog.text
     other = {**ck, "config": {"model": {"arch": "ppyoloe", "size": "x",
                                         "num_classes": ck["config"]["model"]["num_classes"]}}}
     if tiny.arch != "ppyoloe":
@@ -212,6 +219,9 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
     out = tmp_path / "never"
     junk = tmp_path / "junk.pth"
     junk.write_bytes(b"hello")
+    links = tmp_path / "links"  # a folder of links to images elsewhere (a VOC split's)
+    links.mkdir()
+    (links / "a.jpg").symlink_to(image)
     video = tmp_path / "clip.MP4"
     video.write_bytes(b"\x00\x00\x00\x18ftypmp42")
     base = ["--ckpt", str(tiny.ckpt), "--source", image, "--output-dir", str(out)]
@@ -223,7 +233,9 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
                          (["--ckpt", str(junk)] + base[2:], "not a fastdet checkpoint"),
                          (base[:2] + ["--source", str(Path(image).parent), "--output-dir", str(Path(image).parent)],
                           "is the folder of the source images"),
-                         (base[:2] + ["--source", str(video)] + base[4:], "a video; fastdet.predict reads images")):
+                         (base[:2] + ["--source", str(video)] + base[4:], "a video; fastdet.predict reads images"),
+                         (base[:2] + ["--source", str(links), "--output-dir", str(links)],
+                          "is the folder of the source images")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
@@ -508,6 +520,7 @@ def test_detect_takes_a_path_a_pil_image_and_one_array(det, demo_small):
         torch.testing.assert_close(got[0]["scores"], ref["scores"])
     assert detect(det, []) == []  # one result per image: none
     for images, kw, says in ((np.zeros((1, 0, 3), np.uint8), {}, "an image of no pixels"),
+                             (Image.open(f).crop((10, 10, 10, 10)), {}, "an image of no pixels"),
                              ([f], {"img_size": 0}, "img_size"), ([f], {"img_size": 100}, "img_size"),
                              ([f], {"score_thresh": 2.0}, "score_thresh")):
         with pytest.raises(ValueError, match=says):

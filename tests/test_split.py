@@ -100,16 +100,18 @@ def test_split_refuses_in_one_line_before_writing(demo_small, tmp_path, capsys):
     (mine / "train").mkdir(parents=True)  # a folder of the user's, not a split's link
     one = tmp_path / "one.json"
     doc = json.loads(ann.read_text())
-    one.write_text(json.dumps({**doc, "images": doc["images"][:1], "annotations": []}))
+    boxed = doc["annotations"][0]["image_id"]
+    one.write_text(json.dumps({**doc, "images": [im for im in doc["images"] if im["id"] == boxed],
+                               "annotations": [a for a in doc["annotations"] if a["image_id"] == boxed]}))
     cases = [
         (["--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "a"), "--val-fraction", "1"],
          "--val-fraction must be between 0 and 1, got 1"),
         (["--ann", str(tmp_path / "nope.json"), "--images", str(images), "--output-dir", str(tmp_path / "b")],
          "annotation file not found"),
         (["--ann", str(one), "--images", str(images), "--output-dir", str(tmp_path / "c")],
-         f"{one}: 1 image(s) that read: a split needs at least 2"),
+         f"{one}: 1 image(s) that read (images sharing a label file count as one): a split needs at least 2"),
         (["--ann", str(ann), "--images", str(images), "--output-dir", str(mine), "--overwrite"],
-         f"{mine / 'train'} is not a link an earlier split made"),
+         f"holds {mine / 'train'}, which is not this format's (COCO)"),
         (["--ann", str(ann), "--images", str(images.parent), "--output-dir", str(tmp_path / "d")],
          f"no usable images in {images.parent}"),  # the wrong folder: said before writing
         (["--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "e"), "--seed", "-1"],
@@ -276,7 +278,7 @@ def test_an_earlier_split_moved_or_of_another_format_is_said(demo_small, tmp_pat
     out = tmp_path / "out"
     assert run(capsys, "--data", str(yolo), "--output-dir", str(out))[0] == 0
     rc, _, err = run(capsys, "--data", str(voc), "--output-dir", str(out), "--overwrite")
-    assert rc == 1 and f"holds an earlier split of another format ({out / 'data.yaml'})" in err, err
+    assert rc == 1 and f"holds {out / 'data.yaml'}, which is not this format's (VOC)" in err, err
     assert run(capsys, "--data", str(voc), "--output-dir", str(tmp_path / "v_out"))[0] == 0
     shutil.move(voc, tmp_path / "moved")
     rc = data_main(["check", "--data", str(tmp_path / "v_out")])
@@ -292,3 +294,57 @@ def test_an_earlier_split_moved_or_of_another_format_is_said(demo_small, tmp_pat
         shutil.move(x, apart / "annotations" / x.name)
     rc, _, err = run(capsys, "--data", str(apart), "--output-dir", str(tmp_path / "a_out"))
     assert rc == 1 and "has an XML beside it" in err and "is elsewhere" in err, err
+
+
+def test_layouts_with_a_test_split_keep_it_and_untrue_lines_are_gone(demo_small, tmp_path, capsys, monkeypatch):
+    """A VOC train/ + test/ set and a COCO Train + test set: their test split is linked into
+    the output; a YOLO test list of relative lines, named from a relative --data, reads from
+    the output; an output inside the export (even in its missing val/) is refused; a layout
+    with no train split, a COCO export without a box and a folder of another format's split
+    are said as they are; a txt beside its image in images/ is named as such."""
+    folders = tmp_path / "folders"
+    labelimg_voc(demo_small, folders)
+    shutil.copytree(folders / "val", folders / "test")
+    shutil.rmtree(folders / "val")
+    rc, _, err = run(capsys, "--data", str(folders), "--output-dir", str(folders / "val"))
+    assert rc == 1 and "is inside the export" in err, err
+    assert run(capsys, "--data", str(folders), "--output-dir", str(tmp_path / "f_out"))[0] == 0
+    assert data_main(["check", "--data", str(tmp_path / "f_out"), "--splits", "train,val,test"]) == 0
+    assert (tmp_path / "f_out" / "test").is_symlink()
+    subsets = tmp_path / "subsets"
+    cvat_coco_subsets(demo_small, subsets)
+    (subsets / "annotations" / "instances_Validation.json").rename(subsets / "annotations" / "instances_Test.json")
+    (subsets / "images" / "Validation").rename(subsets / "images" / "Test")
+    assert run(capsys, "--data", str(subsets), "--output-dir", str(tmp_path / "s_out"))[0] == 0
+    assert data_main(["check", "--data", str(tmp_path / "s_out"), "--splits", "train,val,test"]) == 0
+    # The VOC split's train/ is a folder where COCO links one: another format's, said so.
+    rc, _, err = run(capsys, "--data", str(subsets), "--output-dir", str(tmp_path / "f_out"), "--overwrite")
+    assert rc == 1 and f"holds {tmp_path / 'f_out' / 'train'}, which is not this format's (COCO)" in err, err
+    val_only = tmp_path / "val_only"
+    (val_only / "annotations").mkdir(parents=True)
+    shutil.copy(demo_small / "annotations" / "instances_val2017.json", val_only / "annotations")
+    shutil.copytree(demo_small / "val2017", val_only / "val2017")
+    rc, _, err = run(capsys, "--data", str(val_only), "--output-dir", str(tmp_path / "v_out"))
+    assert rc == 1 and "a COCO layout without a train split" in err, err
+    ann, images = export(demo_small, tmp_path / "cvat")
+    doc = json.loads(ann.read_text())
+    ann.write_text(json.dumps({**doc, "annotations": []}))
+    rc, _, err = run(capsys, "--ann", str(ann), "--images", str(images), "--output-dir", str(tmp_path / "n_out"))
+    assert rc == 1 and "not one box" in err and not (tmp_path / "n_out").exists(), err
+    yolo = tmp_path / "yolo"
+    labelstudio_yolo_export(demo_small, yolo)
+    for split in ("train", "val"):
+        (yolo / f"{split}.txt").write_text("".join(f"images/{split}/{f.name}\n"
+                                                   for f in sorted((yolo / "images" / split).iterdir())))
+    (yolo / "data.yaml").write_text(yaml.safe_dump({"train": "train.txt", "test": "val.txt",
+                                                    "names": ["circle", "rectangle", "triangle", "cross"]}))
+    monkeypatch.chdir(tmp_path)
+    assert run(capsys, "--data", "yolo/data.yaml", "--output-dir", "y_out")[0] == 0
+    assert data_main(["check", "--data", str(tmp_path / "y_out"), "--splits", "test"]) == 0
+    beside = tmp_path / "beside"
+    labelimg_yolo_in_one_folder(demo_small, beside)
+    shutil.move(beside / "all", beside / "images")
+    (beside / "images" / "README.txt").write_text("exported by hand\n")
+    rc, _, err = run(capsys, "--data", str(beside), "--output-dir", str(tmp_path / "b_out"))
+    assert rc == 1 and "label file beside its image, where ultralytics' rule does not look" in err, err
+    assert "README.txt" in err.split("not an image file (")[1], err  # not called a label file

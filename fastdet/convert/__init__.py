@@ -10,6 +10,6 @@ The converted file is a normal checkpoint (config, class names, COCO category id
 line in :mod:`fastdet.convert.__main__`; this module only names the public API.
 """
 
-from fastdet.convert.core import ConvertError, coco_classes, convert, load_any, unwrap
+from fastdet.convert.core import ConvertError, coco_classes, convert, load_any, stale_conversion_note, unwrap
 
-__all__ = ["ConvertError", "coco_classes", "convert", "load_any", "unwrap"]
+__all__ = ["ConvertError", "coco_classes", "convert", "load_any", "stale_conversion_note", "unwrap"]

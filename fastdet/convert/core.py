@@ -159,8 +159,20 @@ def convert(path: str | Path, arch: str, size: Optional[str] = None, source: Opt
     if len(names) != num_classes:
         names, ids = tuple(str(i) for i in range(num_classes)), tuple(range(1, num_classes + 1))
     ck = {"config": cfg.to_dict(), "model": model_state, "class_names": list(names), "cat_ids": list(ids),
-          "converted_from": {"file": str(path), "source": source}}
+          "converted_from": {"file": str(path), "source": source, "pixels": "RGB"}}
     return ck, size
+
+
+def stale_conversion_note(ck: dict[str, Any], path: str | Path) -> Optional[str]:
+    """The warning for a checkpoint converted from Megvii's YOLOX before the converter turned
+    its stem from Megvii's BGR input to fastdet's RGB (no ``pixels`` in ``converted_from``):
+    its red and blue are swapped, which costs AP; None for any other checkpoint."""
+    src = ck.get("converted_from")
+    if isinstance(src, dict) and src.get("source") == "megvii" and src.get("pixels") != "RGB":
+        return (f"{path}: converted from Megvii's YOLOX by an earlier fastdet, which fed its BGR-trained stem RGB "
+                f"(red and blue swapped); convert {src.get('file', 'the released file')} again: python -m "
+                "fastdet.convert --from megvii FILE --arch yolox --output OUT.pth")
+    return None
 
 
 def _own_keys(arch: str, size: str, num_classes: int, options: Mapping[str, Any]) -> list[str]:
@@ -185,6 +197,9 @@ def load_any(path: str | Path, arch: str, size: Optional[str] = None, source: Op
         except ValueError as e:
             raise ConvertError(str(e)) from None
         if is_fastdet_checkpoint(raw):
+            note = stale_conversion_note(raw, path)
+            if note:
+                log.warning(note)
             return raw, False
     ck, size = convert(path, arch, size, source)
     log.info("%s: converted from %s's released %s weights (%s-%s, %d classes)", path, ck["converted_from"]["source"],

@@ -224,7 +224,9 @@ NO_XML = "as background: no XML beside them"  # VOC sets kept as folders (fastde
 IMAGE_CHANGE_REASONS = (UPRIGHT, NO_XML)
 # Phones save HEIC (iPhone) or DNG (raw) pictures beside JPEGs; no decoder here reads them.
 CAMERA_FORMAT = "camera format not read (HEIC, HEIF, DNG: save as JPEG)"
-FILE_REASONS = ("label file without an image", CAMERA_FORMAT, "not an image file")
+# A YOLO txt beside its image in an images/ folder: ultralytics' rule reads labels/ for it.
+LABEL_BESIDE = "label file beside its image, where ultralytics' rule does not look (images/ -> labels/)"
+FILE_REASONS = ("label file without an image", LABEL_BESIDE, CAMERA_FORMAT, "not an image file")
 _SHOWN_EXAMPLES = 3  # image paths named per reason in the summary
 
 

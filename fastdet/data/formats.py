@@ -191,8 +191,7 @@ def has_yolo_labels(root: Path) -> bool:
 
 def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any, Any]:
     """A YOLO export that names no val images, to be split in two (``fastdet.data split``):
-    ``(the file that describes it, names, root, its images' entry, its test entry as absolute
-    paths or None)``. It is a folder with
+    ``(the file that describes it, names, root, its images' entry, its test entry or None)``. It is a folder with
     ``classes.txt`` (LabelImg's save beside the images; Label Studio's ``images/`` and
     ``labels/``), or a data.yaml / ``obj.data`` without a val entry (CVAT's task without a
     Validation subset); one naming val images is refused."""
@@ -211,11 +210,7 @@ def yolo_single_split(data: str) -> tuple[Path, list[str], Path, Any, Any]:
         raise DataError(f"{path}: already names its val images (val: {doc['val']}): train on it as it is")
     if doc.get("train") is None:
         raise DataError(f"{path}: no 'train' entry (the images to split)")
-    test = doc.get("test")
-    if test is not None:
-        test = [str(yolo_entry_path(root, e)) for e in test] if isinstance(test, list) \
-            else str(yolo_entry_path(root, test))
-    return path, names, root, doc["train"], test
+    return path, names, root, doc["train"], doc.get("test")
 
 
 def load_split(data_cfg: DataConfig, split: str, *, train: Optional[bool] = None,
@@ -465,10 +460,9 @@ def yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Pa
             images = [f for f in found if f.suffix.lower() in IMAGE_EXTS]
             labels = {yolo_label_path(f) for f in images}
             files += images
-            ignored += [(coco.CAMERA_FORMAT if f.suffix.lower() in CAMERA_EXTS
-                         else "label file without an image" if f.suffix == ".txt" and f.name != "classes.txt"
-                         else "not an image file", str(f))
-                        for f in found if f.suffix.lower() not in IMAGE_EXTS and f not in labels]
+            stems = {f.with_suffix("") for f in images}
+            ignored += [(_not_read(f, stems), str(f)) for f in found if f.suffix.lower() not in IMAGE_EXTS
+                        and f not in labels]
             label_dir = yolo_label_path(p / "x.jpg").parent  # where this folder's images have their labels
             if label_dir != p and label_dir.is_dir():
                 ignored += [("label file without an image", str(t)) for t in sorted(label_dir.rglob("*.txt"))
@@ -487,6 +481,24 @@ def yolo_images(path: Path, root: Path, split: str, entry: Any) -> tuple[list[Pa
     if not files:
         raise DataError(f"{path}: field '{split}': no images ({', '.join(map(str, entries))})")
     return [f.absolute() for f in files], ignored
+
+
+def _not_read(f: Path, image_stems: set[Path]) -> str:
+    """Why a file in a YOLO image folder is not read: a camera format; a label file beside its
+    image where ultralytics' rule looks elsewhere (``images/`` -> ``labels/``); a label file
+    without an image (a txt whose first line is ``class cx cy w h``); else not an image file."""
+    if f.suffix.lower() in CAMERA_EXTS:
+        return coco.CAMERA_FORMAT
+    if f.suffix.lower() != ".txt":
+        return "not an image file"
+    if f.with_suffix("") in image_stems:
+        return coco.LABEL_BESIDE
+    try:
+        first = next((ln.split() for ln in read_text(f).splitlines() if ln.strip()), [])
+        looks = len(first) >= 5 and all(np.isfinite(float(v)) for v in first)
+    except (DataError, ValueError):
+        looks = False
+    return "label file without an image" if looks else "not an image file"
 
 
 def yolo_entry_path(root: Path, entry: str) -> Path:

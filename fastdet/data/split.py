@@ -70,7 +70,8 @@ def draw(classes: list[set], usable: list[bool], val_fraction: float, seed: int,
     goes unscored, and is said). Units that do not read stay in train."""
     ids = [i for i, ok in enumerate(usable) if ok]
     if len(ids) < 2:
-        raise coco.DataError(f"{source}: {len(ids)} image(s) that read: a split needs at least 2")
+        raise coco.DataError(f"{source}: {len(ids)} image(s) that read (images sharing a label file count as one): "
+                             "a split needs at least 2")
     n_val = min(len(ids) - 1, max(1, round(val_fraction * len(ids))))
     order = np.random.default_rng(seed).permutation(len(ids))
     drawn = [ids[i] for i in order[:n_val]]
@@ -110,22 +111,36 @@ def _outside(out: Path, source: Path) -> None:
 
 
 # What each format's split writes in OUT (relative paths).
-OUTPUTS = {"coco": ("annotations/instances_train.json", "annotations/instances_val.json", "train", "val"),
-           "yolo": ("data.yaml", "train.txt", "val.txt"),
-           "voc": ("train", "val")}
+# (The export's own test split, where it has one, is kept: linked, or listed for YOLO.)
+OUTPUTS = {"coco": ("annotations/instances_train.json", "annotations/instances_val.json",
+                    "annotations/instances_test.json", "train", "val", "test"),
+           "yolo": ("data.yaml", "train.txt", "val.txt", "test.txt"),
+           "voc": ("train", "val", "test")}
 
 
 def _refuse_replacing(out: Path, fmt: str, overwrite: bool) -> None:
     """Nothing existing replaced without ``--overwrite``, and never an earlier split of
-    another format (``--data OUT`` would read it in place of this one)."""
+    another format (``--data OUT`` would read it in place of this one). COCO's split
+    folders are links, VOC's folders of links: the same names, told apart by what they are."""
     mine = [out / p for p in OUTPUTS[fmt]]
     others = [out / p for f, names in OUTPUTS.items() if f != fmt for p in names if out / p not in mine]
     left = [p for p in others if p.exists() or p.is_symlink()]
+    left += [p for p in mine if p.name in ("train", "val", "test") and p.exists()  # links where this format links
+             and p.is_symlink() != (fmt == "coco" or p.name == "test")]
     if left:
-        raise ValueError(f"--output-dir {out} holds an earlier split of another format ({left[0]}); "
-                         "choose another folder, or remove it")
+        raise ValueError(f"--output-dir {out} holds {left[0]}, which is not this format's ({fmt.upper()}): an "
+                         "earlier split of another format, or a file of yours; choose another folder")
     if not overwrite:
         refuse_replacing(mine, f"--output-dir {out}", "--overwrite")
+
+
+def _link(links: dict[Path, Path]) -> None:
+    """Each ``{link: target}``, an earlier split's link replaced (checked by :func:`_refuse_replacing`)."""
+    for link, target in links.items():
+        if link.is_symlink():
+            link.unlink()
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(target, link, target_is_directory=target.is_dir())
 
 
 def _no_boxes(export: coco.CocoDataset, source: Path) -> None:
@@ -135,17 +150,19 @@ def _no_boxes(export: coco.CocoDataset, source: Path) -> None:
 
 
 def split_export(ann: Path, images: Path, out: Path, val_fraction: float, seed: int, overwrite: bool,
-                 source: Path | None = None) -> Splits:
+                 source: Path | None = None, test: tuple[Path, Path] | None = None) -> Splits:
     """Write ``out`` from a COCO export (see the module docstring); return the export as read
     (its report: what training will skip) and its two splits as read back. Every check comes
     before the first write: the flags, the file, its images under ``images`` (headers read: a
     wrong folder is one line naming it), what ``out`` already holds. ``source``: the
-    export's folder (``--data``), which ``out`` must lie outside, as the image folder."""
+    export's folder (``--data``), which ``out`` must lie outside, as the image folder;
+    ``test``: the layout's test split (JSON, images), linked beside the two."""
     _check_values(val_fraction, seed, out)
     images = images.expanduser().resolve()  # the links hold this: the same from any working directory
     _outside(out, source if source is not None else images)
     doc = coco._read_json(ann)
     export = coco.load_coco_doc(copy.deepcopy(doc), ann, images, train=False, check_images="open")
+    _no_boxes(export, ann)
     read = {r.image_id for r in export.records}
     ids = [im["id"] for im in doc["images"]]
     classes = [set() for _ in ids]
@@ -158,17 +175,12 @@ def split_export(ann: Path, images: Path, out: Path, val_fraction: float, seed: 
              out / "annotations" / "instances_val.json": subset(doc, {ids[k] for k in val})}
     links = [out / "train", out / "val"]
     _refuse_replacing(out, "coco", overwrite)
-    for link in links:  # what an earlier split wrote: links (to wherever they pointed)
-        if link.exists() and not link.is_symlink():
-            raise ValueError(f"--output-dir {out}: {link} is not a link an earlier split made; "
-                             "choose another folder")
     (out / "annotations").mkdir(parents=True, exist_ok=True)
     for path, part in files.items():
         path.write_text(json.dumps(part))
-    for link in links:
-        if link.is_symlink():
-            link.unlink()
-        os.symlink(images, link, target_is_directory=True)
+    _link({link: images for link in links})
+    if test is not None:
+        _link({out / "annotations" / "instances_test.json": test[0].resolve(), out / "test": test[1].resolve()})
     return (export, *(coco.load_coco(path, link, train=False, check_images="open")
                       for path, link in zip(files, links)))
 
@@ -186,8 +198,8 @@ def export_kind(data: str) -> tuple[str, Path]:
             return "yolo", p
         raise coco.DataError(f"--data {data}: a file; give the export's folder, a data.yaml or obj.data, "
                              "or a COCO file with --ann and its image folder with --images")
-    if (p / "data.yaml").is_file() or (p / "obj.data").is_file():
-        return "yolo", p
+    if ((p / "data.yaml").is_file() or (p / "obj.data").is_file()) and not (p / "annotations").is_dir():
+        return "yolo", p  # as formats.data_format tells a YOLO set
     has_xml = next((f for f in p.rglob("*") if f.suffix.lower() == ".xml" and f.is_file()), None) is not None
     if formats.yolo_classes_file(p) and (formats.has_yolo_labels(p) or not has_xml):
         return "yolo", p
@@ -197,12 +209,18 @@ def export_kind(data: str) -> tuple[str, Path]:
     layout = coco.coco_layout_of(p)
     if layout or formats.is_voc_folders(p):
         fmt = "coco" if layout else "voc"
-        if fmt == "coco" and not coco.split_paths(p, "val")[0].is_file():
-            return "coco_train", p
-        if fmt == "voc" and not any((p / n).is_dir() for n in coco.SPLIT_FOLDERS["val"]):
-            return "voc_train", formats._voc_folder(p, "train")
-        raise coco.DataError(f"--data {data}: already holds its splits ({fmt.upper()}); train on it as it is "
-                             f"(python -m fastdet.data check --data {data})")
+        if fmt == "coco":
+            has = {s: coco.split_paths(p, s)[0].is_file() for s in ("train", "val")}
+        else:
+            has = {s: any((p / n).is_dir() for n in coco.SPLIT_FOLDERS[s]) for s in ("train", "val")}
+        if has["train"] and has["val"]:
+            raise coco.DataError(f"--data {data}: already holds its splits ({fmt.upper()}); train on it as it "
+                                 f"is (python -m fastdet.data check --data {data})")
+        if not has["train"]:
+            raise coco.DataError(f"--data {data}: a {fmt.upper()} layout without a train split; to split one of its "
+                                 "splits, name it: " + ("--ann <its JSON> --images <its image folder>" if fmt == "coco"
+                                                        else "--data <its folder>"))
+        return f"{fmt}_train", p
     if has_xml:
         return "voc", p
     if formats.coco_export_files(p):
@@ -216,14 +234,21 @@ def split_data(data: str, out: Path, val_fraction: float, seed: int, overwrite: 
     the module docstring and :func:`export_kind`)."""
     _check_values(val_fraction, seed, out)
     kind, where = export_kind(data)
+    if where.is_dir():
+        _outside(out, where)  # the whole export (a layout's train split is one folder of it)
     if kind == "coco":
         jsons, images = formats.coco_export_files(where)
         return split_export(jsons[0], images, out, val_fraction, seed, overwrite, source=where)
     if kind == "coco_train":
         ann, images = coco.split_paths(where, "train")
-        return split_export(ann, images, out, val_fraction, seed, overwrite, source=where)
+        test = coco.split_paths(where, "test")
+        return split_export(ann, images, out, val_fraction, seed, overwrite, source=where,
+                            test=test if test[0].is_file() else None)
     if kind == "yolo":
         return split_yolo(str(where), out, val_fraction, seed, overwrite)
+    if kind == "voc_train":
+        test = next((where / n for n in coco.SPLIT_FOLDERS["test"] if (where / n).is_dir()), None)
+        return split_voc(formats._voc_folder(where, "train"), out, val_fraction, seed, overwrite, test=test)
     return split_voc(where, out, val_fraction, seed, overwrite)
 
 
@@ -259,19 +284,22 @@ def split_yolo(data: str, out: Path, val_fraction: float, seed: int, overwrite: 
     export = formats.yolo_dataset(path, names, root, "train", entry, train=False, check_images="open")
     _no_boxes(export, path)
     files, _ = formats.yolo_images(path, root, "train", entry)
+    test_files = formats.yolo_images(path, root, "test", test)[0] if test is not None else None
     labels = [formats.yolo_label_path(f) for f in files]
     classes = [{b[1] for b in formats.yolo_boxes(t, len(names))} if t.is_file() else set() for t in labels]
     read = {Path(r.file) for r in export.records}
     train, val = _draw_files(files, [t if t.is_file() else None for t in labels], classes,
                              [f in read for f in files], val_fraction, seed, path)
     fields: dict[str, Any] = {"train": "train.txt", "val": "val.txt"}
-    if test is not None:  # the export's own test images, named so that OUT reads them from anywhere
-        fields["test"] = test
+    if test_files is not None:  # the export's own test images, listed as train and val are
+        fields["test"] = "test.txt"
     spec = yaml.safe_dump({**fields, "names": names}, sort_keys=False, allow_unicode=True)
     written = {out / "data.yaml": f"# python -m fastdet.data split of {path} (seed {seed}, val fraction "
                                   f"{val_fraction:g}): each image's label file is where the export has it\n{spec}",
                out / "train.txt": "".join(f"{files[i]}\n" for i in train),
                out / "val.txt": "".join(f"{files[i]}\n" for i in val)}
+    if test_files is not None:
+        written[out / "test.txt"] = "".join(f"{f}\n" for f in test_files)
     _refuse_replacing(out, "yolo", overwrite)
     out.mkdir(parents=True, exist_ok=True)
     for p, text in written.items():
@@ -280,8 +308,10 @@ def split_yolo(data: str, out: Path, val_fraction: float, seed: int, overwrite: 
     return (export, *(formats.load_yolo(spec_file, s, train=False, check_images="open") for s in ("train", "val")))
 
 
-def split_voc(root: Path, out: Path, val_fraction: float, seed: int, overwrite: bool) -> Splits:
-    """VOC XMLs beside their images into ``out/train/`` and ``out/val/`` of links (module docstring)."""
+def split_voc(root: Path, out: Path, val_fraction: float, seed: int, overwrite: bool,
+              test: Path | None = None) -> Splits:
+    """VOC XMLs beside their images into ``out/train/`` and ``out/val/`` of links (module
+    docstring); ``test``: the layout's test folder, linked beside them."""
     _check_values(val_fraction, seed, out)
     root = root.expanduser().absolute()
     _outside(out, root)
@@ -313,4 +343,6 @@ def split_voc(root: Path, out: Path, val_fraction: float, seed: int, overwrite: 
                 (folder / name).parent.mkdir(parents=True, exist_ok=True)
                 if not (folder / name).is_symlink():  # an XML two images share: linked once
                     os.symlink(target.resolve(), folder / name)
+    if test is not None:
+        _link({out / "test": test.resolve()})
     return (export, *(formats.load_voc(str(out), s, train=False, check_images="open") for s in ("train", "val")))
