@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,14 +27,18 @@ from fastdet.config import Config, ConfigError, RunConfig, apply_overrides, pars
 from fastdet.data.augment import ImageDecodeError
 from fastdet.data.coco import DataError
 from fastdet.data.formats import train_num_classes
+from fastdet.data.loader import BACKENDS as LOADERS
 from fastdet.data.schedule import LoaderError
 from fastdet.engine.compile_workers import CompileError
 from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
+from fastdet.engine.optim import SCHEDULES
 from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
 from fastdet.models.detector import Detector
+from fastdet.ops.ema import EMA_FLAVOURS
 from fastdet.runtime.checkpoint import (is_torch_file, load_checkpoint, load_torch_file, load_with_fallback,
                                         previous_path)
+from fastdet.runtime.logging import ProfilerWindow
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -102,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help=f"architecture, one of {', '.join(sorted(_archs()))} "
                    f"(default {DEFAULT_ARCH}; with --resume: the run's)")
     p.add_argument("--size", default=None, help="model size: " + "; ".join(
-        f"{a}: {', '.join(sizes)}" for a, sizes in _archs().items()) + f" (default {DEFAULT_SIZE})")
+        f"{a}: {', '.join(sizes)}" for a, sizes in _archs().items()) + f" (default {DEFAULT_SIZE}, or the family's "
+        "first where it has no s)")
     for flag, (_, kw) in FLAGS.items():
         p.add_argument(flag, default=None, **kw)
     for flag, (_, _, help_) in SWITCHES.items():
@@ -133,7 +139,12 @@ RESUMABLE = frozenset({
     "compile.warmup", "compile.shapes", "compile.workers", "compile.worker_nice", "compile.cache_dir",
     "run.ckpt_interval_minutes", "run.dist_timeout_minutes",
     "run.auto_resume",
+    # The set's files, named again where they are now (moved, or another working directory):
+    # a set of other classes is refused by the checkpoint's class check.
+    "data.data", "data.train_ann", "data.val_ann", "data.train_images", "data.val_images",
 })
+# Config fields that name files: stored absolute, so a run resumes from any working directory.
+PATH_KEYS = ("data.data", "data.train_ann", "data.val_ann", "data.train_images", "data.val_images")
 
 
 def _archs() -> dict[str, tuple[str, ...]]:
@@ -173,13 +184,23 @@ def scaled_sizes(sizes: tuple[int, ...], ref: int, img_size: int, div: int = 32)
     return tuple(sorted({max(div, round(s * img_size / ref / div) * div) for s in sizes}))
 
 
+def default_size(arch: str) -> str:
+    """``s`` where the family has it, else its first size (FCOS: r50)."""
+    sizes = ARCHITECTURES[arch].sizes if arch in ARCHITECTURES else (DEFAULT_SIZE,)
+    return DEFAULT_SIZE if DEFAULT_SIZE in sizes else sizes[0]
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
     """The family's preset, then its demo overrides (for --data demo), then flags, then --set.
     With --resume: the run's stored config, with only the RESUMABLE fields taken from the flags."""
     overrides = explicit_overrides(args)
+    for key in PATH_KEYS:
+        if isinstance(overrides.get(key), str) and overrides[key] != "demo":
+            overrides[key] = str(Path(overrides[key]).expanduser().absolute())
     if overrides.get("run.resume"):
         return resolve_resume(args, overrides)
-    arch, size = args.arch or DEFAULT_ARCH, args.size or DEFAULT_SIZE
+    arch = args.arch or DEFAULT_ARCH
+    size = args.size or default_size(arch)
     cfg = registry.get_preset(arch, size)
     given = [f for f in DATA_PATH_FLAGS if FLAGS[f][0] in overrides]
     if given and "data.data" not in overrides:
@@ -205,7 +226,7 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
         path = Path(overrides["run.ckpt"]).expanduser()
     else:
         out = overrides.get("run.output_dir") or RunConfig.output_dir.format(
-            arch=args.arch or DEFAULT_ARCH, size=args.size or DEFAULT_SIZE)
+            arch=args.arch or DEFAULT_ARCH, size=args.size or default_size(args.arch or DEFAULT_ARCH))
         path = Path(out).expanduser() / "latest.pth"
     fallback = not overrides.get("run.ckpt") and previous_path(path).is_file()
     if not path.is_file() and not fallback:
@@ -279,13 +300,15 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"compile.worker_nice must be a niceness from 0 to 19, got {c.worker_nice}")
     if o.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {o.epochs}")
-    if o.base_lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {o.base_lr:g}")
     if cfg.run.dist_timeout_minutes <= 0:
         raise ConfigError(f"--dist-timeout must be positive (minutes), got {cfg.run.dist_timeout_minutes:g}")
     if cfg.run.ckpt_interval_minutes < 0:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
+    _check_values(cfg)
+    out = Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {out} is a file, not a folder")
     if cfg.run.ckpt:
         path = Path(cfg.run.ckpt).expanduser()
         if not path.is_file():
@@ -297,6 +320,50 @@ def check_config(cfg: Config) -> None:
                               "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
         if not cfg.run.resume and not cfg.run.ckpt_partial:
             check_same_model(path, cfg)
+
+
+def _named(key: str) -> str:
+    """How a message names config ``key``: its flag and the field (``--lr (optim.base_lr)``)."""
+    flag = flag_of(key)
+    return key if flag.startswith("--set") else f"{flag} ({key})"
+
+
+def _check_values(cfg: Config) -> None:
+    """Names and ranges a run only meets once it has started (a schedule, an optimizer, a
+    loader looked up; a NaN learning rate, a negative decay): one ConfigError naming the field."""
+    for section in ("data", "optim", "compile", "run", "model", "family"):
+        values = getattr(cfg, section)
+        items = values.items() if isinstance(values, dict) else vars(values).items()
+        for name, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{_named(f'{section}.{name}')} must be a finite number, got {v}")
+    o, d = cfg.optim, cfg.data
+    names = {"optim.optimizer": (o.optimizer, ("sgd", "adamw")), "optim.schedule": (o.schedule, tuple(SCHEDULES)),
+             "optim.ema_type": (o.ema_type, tuple(EMA_FLAVOURS)), "data.loader": (d.loader, LOADERS)}
+    for key, (v, allowed) in names.items():
+        if v not in allowed:
+            raise ConfigError(f"{_named(key)} must be one of {', '.join(allowed)}, got {v!r}")
+    ranges = {"optim.base_lr": (o.base_lr > 0, "positive"), "optim.ref_batch": (o.ref_batch >= 1, "at least 1"),
+              "optim.weight_decay": (o.weight_decay >= 0, ">= 0"), "optim.momentum": (0 <= o.momentum < 1, "in [0, 1)"),
+              "optim.beta2": (0 <= o.beta2 < 1, "in [0, 1)"), "optim.min_lr_ratio": (0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+              "optim.warmup_start_factor": (0 <= o.warmup_start_factor <= 1, "in [0, 1]"),
+              "optim.gamma": (o.gamma > 0, "positive"), "optim.clip_grad_norm": (o.clip_grad_norm >= 0, ">= 0 (0: off)"),
+              "optim.no_aug_epochs": (o.no_aug_epochs >= 0, ">= 0"),
+              "run.seed": (cfg.run.seed >= 0, ">= 0")}
+    for name in ("score_thresh", "nms_iou"):  # the family's post-processing, where it has one
+        v = cfg.family.get(name) if isinstance(cfg.family, dict) else getattr(cfg.family, name, None)
+        if isinstance(v, (int, float)):
+            ranges[f"family.{name}"] = (0 <= v <= 1, "in [0, 1]")
+    for key, (ok, what) in ranges.items():
+        if not ok:
+            section, name = key.split(".")
+            raise ConfigError(f"{_named(key)} must be {what}, got {getattr(getattr(cfg, section), name, None)}"
+                              if section != "family" else f"{key} must be {what}")
+    if cfg.run.profile_steps:
+        try:
+            ProfilerWindow.parse(cfg.run.profile_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_same_model(path: Path, cfg: Config) -> None:
@@ -311,9 +378,10 @@ def check_same_model(path: Path, cfg: Config) -> None:
         return  # weights without a config (a converted or hand-made state dict)
     theirs, ours = (model.get("arch"), model.get("size")), (cfg.model.arch, cfg.model.size)
     if theirs != ours:
+        partial = (", or --ckpt-partial to load the tensors that fit and start the rest fresh" if theirs[0] == ours[0]
+                   else " (another family's weights do not fit this model)")
         raise ConfigError(f"--ckpt {path} holds {theirs[0]}-{theirs[1]} weights and this run trains "
-                          f"{ours[0]}-{ours[1]}: pass --arch {theirs[0]} --size {theirs[1]}, or "
-                          "--ckpt-partial to load the tensors that fit and start the rest fresh")
+                          f"{ours[0]}-{ours[1]}: pass --arch {theirs[0]} --size {theirs[1]}{partial}")
 
 
 def with_dataset_classes(cfg: Config) -> tuple[Config, str]:

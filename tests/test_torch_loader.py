@@ -195,3 +195,16 @@ def test_evaluation_leaves_out_and_counts_undecodable_images(broken_set):
     ids = [i for b in loader for i in b["image_ids"].tolist()]
     assert sorted(ids) == sorted(r.image_id for r in ds.records[:7])
     assert loader.dropped == 2 and "2 evaluation images left out" in loader.report()
+
+
+def test_boxes_beyond_max_boxes_are_said_once_and_counted(demo_train, caplog):
+    """An image with more boxes than --max-boxes loses its smallest: a warning the first
+    time (with the flag that keeps them) and a count in the loader's report, which the
+    trainer logs at each epoch's end; before, they were dropped in silence."""
+    import logging
+
+    loader = train_loader(cfg_for(max_boxes=1, batch_size=4), demo_train, rank=0, world_size=1, device="cpu", seed=0)
+    with caplog.at_level(logging.WARNING):
+        next(iter(loader))
+    assert loader.boxes_truncated > 0 and f"{loader.boxes_truncated} boxes beyond max_boxes=1 dropped" in loader.report()
+    assert sum("raise --max-boxes" in r.getMessage() for r in caplog.records) == 1

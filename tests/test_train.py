@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -355,7 +356,7 @@ def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, mess
     (["--img-size", "0"], "--img-size must be a positive multiple of 32"),
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
     (["--set", "data.eval_batch_size=0"], "data.eval_batch_size must be at least 1, got 0"),
-    (["--lr", "-1"], "--lr must be positive, got -1"),
+    (["--lr", "-1"], "--lr (optim.base_lr) must be positive, got -1"),
     (["--ckpt", "NOT_A_CKPT"], "is not a checkpoint: torch.save writes a zip archive"),
     (["--ckpt", "MISSING"], "no such file"),
 ])
@@ -373,6 +374,72 @@ def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "weights_only" not in r.stderr
     assert not out.exists(), "the run started before the error"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--set", "optim.optimizer=adam"], "optim.optimizer must be one of sgd, adamw, got 'adam'"),
+    (["--set", "optim.schedule=linear"], "optim.schedule must be one of cosine"),
+    (["--set", "data.loader=foo"], "--loader (data.loader) must be one of auto, dali, torch, got 'foo'"),
+    (["--lr", "nan"], "--lr (optim.base_lr) must be a finite number, got nan"),
+    (["--set", "optim.base_lr=-1"], "--lr (optim.base_lr) must be positive"),
+    (["--set", "optim.ref_batch=0"], "optim.ref_batch must be at least 1, got 0"),
+    (["--set", "optim.beta2=1.5"], "optim.beta2 must be in [0, 1), got 1.5"),
+    (["--set", "optim.weight_decay=-1"], "optim.weight_decay must be >= 0"),
+    (["--set", "family.nms_iou=5"], "family.nms_iou must be in [0, 1]"),
+    (["--seed", "-1"], "--seed (run.seed) must be >= 0, got -1"),
+    (["--profile-steps", "5:2"], "--profile-steps '5:2': need 0 <= A < B"),
+    (["--output-dir", "A_FILE"], "is a file, not a folder"),
+])
+def test_values_a_run_meets_late_are_refused_before_it_starts(demo_small, tmp_path, extra, message):
+    """Names looked up and numbers used only once the run has started (an optimizer, a
+    schedule, a NaN learning rate that trains to a NaN loss, a division by ref_batch): one
+    ConfigError naming the field, before any folder or data (``python -m fastdet.train``
+    turns it into exit 2, as the cases above)."""
+    from fastdet.config import ConfigError
+    from fastdet.train import build_parser, check_config, resolve_config
+
+    (tmp_path / "a_file").write_text("mine")
+    argv = [str(tmp_path / "a_file") if a == "A_FILE" else a for a in train_cmd(demo_small, tmp_path / "out")[3:]
+            + extra]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_config(resolve_config(build_parser().parse_args(argv)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a_runs_weights(demo_small,
+                                                                                             tmp_path):
+    """A run that fails before its first step (a missing annotation file, found once the
+    data is read) removes the folder it made, so the corrected command is not sent to
+    ``out2``; ``--resume auto`` into a folder with another run's best.pth and no latest.pth
+    is refused instead of writing over it."""
+    from fastdet.config import Config
+    from fastdet.engine.checkpointer import auto_resume
+
+    out = tmp_path / "out"
+    r = run(train_cmd(demo_small, out, "--set", f"data.train_ann={tmp_path / 'nowhere.json'}"))
+    assert r.returncode == 1 and "not found" in r.stderr and not out.exists(), r.stdout + r.stderr
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "best.pth").write_bytes(b"a finished run's weights")
+    cfg = Config()
+    cfg = type(cfg)(**{**vars(cfg), "run": type(cfg.run)(**{**vars(cfg.run), "auto_resume": True})})
+    with pytest.raises(ValueError, match="holds .*best.pth but no latest.pth to continue from"):
+        auto_resume(cfg, done, True)
+    assert (done / "best.pth").read_bytes() == b"a finished run's weights"
+
+
+def test_a_familys_own_default_size_and_data_paths_stored_absolute(demo_small, tmp_path, monkeypatch):
+    """--arch fcos alone takes FCOS's size (there is no s); data paths given relative are
+    stored absolute, so the run resumes from another working directory."""
+    from fastdet.train import build_parser, resolve_config
+
+    (tmp_path / "myset").symlink_to(demo_small)
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_config(build_parser().parse_args(["--arch", "fcos", "--data", "myset"]))
+    assert cfg.model.size == "r50" and cfg.data.data == str(tmp_path / "myset")
+    from fastdet.models import ARCHITECTURES
+
+    assert resolve_config(build_parser().parse_args(["--arch", "ppyolo"])).model.size == ARCHITECTURES["ppyolo"].sizes[0]
 
 
 def test_a_damaged_checkpoint_is_one_line_without_torch_advice(tmp_path):

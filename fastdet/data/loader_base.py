@@ -89,6 +89,9 @@ class Loader(ABC):
 
     def _deliver(self, batch: Batch, overflow: int) -> Batch:
         """A produced batch as the step takes it; ``overflow`` boxes beyond ``max_boxes`` were dropped."""
+        if overflow and not self.boxes_truncated:
+            log.warning("an image has more boxes than --max-boxes %d: its smallest beyond that are dropped (counted "
+                        "at each epoch's end); raise --max-boxes to keep them", self.max_boxes)
         self.boxes_truncated += overflow
         if self.channels_last:
             batch["images"] = batch["images"].permute(0, 3, 1, 2)  # [B, 3, H, W] with channels-last strides

@@ -58,6 +58,10 @@ def auto_resume(cfg: Config, out: Path, is_main: bool) -> tuple[Config, ResumeFr
             loaded = None if bad else ck
         except (ValueError, FileNotFoundError) as e:
             decision = (None, f"{why}: {e}")
+    elif is_main and not cfg.run.exist_ok and (out / "best.pth").exists():  # a run's weights, no latest.pth
+        decision = (None, f"{why}: {out} holds {out / 'best.pth'} but no latest.pth to continue from: starting "
+                          "here would replace that run's weights; choose another --output-dir, or --exist-ok to "
+                          "write over it")
     path, error = dist.broadcast_object(decision)
     if error:
         raise ValueError(error)

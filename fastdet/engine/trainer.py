@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -60,6 +61,13 @@ class Trainer:
     def __init__(self, cfg: Config, hooks: Sequence[Hook] = ()):
         cfg = registry.resolve(cfg)
         self._setup_process(cfg)
+        try:
+            self._set_up(cfg, hooks)
+        except BaseException:
+            self._forget_failed_start()
+            raise
+
+    def _set_up(self, cfg: Config, hooks: Sequence[Hook]) -> None:
         cfg = replace(cfg, run=replace(cfg.run, output_dir=str(self.out)))  # the directory chosen
         cfg, resume_from = auto_resume(cfg, self.out, self.dist.is_main)
         self.cfg = self._load_data(cfg)
@@ -111,14 +119,30 @@ class Trainer:
         self.out = dist.broadcast_object(
             asked if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or restart_count() > 0
             else free_run_dir(asked))
+        self._made_out = self.dist.is_main and not self.out.exists()
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--output-dir {self.out} is a file, not a folder")
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         setup_logging(self.out, self.dist.is_main)
         if self.out != asked:
-            log.info("%s holds another run: this run writes to %s (--resume continues that run, "
-                     "--exist-ok writes into it)", asked, self.out)
+            resumable = "--resume continues that run, " if (asked / "latest.pth").exists() else ""
+            log.info("%s holds another run: this run writes to %s (%s--exist-ok writes into it)", asked, self.out,
+                     resumable)
         dist.seed_everything(cfg.run.seed, self.dist.rank)
+
+    def _forget_failed_start(self) -> None:
+        """A start that fails before its first step (a data file missing, a bad --ckpt) leaves
+        no run folder behind: the corrected command would be sent to a renumbered one. Only a
+        folder this start made, holding only what a start writes, goes; the error is printed."""
+        if not getattr(self, "_made_out", False) or not self.out.is_dir():
+            return
+        if {p.name for p in self.out.iterdir()} <= {"train.log", "config.yaml", "tb"}:
+            for h in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
+                h.close()
+                log.removeHandler(h)
+            shutil.rmtree(self.out, ignore_errors=True)
 
     def _load_data(self, cfg: Config) -> Config:
         """The train and val sets; returns ``cfg`` with ``model.num_classes`` set from them."""
@@ -202,9 +226,11 @@ class Trainer:
         if run.max_steps > 0:
             total_steps = min(total_steps, run.max_steps)
         if self.step >= total_steps:
-            log.info("the run in %s finished at step %d of %d (epoch %d): nothing to train; raise "
-                     "--max-steps, or start a new run for more --epochs", self.out, self.step,
-                     total_steps, self.epoch)
+            more = ("raise --max-steps, or start a new run for more --epochs" if total_steps < cfg.optim.epochs *
+                    self.steps_per_epoch else "its schedule is done: for more --epochs start a new run, with --ckpt "
+                    f"{self.out / 'latest.pth'} to start from its weights")
+            log.info("the run in %s finished at step %d of %d (epoch %d): nothing to train; %s", self.out, self.step,
+                     total_steps, self.epoch, more)
             self.metrics.close()
             return {}
         self._preflight()
@@ -226,6 +252,7 @@ class Trainer:
             last = self.step >= total_steps
             if epoch_done or last:
                 self.save("latest")
+                self._say_data_losses()
             if self.evals.due(self.epoch, epoch_done, last):
                 self.evaluate()
             for hook in self.hooks:
@@ -244,6 +271,14 @@ class Trainer:
         for hook in self.hooks:
             hook.after_train(self)
         return stats
+
+    def _say_data_losses(self) -> None:
+        """What the training loader dropped or replaced so far (boxes beyond --max-boxes, images
+        that did not decode), when it changed: counted, not lost in silence."""
+        said = self.train_loader.report()
+        if said != "nothing skipped" and said != getattr(self, "_data_losses", None):
+            log.info("training data so far (epoch %d): %s", self.epoch, said)
+            self._data_losses = said
 
     def _train_epoch(self, progress: Progress, total_steps: int) -> bool:
         """Train until the end of the epoch or ``total_steps``; True if a signal asks to stop
@@ -298,8 +333,9 @@ class Trainer:
         if not self.metrics.write(self.step, self.epoch, self.train_step):
             self.metrics.close()
             self.evals.close()
-            raise TrainingError(f"non-finite loss at step {self.step}: training stopped; "
-                                f"the last good checkpoint is {self.out / 'latest.pth'}")
+            latest = self.out / "latest.pth"
+            raise TrainingError(f"non-finite loss at step {self.step}: training stopped; " + (
+                f"the last good checkpoint is {latest}" if latest.exists() else "no checkpoint was written before it"))
         self.evals.collect(self.step)  # scores finished in the background since the last log
 
     def _stop_preempted(self) -> None:

@@ -148,15 +148,21 @@ class ProfilerWindow:
     Pair with ``nsys profile --capture-range=cudaProfilerApi``.
     """
 
+    @staticmethod
+    def parse(spec: str) -> tuple[int, int]:
+        """``(A, B)`` of ``--profile-steps A:B``; ``ValueError`` (one line) otherwise."""
+        try:
+            a, b = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ValueError(f"--profile-steps {spec!r}: expected A:B, e.g. 100:120") from None
+        if not 0 <= a < b:
+            raise ValueError(f"--profile-steps {spec!r}: need 0 <= A < B")
+        return a, b
+
     def __init__(self, spec: str | None, device: torch.device):
         self.start = self.stop = -1
         if spec:
-            try:
-                a, b = (int(x) for x in spec.split(":"))
-            except ValueError:
-                raise ValueError(f"--profile-steps {spec!r}: expected A:B, e.g. 100:120") from None
-            if not 0 <= a < b:
-                raise ValueError(f"--profile-steps {spec!r}: need 0 <= A < B")
+            a, b = self.parse(spec)
             if device.type != "cuda":
                 raise ValueError("--profile-steps needs --device cuda (it drives the CUDA profiler API)")
             self.start, self.stop = a, b
