@@ -236,6 +236,8 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
         # latest.pth damaged by a kill mid-write: the trainer resumes from latest.prev.pth.
         # mmap: only the config is read here (the trainer loads the tensors).
         ck = load_with_fallback(path, mmap=True)[0] if fallback else load_checkpoint(path, mmap=True)
+        if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict):
+            raise ValueError("not a fastdet checkpoint (no stored config to resume)")
         stored = registry.config_from_dict(ck["config"])
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--resume: {path}: {e}") from None

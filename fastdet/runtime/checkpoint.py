@@ -110,7 +110,10 @@ def load_with_fallback(path: str | Path, warn: Any = None, mmap: bool = False) -
         if not prev.is_file():
             raise
         reason = e
-    state = load_checkpoint(prev, mmap=mmap)
+    try:
+        state = load_checkpoint(prev, mmap=mmap)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"{path} cannot be read ({reason}), nor can the checkpoint before it ({e})") from None
     if warn is not None:
         warn(f"{path} cannot be read ({reason}); resuming from the checkpoint before it, {prev} "
              f"(step {state.get('step')})")
