@@ -195,7 +195,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
     With --resume: the run's stored config, with only the RESUMABLE fields taken from the flags."""
     overrides = explicit_overrides(args)
     for key in PATH_KEYS:
-        if isinstance(overrides.get(key), str) and overrides[key] != "demo":
+        if isinstance(overrides.get(key), str) and overrides[key] not in ("demo", ""):
             overrides[key] = str(Path(overrides[key]).expanduser().absolute())
     if overrides.get("run.resume"):
         return resolve_resume(args, overrides)
@@ -256,7 +256,8 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
             raise ConfigError(
                 f"--resume: {shown} differs from the run's {key} {old_v} (stored in {path}); a resumed run keeps its config, only --max-steps, "
                 "--log-interval, --eval-interval, --ckpt-interval-steps, --workers, --device, --loader, "
-                "--compile, --cuda-graphs and the profiling flags may change: drop the flag, or start a new run")
+                "--compile, --cuda-graphs, the profiling flags and the data's paths may change: drop the flag, or "
+                "start a new run")
         cfg = apply_overrides(cfg, {key: value})
     if not overrides.get("run.output_dir") and not overrides.get("run.ckpt"):
         cfg = apply_overrides(cfg, {"run.output_dir": str(path.parent)})
@@ -308,7 +309,10 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
     _check_values(cfg)
-    out = Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
+    try:
+        out = Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"--output-dir {cfg.run.output_dir}: it may name {{arch}} and {{size}}, not {e}") from None
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} is a file, not a folder")
     if cfg.run.ckpt:
@@ -359,13 +363,16 @@ def _check_values(cfg: Config) -> None:
     for key, (ok, what) in ranges.items():
         if not ok:
             section, name = key.split(".")
-            raise ConfigError(f"{_named(key)} must be {what}, got {getattr(getattr(cfg, section), name, None)}"
-                              if section != "family" else f"{key} must be {what}")
+            got = getattr(getattr(cfg, section), name, None) if section != "family" else (
+                cfg.family.get(name) if isinstance(cfg.family, dict) else getattr(cfg.family, name))
+            raise ConfigError(f"{_named(key)} must be {what}, got {got}")
     if cfg.run.profile_steps:
         try:
             ProfilerWindow.parse(cfg.run.profile_steps)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if cfg.run.device == "cpu":
+            raise ConfigError("--profile-steps needs --device cuda (it drives the CUDA profiler API)")
 
 
 def check_same_model(path: Path, cfg: Config) -> None:

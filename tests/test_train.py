@@ -385,10 +385,12 @@ def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra
     (["--set", "optim.ref_batch=0"], "optim.ref_batch must be at least 1, got 0"),
     (["--set", "optim.beta2=1.5"], "optim.beta2 must be in [0, 1), got 1.5"),
     (["--set", "optim.weight_decay=-1"], "optim.weight_decay must be >= 0"),
-    (["--set", "family.nms_iou=5"], "family.nms_iou must be in [0, 1]"),
+    (["--set", "family.nms_iou=5"], "family.nms_iou must be in [0, 1], got 5"),
     (["--seed", "-1"], "--seed (run.seed) must be >= 0, got -1"),
     (["--profile-steps", "5:2"], "--profile-steps '5:2': need 0 <= A < B"),
     (["--output-dir", "A_FILE"], "is a file, not a folder"),
+    (["--output-dir", "runs/{date}"], "--output-dir runs/{date}: it may name {arch} and {size}, not 'date'"),
+    (["--profile-steps", "1:2"], "--profile-steps needs --device cuda"),
 ])
 def test_values_a_run_meets_late_are_refused_before_it_starts(demo_small, tmp_path, extra, message):
     """Names looked up and numbers used only once the run has started (an optimizer, a
@@ -426,6 +428,29 @@ def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a
     with pytest.raises(ValueError, match="holds .*best.pth but no latest.pth to continue from"):
         auto_resume(cfg, done, True)
     assert (done / "best.pth").read_bytes() == b"a finished run's weights"
+
+
+def test_a_failed_check_before_the_first_step_leaves_no_folder(demo_small, tmp_path, monkeypatch):
+    """The check before training (the evaluation path on a few val images) and the compile
+    warm-up are part of the start: a failure there removes the folder the start made."""
+    from fastdet.engine.trainer import Trainer, TrainingError
+    from fastdet.runtime import dist
+    from fastdet.train import build_parser, resolve_config
+
+    out = tmp_path / "out"
+    trainer = Trainer(resolve_config(build_parser().parse_args(train_cmd(demo_small, out)[3:])))
+    try:
+        assert (out / "train.log").is_file()
+
+        def fails():
+            raise TrainingError("the end-of-run path fails before training, scoring: (planted)")
+
+        monkeypatch.setattr(trainer, "_preflight", fails)
+        with pytest.raises(TrainingError, match="planted"):
+            trainer.train()
+    finally:
+        dist.shutdown()
+    assert not out.exists()
 
 
 def test_a_familys_own_default_size_and_data_paths_stored_absolute(demo_small, tmp_path, monkeypatch):

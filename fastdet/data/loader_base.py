@@ -76,6 +76,9 @@ class Loader(ABC):
 
     # What a failed image becomes, for the log line (training substitutes, evaluation leaves out).
     _skip_action: str
+    # Whether boxes beyond max_boxes are warned about: training's are lost to the loss;
+    # evaluation scores against the annotation file, whatever its batches hold.
+    _says_overflow = False
 
     def _count_skips(self, skipped: list[tuple[str, str, str]], dropped: int) -> None:
         """Count ``(file, message, reason)`` decode failures: each file logged and reported once."""
@@ -89,7 +92,7 @@ class Loader(ABC):
 
     def _deliver(self, batch: Batch, overflow: int) -> Batch:
         """A produced batch as the step takes it; ``overflow`` boxes beyond ``max_boxes`` were dropped."""
-        if overflow and not self.boxes_truncated:
+        if overflow and not self.boxes_truncated and self._says_overflow:
             log.warning("an image has more boxes than --max-boxes %d: its smallest beyond that are dropped (counted "
                         "at each epoch's end); raise --max-boxes to keep them", self.max_boxes)
         self.boxes_truncated += overflow
@@ -134,6 +137,7 @@ class TrainLoader(Loader):
 
     schedule: TrainSchedule
     _skip_action = "another image takes its place"
+    _says_overflow = True
 
     def __init__(self, data, records: list[ImageRecord], schedule: TrainSchedule, *,
                  stages_for_epoch: Callable[[int], tuple], **kw) -> None:

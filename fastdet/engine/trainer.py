@@ -138,7 +138,7 @@ class Trainer:
         folder this start made, holding only what a start writes, goes; the error is printed."""
         if not getattr(self, "_made_out", False) or not self.out.is_dir():
             return
-        if {p.name for p in self.out.iterdir()} <= {"train.log", "config.yaml", "tb"}:
+        if {p.name for p in self.out.iterdir()} <= {"train.log", "config.yaml", "model_summary.txt", "tb"}:
             for h in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
                 h.close()
                 log.removeHandler(h)
@@ -233,12 +233,19 @@ class Trainer:
                      total_steps, self.epoch, more)
             self.metrics.close()
             return {}
-        self._preflight()
+        try:
+            self._preflight()
+            # Modes first: warm-up compiles and captures the model in the mode it trains in
+            # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
+            self._train_mode()
+            self.compilation.warmup(self.epoch, self.steps_per_epoch)
+        except BaseException:  # the first step never ran: as a failed set-up, no folder left
+            self.metrics.close()
+            self.evals.close()
+            self.compilation.close()
+            self._forget_failed_start()
+            raise
         self.control.install()
-        # Modes first: warm-up compiles and captures the model in the mode it trains in
-        # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
-        self._train_mode()
-        self.compilation.warmup(self.epoch, self.steps_per_epoch)
         progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                       steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
                                       amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
@@ -277,7 +284,8 @@ class Trainer:
         that did not decode), when it changed: counted, not lost in silence."""
         said = self.train_loader.report()
         if said != "nothing skipped" and said != getattr(self, "_data_losses", None):
-            log.info("training data so far (epoch %d): %s", self.epoch, said)
+            share = " (this rank's share of the batches)" if self.dist.world_size > 1 else ""
+            log.info("training data so far (epoch %d)%s: %s", self.epoch, share, said)
             self._data_losses = said
 
     def _train_epoch(self, progress: Progress, total_steps: int) -> bool:
