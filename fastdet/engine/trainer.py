@@ -235,6 +235,7 @@ class Trainer:
             return {}
         try:
             self._preflight()
+            self.control.install()  # a signal during a long blocking warm-up stops at the first step
             # Modes first: warm-up compiles and captures the model in the mode it trains in
             # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
             self._train_mode()
@@ -245,7 +246,6 @@ class Trainer:
             self.compilation.close()
             self._forget_failed_start()
             raise
-        self.control.install()
         progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                       steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
                                       amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
