@@ -506,9 +506,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(demo_small, tm
     good = run(train_cmd(demo_small, tmp_path, "--max-steps", "1"))
     assert good.returncode == 0
     before = load_checkpoint(tmp_path / "latest.pth")
-    # A resumed run keeps its stored config (a differing --lr is refused): the NaN LR goes there.
+    # A resumed run keeps its stored config (a differing --lr is refused): the diverging LR goes
+    # there (finite: a NaN one is refused before the run starts).
     poisoned = load_checkpoint(tmp_path / "latest.pth")
-    poisoned["config"]["optim"]["base_lr"] = float("nan")
+    poisoned["config"]["optim"]["base_lr"] = 1e30
     torch.save(poisoned, tmp_path / "latest.pth")
     r = run(train_cmd(demo_small, tmp_path, "--max-steps", "4", "--resume"))
     assert r.returncode == 1
