@@ -356,15 +356,14 @@ def _check_values(cfg: Config) -> None:
               "optim.gamma": (o.gamma > 0, "positive"), "optim.clip_grad_norm": (o.clip_grad_norm >= 0, ">= 0 (0: off)"),
               "optim.no_aug_epochs": (o.no_aug_epochs >= 0, ">= 0"),
               "run.seed": (cfg.run.seed >= 0, ">= 0")}
+    family = cfg.family if isinstance(cfg.family, dict) else vars(cfg.family)
     for name in ("score_thresh", "nms_iou"):  # the family's post-processing, where it has one
-        v = cfg.family.get(name) if isinstance(cfg.family, dict) else getattr(cfg.family, name, None)
-        if isinstance(v, (int, float)):
-            ranges[f"family.{name}"] = (0 <= v <= 1, "in [0, 1]")
+        if isinstance(family.get(name), (int, float)):
+            ranges[f"family.{name}"] = (0 <= family[name] <= 1, "in [0, 1]")
     for key, (ok, what) in ranges.items():
         if not ok:
             section, name = key.split(".")
-            got = getattr(getattr(cfg, section), name, None) if section != "family" else (
-                cfg.family.get(name) if isinstance(cfg.family, dict) else getattr(cfg.family, name))
+            got = family[name] if section == "family" else getattr(getattr(cfg, section), name)
             raise ConfigError(f"{_named(key)} must be {what}, got {got}")
     if cfg.run.profile_steps:
         try:

@@ -252,25 +252,22 @@ def split_data(data: str, out: Path, val_fraction: float, seed: int, overwrite: 
     return split_voc(where, out, val_fraction, seed, overwrite)
 
 
-def _units(keys: list) -> tuple[list[list[int]], list[int]]:
-    """Images grouped by their label file (``keys``; None: an image alone): the groups, and
-    each image's group."""
+def _units(keys: list) -> list[list[int]]:
+    """Image indices grouped by their label file (``keys``; None: an image alone)."""
     groups: list[list[int]] = []
     first: dict = {}
-    of = []
     for i, k in enumerate(keys):
         g = first.setdefault(k, len(groups)) if k is not None else len(groups)
         if g == len(groups):
             groups.append([])
         groups[g].append(i)
-        of.append(g)
-    return groups, of
+    return groups
 
 
 def _draw_files(files: list[Path], keys: list, classes: list[set], usable: list[bool], val_fraction: float,
                 seed: int, source: Path) -> tuple[list[int], list[int]]:
     """The image indices of train and val, drawn by label file (:func:`draw`)."""
-    groups, _ = _units(keys)
+    groups = _units(keys)
     train, val = draw([set().union(*(classes[i] for i in g)) for g in groups],
                       [all(usable[i] for i in g) for g in groups], val_fraction, seed, source)
     return sorted(i for g in train for i in groups[g]), sorted(i for g in val for i in groups[g])

@@ -57,6 +57,7 @@ class MetricsLog:
                  schedule: Callable[[int], float], gaps: StepGaps, step: int):
         self.cfg, self.out, self.device, self.dist = cfg, out, device, dist_info
         self.schedule, self.gaps = schedule, gaps
+        self._data_losses: str | None = None  # the training loader's report last logged
         self.show_progress = cfg.run.progress and dist_info.is_main
         # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint.
         self.tb = TensorBoard(out / "tb" if dist_info.is_main and cfg.run.tensorboard else None,
@@ -156,6 +157,15 @@ class MetricsLog:
                          "train/memory_mb": mem}, step)
         self.data_time, self.images = 0.0, 0
         return True
+
+    def data_losses(self, loader, epoch: int) -> None:
+        """What the training loader dropped or replaced so far (boxes beyond --max-boxes,
+        images that did not decode), when it changed: counted, not lost in silence."""
+        said = loader.report()
+        if self.dist.is_main and said != "nothing skipped" and said != self._data_losses:
+            share = " (this rank's share of the batches)" if self.dist.world_size > 1 else ""
+            log.info("training data so far (epoch %d)%s: %s", epoch, share, said)
+            self._data_losses = said
 
     def close(self) -> None:
         self.progress.close()

@@ -10,10 +10,15 @@ into the directory as it is (its logs are started anew, its checkpoints replaced
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
+
+from fastdet.runtime.logging import close_log_file
 
 # What a run leaves in its directory (fastdet.engine.trainer); any of them marks it taken.
 RUN_FILES = ("latest.pth", "best.pth", "metrics.jsonl", "eval.jsonl", "train.log", "config.yaml", "tb")
+# What a start writes before its first step (engine.trainer, engine.metrics_log).
+START_FILES = {"train.log", "config.yaml", "model_summary.txt", "tb"}
 
 
 def holds_run(path: Path) -> bool:
@@ -36,3 +41,13 @@ def free_run_dir(path: Path) -> Path:
         if not holds_run(cand):
             return cand
         n += 1
+
+
+def forget_failed_start(path: Path, made: bool) -> None:
+    """A start that fails before its first step (a data file missing, a bad --ckpt, the
+    check before training) leaves no run directory behind: the corrected command would be
+    sent to a numbered one. Only a directory this start ``made``, holding only what a start
+    writes, goes; the error is printed by the caller."""
+    if made and path.is_dir() and {p.name for p in path.iterdir()} <= START_FILES:
+        close_log_file()
+        shutil.rmtree(path, ignore_errors=True)

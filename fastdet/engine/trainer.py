@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,7 +36,7 @@ from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, setup_logging
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
-from fastdet.engine.rundir import free_run_dir
+from fastdet.engine.rundir import forget_failed_start, free_run_dir
 from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
 from fastdet.runtime.amp import backend_flags
@@ -64,7 +63,7 @@ class Trainer:
         try:
             self._set_up(cfg, hooks)
         except BaseException:
-            self._forget_failed_start()
+            forget_failed_start(self.out, self._made_out)
             raise
 
     def _set_up(self, cfg: Config, hooks: Sequence[Hook]) -> None:
@@ -131,18 +130,6 @@ class Trainer:
             log.info("%s holds another run: this run writes to %s (%s--exist-ok writes into it)", asked, self.out,
                      resumable)
         dist.seed_everything(cfg.run.seed, self.dist.rank)
-
-    def _forget_failed_start(self) -> None:
-        """A start that fails before its first step (a data file missing, a bad --ckpt) leaves
-        no run folder behind: the corrected command would be sent to a renumbered one. Only a
-        folder this start made, holding only what a start writes, goes; the error is printed."""
-        if not getattr(self, "_made_out", False) or not self.out.is_dir():
-            return
-        if {p.name for p in self.out.iterdir()} <= {"train.log", "config.yaml", "model_summary.txt", "tb"}:
-            for h in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
-                h.close()
-                log.removeHandler(h)
-            shutil.rmtree(self.out, ignore_errors=True)
 
     def _load_data(self, cfg: Config) -> Config:
         """The train and val sets; returns ``cfg`` with ``model.num_classes`` set from them."""
@@ -244,7 +231,7 @@ class Trainer:
             self.metrics.close()
             self.evals.close()
             self.compilation.close()
-            self._forget_failed_start()
+            forget_failed_start(self.out, self._made_out)
             raise
         progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                       steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
@@ -259,7 +246,7 @@ class Trainer:
             last = self.step >= total_steps
             if epoch_done or last:
                 self.save("latest")
-                self._say_data_losses()
+                self.metrics.data_losses(self.train_loader, self.epoch)
             if self.evals.due(self.epoch, epoch_done, last):
                 self.evaluate()
             for hook in self.hooks:
@@ -278,15 +265,6 @@ class Trainer:
         for hook in self.hooks:
             hook.after_train(self)
         return stats
-
-    def _say_data_losses(self) -> None:
-        """What the training loader dropped or replaced so far (boxes beyond --max-boxes, images
-        that did not decode), when it changed: counted, not lost in silence."""
-        said = self.train_loader.report()
-        if said != "nothing skipped" and said != getattr(self, "_data_losses", None):
-            share = " (this rank's share of the batches)" if self.dist.world_size > 1 else ""
-            log.info("training data so far (epoch %d)%s: %s", self.epoch, share, said)
-            self._data_losses = said
 
     def _train_epoch(self, progress: Progress, total_steps: int) -> bool:
         """Train until the end of the epoch or ``total_steps``; True if a signal asks to stop

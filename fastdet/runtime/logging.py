@@ -31,6 +31,13 @@ def setup_logging(output_dir: Path | None, is_main: bool) -> None:
     log.propagate = False
 
 
+def close_log_file() -> None:
+    """Close and drop the ``train.log`` handler (its directory is about to go)."""
+    for h in [h for h in log.handlers if isinstance(h, logging.FileHandler)]:
+        h.close()
+        log.removeHandler(h)
+
+
 class _BarAwareHandler(logging.StreamHandler):
     """Log lines go above an active progress bar (``tqdm.write``) instead of through it."""
 
