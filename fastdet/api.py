@@ -75,21 +75,25 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
     except ValueError:
         raise CheckpointError(f"{path}: not a fastdet checkpoint (torch.load with weights_only "
                               "cannot read it: a corrupt file or another format)") from None
+    note = stale_conversion_note(ck, path) if isinstance(ck, dict) else None
+    if note:
+        log.warning(note)
+    return ck, _stored_config(ck, path)
+
+
+def _stored_config(ck: Any, path: Path) -> Config:
+    """The config a fastdet checkpoint dict stores; :class:`CheckpointError` naming ``path`` otherwise."""
     if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict) or "model" not in ck:
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
                               "a plain state dict is not enough to rebuild the model)")
-    note = stale_conversion_note(ck, path)
-    if note:
-        log.warning(note)
     model = ck["config"].get("model")
     if not isinstance(model, dict) or not model.get("arch") or not model.get("size"):
         # The defaults would build another model than the weights' (PP-YOLOE-s, 80 classes).
         raise CheckpointError(f"{path}: its stored config names no model.arch and model.size")
     try:
-        cfg = registry.config_from_dict(ck["config"])
+        return registry.config_from_dict(ck["config"])
     except (ConfigError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path}: its stored config does not load ({e})") from None
-    return ck, cfg
 
 
 def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | None = None,
@@ -97,10 +101,12 @@ def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | N
     """``(checkpoint dict, config)`` of a fastdet checkpoint or, with ``arch``, of the authors'
     released file converted on load (see :func:`load_detector`)."""
     if arch is not None:
-        ck, converted = load_any(path, arch, size, source)
+        ck, converted = load_any(path, arch, size, source)  # a fastdet one read (and warned about) once
+        cfg = registry.config_from_dict(ck["config"]) if converted else _stored_config(ck, Path(path))
         if converted:
-            return ck, registry.config_from_dict(ck["config"])
-    ck, cfg = read_checkpoint(path)
+            return ck, cfg
+    else:
+        ck, cfg = read_checkpoint(path)
     asked = [(flag, v, own) for flag, v, own in (("--arch", arch, cfg.model.arch), ("--size", size, cfg.model.size))
              if v is not None and v != own] + ([("--from", source, "fastdet")] if source is not None else [])
     if asked:  # a fastdet checkpoint says what it is: a flag that says otherwise is a mistake, not an order
