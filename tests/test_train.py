@@ -67,7 +67,7 @@ def test_demo_training_writes_checkpoint_tensorboard_and_ap(eager_run):
     logged = [m["total_loss"] for m in metrics(out)]
     assert [e.value for e in acc.Scalars("train/total_loss")] == pytest.approx(logged)
     line = next(l for l in r.stdout.splitlines() if "step 3/" in l)
-    for field in ("epoch 0", "loss_cls", "lr ", "img/s", "data ", "mem ", "eta "):
+    for field in ("epoch 1/2 ", "loss_cls", "lr ", "img/s", "data ", "mem ", "eta "):
         assert field in line, line
     # Each line's longest gap between steps is its step's time (log interval 1), and the
     # run's longest is the largest of them, named with its step.
@@ -134,7 +134,7 @@ def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
     # resume across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a
     # user resumes a recipe with phases (YOLOX's no-aug epochs, PP-YOLOE's assigner).
     full, part = tmp_path / "full", tmp_path / "part"
-    phases = ("--set", "family.static_assigner_epoch=1")
+    phases = ("--set", "family.static_assigner_epoch=1", "--set", "run.eval_interval=1")
     a = run(train_cmd(demo_small, full, "--max-steps", "8", *phases))
     assert a.returncode == 0, a.stderr
     b1 = run(train_cmd(demo_small, part, "--max-steps", "4", *phases))
@@ -144,6 +144,12 @@ def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
     assert "resumed from" in b2.stdout
     ma, mb = metrics(full), metrics(part)
     assert [m["step"] for m in mb] == list(range(1, 9))
+    # Epochs count from 1, and an epoch's last step and the evaluation after it name one
+    # epoch (metrics.jsonl once said 0 where eval.jsonl said 1).
+    assert [m["epoch"] for m in ma] == [m["epoch"] for m in mb] == [1] * 5 + [2] * 3
+    for run_dir, evaluated in ((full, [(5, 1), (8, 2)]), (part, [(4, 1), (5, 1), (8, 2)])):
+        evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+        assert [(e["step"], e["epoch"]) for e in evals] == evaluated, run_dir
     for x, y in zip(ma, mb):
         for k in ("total_loss", "loss_cls", "loss_iou", "loss_dfl", "lr"):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (x["step"], k)
@@ -601,7 +607,7 @@ def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_
                   env={"FASTDET_FAULT": "1:2:KILL"})
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
     assert "torchrun restart 1: continuing from" in a.stdout
-    assert "resumed from" in a.stdout and "at epoch 0, step 1" in a.stdout
+    assert "resumed from" in a.stdout and "after step 1 (0 epoch(s) done)" in a.stdout
     assert_same_training(one, out)
 
 

@@ -205,7 +205,7 @@ class Checkpointer:
                         "order and augmentation draws differ from an uninterrupted run",
                         was, self.dist.world_size, world_batch, self.cfg.data.batch_size * was,
                         base_lr, steps_per_epoch)
-        log.info("resumed from %s at epoch %d, step %d", path, epoch, step)
+        log.info("resumed from %s after step %d (%d epoch(s) done)", path, step, epoch)
         if self.dist.is_main:
             truncate_run_logs(self.out, step)
         return epoch, step, best_ap

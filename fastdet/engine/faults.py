@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastdet.runtime.logging import epoch_of_step
+
 log = logging.getLogger("fastdet")
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure ... the user is invited to retry".
@@ -171,11 +173,13 @@ class StopControl:
             self._pending.wait()
             self._pending = None
 
-    def preempted(self, step: int, epoch: int, steps_per_epoch: int, latest: Path) -> Preempted:
-        """What every rank raises once ``latest`` holds ``step`` (said once, by rank 0)."""
+    def preempted(self, step: int, steps_per_epoch: int, latest: Path) -> Preempted:
+        """What every rank raises once ``latest`` holds ``step`` (said once, by rank 0; the epoch
+        counted from 1, as the log lines count it)."""
         who = self.signame or "a signal on another rank"
         if self.is_main:
+            epoch = epoch_of_step(step, steps_per_epoch)
             log.warning("stopped by %s after step %d (step %d of %d in epoch %d); saved %s", who, step,
-                        step - epoch * steps_per_epoch, steps_per_epoch, epoch, latest)
+                        step - (epoch - 1) * steps_per_epoch, steps_per_epoch, epoch, latest)
         return Preempted(who, step, str(latest), resume_command())
 

@@ -123,7 +123,7 @@ class MetricsLog:
     def write(self, step: int, epoch: int, train_step: Any) -> bool:
         """A log point: one host read of the losses ``train_step`` accumulated since the last
         (averaged over the ranks), the log line, ``metrics.jsonl`` and TensorBoard; False on a
-        non-finite loss (nothing written)."""
+        non-finite loss (nothing written). ``epoch``: the step's, counted from 1."""
         n = train_step.steps_accumulated
         losses = train_step.read_losses()
         if self.dist.distributed:
@@ -143,8 +143,8 @@ class MetricsLog:
         mem = memory_mb(self.device)
         data = self.data_time / max(1, n)
         loss_txt = "  ".join(f"{k} {v:.4f}" for k, v in losses.items())
-        log.info("epoch %d  step %d/%d  %s  lr %.3g  %.1f img/s  data %.3f s/it  mem %.0f MB  eta %s",
-                 epoch, step, self.total_steps, loss_txt, lr, ips, data, mem, format_eta(eta))
+        log.info("epoch %d/%d  step %d/%d  %s  lr %.3g  %.1f img/s  data %.3f s/it  mem %.0f MB  eta %s",
+                 epoch, self.cfg.optim.epochs, step, self.total_steps, loss_txt, lr, ips, data, mem, format_eta(eta))
         self.progress.describe(f"ep {epoch} loss {losses.get('total_loss', float('nan')):.3f}")
         self.tb.scalars({f"train/{k}": v for k, v in losses.items()}, step)
         if self.dist.is_main:

@@ -33,7 +33,7 @@ from fastdet.engine.eval_hook import EvalHook, EvalRunner
 from fastdet.engine.faults import StopControl, restart_count
 from fastdet.engine.hooks import Hook
 from fastdet.engine.metrics_log import MetricsLog
-from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, setup_logging
+from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
 from fastdet.engine.rundir import forget_failed_start, free_run_dir
@@ -203,7 +203,7 @@ class Trainer:
         """The EMA's weights (the model's without one) scored on the val set, in the background."""
         self.checkpoints.average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
-        self.evals.evaluate(model, step=self.step, epoch=self.epoch, state=lambda: self.checkpoints.weights_state(
+        self.evals.evaluate(model, step=self.step, epoch=self._epoch_number(), state=lambda: self.checkpoints.weights_state(
             self.epoch, self.step, self.evals.best_ap))
 
     # ------------------------------------------------------------------ the loop
@@ -217,7 +217,7 @@ class Trainer:
                     self.steps_per_epoch else "its schedule is done: for more --epochs start a new run, with --ckpt "
                     f"{self.out / 'latest.pth'} to start from its weights")
             log.info("the run in %s finished at step %d of %d (epoch %d): nothing to train; %s", self.out, self.step,
-                     total_steps, self.epoch, more)
+                     total_steps, self._epoch_number(), more)
             self.metrics.close()
             return {}
         try:
@@ -246,7 +246,7 @@ class Trainer:
             last = self.step >= total_steps
             if epoch_done or last:
                 self.save("latest")
-                self.metrics.data_losses(self.train_loader, self.epoch)
+                self.metrics.data_losses(self.train_loader, self._epoch_number())
             if self.evals.due(self.epoch, epoch_done, last):
                 self.evaluate()
             for hook in self.hooks:
@@ -316,7 +316,7 @@ class Trainer:
 
     def _log(self) -> None:
         """A log point: the losses read and written (every rank), the scores that arrived acted on."""
-        if not self.metrics.write(self.step, self.epoch, self.train_step):
+        if not self.metrics.write(self.step, self._epoch_number(), self.train_step):
             self.metrics.close()
             self.evals.close()
             latest = self.out / "latest.pth"
@@ -324,11 +324,16 @@ class Trainer:
                 f"the last good checkpoint is {latest}" if latest.exists() else "no checkpoint was written before it"))
         self.evals.collect(self.step)  # scores finished in the background since the last log
 
+    def _epoch_number(self) -> int:
+        """The epoch of the last step, counted from 1, as every line and file names it
+        (``self.epoch`` counts the epochs finished: where the loader and the phase resume)."""
+        return epoch_of_step(self.step, self.steps_per_epoch)
+
     def _stop_preempted(self) -> None:
         """After ``latest.pth`` holds this step: every rank stops (faults.Preempted)."""
         self.control.finish()
         self.evals.close()  # a scoring still running is lost with the stop; latest.pth is saved
-        raise self.control.preempted(self.step, self.epoch, self.steps_per_epoch, self.out / "latest.pth")
+        raise self.control.preempted(self.step, self.steps_per_epoch, self.out / "latest.pth")
 
     @contextlib.contextmanager
     def _sync_check(self):

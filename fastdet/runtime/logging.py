@@ -118,6 +118,13 @@ class Progress:
             Progress.active = None
 
 
+def epoch_of_step(step: int, steps_per_epoch: int) -> int:
+    """The epoch that step ``step`` (counted from 1) belongs to, counted from 1: what the log
+    lines, ``metrics.jsonl`` and ``eval.jsonl`` say, so an epoch's last step and the evaluation
+    after it name one epoch. 0 before the first step."""
+    return -(-step // steps_per_epoch)
+
+
 def format_eta(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
 
