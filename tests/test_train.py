@@ -195,9 +195,17 @@ def test_compiled_training_cli(demo_small, tmp_path):
 # on each rank for one process and two to be equivalent, and the weights must move far
 # more than the tolerance for a comparison to mean anything. BatchNorm trains: PP-YOLOE's
 # preset turns model.sync_bn on, so two ranks of half the batch normalise as one process
-# does (fastdet/engine/sync_bn.py, eager and compiled).
-SAME_RUN = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05",
+# does (fastdet/engine/sync_bn.py, eager and compiled). --max-boxes 3 (the demo images
+# hold 1 to 8) drops boxes on every rank: the count the run logs is the whole batch's.
+SAME_RUN = ["--no-augment", "--max-steps", "3", "--img-size", "128", "--lr", "0.05", "--max-boxes", "3",
             "--set", "optim.ref_batch=4", "--set", "run.eval_interval=100"]
+
+
+def boxes_dropped(stdout: str) -> int:
+    """The run's logged count of boxes beyond SAME_RUN's --max-boxes 3 (the line said once)."""
+    found = re.findall(r"training data so far \(epoch \d+\): (\d+) boxes beyond max_boxes=3 dropped", stdout)
+    assert len(found) == 1, stdout[-3000:]
+    return int(found[0])
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +283,7 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     assert two.returncode == 0, two.stdout + two.stderr
     assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
     assert two.stdout.count("COCO AP") == 1, two.stdout  # the final line once, not once per rank
+    assert boxes_dropped(two.stdout) == boxes_dropped(r.stdout) > 0  # both ranks' batches, not rank 0's
     assert_same_training(one, tmp_path / "two")
 
 
@@ -630,6 +639,7 @@ def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
         assert p.returncode == 0, so[-3000:] + se[-3000:]
     assert any("SyncBatchNorm: BatchNorm statistics over the 2 ranks" in so for so, _ in outs)
     assert sum(so.count("COCO AP") for so, _ in outs) == 1, outs  # the final line once, not once per rank
+    assert boxes_dropped("".join(so for so, _ in outs)) == boxes_dropped(r.stdout) > 0  # both ranks' batches
     assert_same_training(one, out)
 
 

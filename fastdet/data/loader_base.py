@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -37,6 +38,35 @@ from fastdet.data.schedule import HW, EvalSchedule, TrainSchedule
 log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class DataLosses:
+    """What a loader left out, skipped or truncated so far; ranks' add up (``a + b``), so
+    a DDP run reports its whole data, not rank 0's share."""
+
+    max_boxes: int
+    left_out: int = 0  # records left out before the loader: the dataset's, the same on every rank
+    skipped: Counter = field(default_factory=Counter)  # file -> times it failed to decode
+    dropped: int = 0  # evaluation images left out because they failed to decode
+    boxes_truncated: int = 0  # boxes beyond max_boxes (the smallest ones)
+
+    def __add__(self, other: "DataLosses") -> "DataLosses":
+        return DataLosses(self.max_boxes, max(self.left_out, other.left_out), self.skipped + other.skipped,
+                          self.dropped + other.dropped, self.boxes_truncated + other.boxes_truncated)
+
+    def __str__(self) -> str:
+        """One line: what was left out, skipped or truncated."""
+        parts = []
+        if self.left_out:
+            parts.append(f"{self.left_out} images that do not decode left out")
+        if self.skipped:
+            parts.append(f"{sum(self.skipped.values())} undecodable image reads ({len(self.skipped)} files)")
+        if self.dropped:
+            parts.append(f"{self.dropped} evaluation images left out")
+        if self.boxes_truncated:
+            parts.append(f"{self.boxes_truncated} boxes beyond max_boxes={self.max_boxes} dropped")
+        return "; ".join(parts) if parts else "nothing skipped"
 
 
 class Loader(ABC):
@@ -104,18 +134,13 @@ class Loader(ABC):
         """A batch of no images at canvas ``hw``, in the layout of a full one."""
         return empty_batch(hw, self.max_boxes, channels_last=self.channels_last, device=self.device)
 
+    def losses(self) -> DataLosses:
+        """What this loader (this rank's) left out, skipped or truncated so far."""
+        return DataLosses(self.max_boxes, self.left_out, Counter(self.skipped), self.dropped, self.boxes_truncated)
+
     def report(self) -> str:
         """One line: what this loader left out, skipped or truncated so far."""
-        parts = []
-        if self.left_out:
-            parts.append(f"{self.left_out} images that do not decode left out")
-        if self.skipped:
-            parts.append(f"{sum(self.skipped.values())} undecodable image reads ({len(self.skipped)} files)")
-        if self.dropped:
-            parts.append(f"{self.dropped} evaluation images left out")
-        if self.boxes_truncated:
-            parts.append(f"{self.boxes_truncated} boxes beyond max_boxes={self.max_boxes} dropped")
-        return "; ".join(parts) if parts else "nothing skipped"
+        return str(self.losses())
 
     def close(self) -> None:
         """Release the worker processes (and device memory); a later pass starts them again. Idempotent."""

@@ -16,9 +16,11 @@ line that says what trains how),
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import operator
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -161,10 +163,12 @@ class MetricsLog:
     def data_losses(self, loader, epoch: int) -> None:
         """What the training loader dropped or replaced so far (boxes beyond --max-boxes,
         images that did not decode), when it changed: counted, not lost in silence."""
-        said = loader.report()
+        losses = loader.losses()
+        if self.dist.world_size > 1:  # every rank's batches (one small gather at an epoch's end)
+            losses = functools.reduce(operator.add, dist.all_gather_objects(losses))
+        said = str(losses)
         if self.dist.is_main and said != "nothing skipped" and said != self._data_losses:
-            share = " (this rank's share of the batches)" if self.dist.world_size > 1 else ""
-            log.info("training data so far (epoch %d)%s: %s", epoch, share, said)
+            log.info("training data so far (epoch %d): %s", epoch, said)
             self._data_losses = said
 
     def close(self) -> None:
