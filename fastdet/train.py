@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import yaml
 
 from fastdet import registry
@@ -27,7 +28,7 @@ from fastdet.config import Config, ConfigError, RunConfig, apply_overrides, pars
 from fastdet.data.augment import ImageDecodeError
 from fastdet.data.coco import DataError
 from fastdet.data.formats import train_num_classes
-from fastdet.data.loader import BACKENDS as LOADERS
+from fastdet.data.loader import BACKENDS as LOADERS, train_sizes
 from fastdet.data.schedule import LoaderError
 from fastdet.engine.compile_workers import CompileError
 from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
@@ -309,6 +310,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
     _check_values(cfg)
+    _check_one_image_batch_norm(cfg)
     try:
         out = Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
     except (KeyError, IndexError, ValueError) as e:
@@ -326,6 +328,26 @@ def check_config(cfg: Config) -> None:
                               "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
         if not cfg.run.resume and not cfg.run.ckpt_partial:
             check_same_model(path, cfg)
+
+
+def _check_one_image_batch_norm(cfg: Config) -> None:
+    """--batch-size 1 normalises BatchNorm over one image a rank: at a train size whose
+    coarsest map is 1x1 that is one value per channel, which BatchNorm refuses in training
+    ("Expected more than 1 value per channel", at the first step, after the data, the model
+    and the compile). Found here by a forward on the meta device (no memory, under a second):
+    the model of ``cfg`` in training mode on one image of the smallest train size."""
+    d = cfg.data
+    if d.batch_size != 1 or (cfg.model.sync_bn and int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        return  # SyncBatchNorm counts every rank's image
+    size = min(train_sizes(d))
+    try:
+        with torch.device("meta"):
+            registry.build_detector(cfg).train()(torch.empty(1, 3, size, size))
+    except Exception as e:  # anything else (an op without a meta kernel) is the first step's to say
+        if isinstance(e, ValueError) and "Expected more than 1 value per channel" in str(e):
+            raise ConfigError(f"--batch-size 1: at train size {size} the model's BatchNorm sees one value per "
+                              "channel of a 1x1 feature map and cannot train; use --batch-size 2 or more, or "
+                              f"train sizes above {size}") from None
 
 
 def _named(key: str) -> str:

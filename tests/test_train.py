@@ -406,6 +406,8 @@ def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra
     (["--output-dir", "A_FILE"], "is a file, not a folder"),
     (["--output-dir", "runs/{date}"], "--output-dir runs/{date}: it may name {arch} and {size}, not 'date'"),
     (["--profile-steps", "1:2"], "--profile-steps needs --device cuda"),
+    (["--batch-size", "1", "--img-size", "32"], "--batch-size 1: at train size 32 the model's BatchNorm sees one "
+                                                "value per channel of a 1x1 feature map"),
 ])
 def test_values_a_run_meets_late_are_refused_before_it_starts(demo_small, tmp_path, extra, message):
     """Names looked up and numbers used only once the run has started (an optimizer, a
@@ -462,6 +464,29 @@ def test_a_failed_check_before_the_first_step_leaves_no_folder(demo_small, tmp_p
 
         monkeypatch.setattr(trainer, "_preflight", fails)
         with pytest.raises(TrainingError, match="planted"):
+            trainer.train()
+    finally:
+        dist.shutdown()
+    assert not out.exists()
+
+
+def test_a_first_step_that_fails_leaves_no_folder(demo_small, tmp_path):
+    """A failure in the first step (out of memory on a GPU; here BatchNorm of one image on a
+    1x1 map, the configuration check_config refuses, given to the trainer directly) is a
+    failed start too: nothing trained, the folder goes. One image at 64 passes the check."""
+    from fastdet.engine.trainer import Trainer
+    from fastdet.runtime import dist
+    from fastdet.train import build_parser, check_config, resolve_config
+
+    out = tmp_path / "out"
+    cfg = resolve_config(build_parser().parse_args(train_cmd(demo_small, out, "--batch-size", "1")[3:]))
+    check_config(cfg)  # 64: a 2x2 coarsest map
+    cfg = resolve_config(build_parser().parse_args(
+        train_cmd(demo_small, out, "--batch-size", "1", "--img-size", "32")[3:]))
+    trainer = Trainer(cfg)
+    try:
+        assert (out / "train.log").is_file()
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
             trainer.train()
     finally:
         dist.shutdown()

@@ -228,31 +228,34 @@ class Trainer:
             self._train_mode()
             self.compilation.warmup(self.epoch, self.steps_per_epoch)
         except BaseException:  # the first step never ran: as a failed set-up, no folder left
-            self.metrics.close()
-            self.evals.close()
-            self.compilation.close()
-            forget_failed_start(self.out, self._made_out)
+            self._abandon_start()
             raise
         progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                       steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
                                       amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
         for hook in self.hooks:
             hook.before_train(self)
-        while self.step < total_steps:
-            stop = self._train_epoch(progress, total_steps)
-            epoch_done = self.step % self.steps_per_epoch == 0
-            if epoch_done:
-                self.epoch += 1
-            last = self.step >= total_steps
-            if epoch_done or last:
-                self.save("latest")
-                self.metrics.data_losses(self.train_loader, self._epoch_number())
-            if self.evals.due(self.epoch, epoch_done, last):
-                self.evaluate()
-            for hook in self.hooks:
-                hook.after_epoch(self)
-            if stop and not last:  # a signal at an epoch's last step: saved (and evaluated) above
-                self._stop_preempted()
+        first_step = self.step + 1
+        try:
+            while self.step < total_steps:
+                stop = self._train_epoch(progress, total_steps)
+                epoch_done = self.step % self.steps_per_epoch == 0
+                if epoch_done:
+                    self.epoch += 1
+                last = self.step >= total_steps
+                if epoch_done or last:
+                    self.save("latest")
+                    self.metrics.data_losses(self.train_loader, self._epoch_number())
+                if self.evals.due(self.epoch, epoch_done, last):
+                    self.evaluate()
+                for hook in self.hooks:
+                    hook.after_epoch(self)
+                if stop and not last:  # a signal at an epoch's last step: saved (and evaluated) above
+                    self._stop_preempted()
+        except BaseException:
+            if self.step < first_step:  # the first step failed (out of memory, a shape): nothing trained
+                self._abandon_start()
+            raise
         self.control.finish()
         # The last evaluations are waited for; latest.pth then records the best AP.
         best_changed, stats = self.evals.finish(self.step)
@@ -323,6 +326,15 @@ class Trainer:
             raise TrainingError(f"non-finite loss at step {self.step}: training stopped; " + (
                 f"the last good checkpoint is {latest}" if latest.exists() else "no checkpoint was written before it"))
         self.evals.collect(self.step)  # scores finished in the background since the last log
+
+    def _abandon_start(self) -> None:
+        """A start that failed before its first step finished: the workers and writers
+        closed, and the folder it made removed (engine/rundir.py), so the corrected command
+        goes to the same folder."""
+        self.metrics.close()
+        self.evals.close()
+        self.compilation.close()
+        forget_failed_start(self.out, self._made_out)
 
     def _epoch_number(self) -> int:
         """The epoch of the last step, counted from 1, as every line and file names it
