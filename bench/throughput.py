@@ -338,7 +338,7 @@ class Bench:
 
         return apply_overrides(self.cfg, {
             "compile.compile": v.compile, "compile.cuda_graphs": v.cuda_graphs,
-            "compile.amp": self.args.amp if v.amp else "off", "compile.dynamic": False,
+            "compile.amp": self.args.amp if v.amp else "off",
             "compile.backend": self.args.compile_backend, "compile.shapes": v.shapes,
             "data.channels_last": v.channels_last,
         })

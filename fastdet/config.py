@@ -123,9 +123,6 @@ class CompileConfig:
     cuda_graphs: bool = False
     # "auto": bf16 on GPUs that support it, fp32 on the CPU.
     amp: str = "auto"
-    # Compile one graph with symbolic H, W instead of one per size bucket: far less
-    # compile time with many multi-scale buckets, somewhat slower kernels.
-    dynamic: bool = False
     # TF32 in cuDNN convolutions and cuBLAS matmuls on CUDA (faster, 10-bit mantissa).
     tf32: bool = False
     # torch.compile backend: "inductor" (fused kernels); "aot_eager" traces the same
@@ -259,7 +256,14 @@ class Config:
 
 
 def _migrate(d: dict[str, Any], family: type[FamilyOptions]) -> dict[str, Any]:
-    """Move family options out of the shared sections of a dict of the previous layout."""
+    """A dict of an earlier layout in this one: ``compile.dynamic`` (a second switch for
+    symbolic H, W) is ``compile.shapes``; family options move out of the shared sections."""
+    comp = d.get("compile")
+    if isinstance(comp, dict) and "dynamic" in comp:
+        comp = dict(comp)
+        if comp.pop("dynamic"):
+            comp["shapes"] = "dynamic"
+        d = {**d, "compile": comp}
     if "family" in d:
         return d
     names = {f.name for f in fields(family)}

@@ -136,7 +136,7 @@ RESUMABLE = frozenset({
     "run.device", "run.resume", "run.ckpt", "run.output_dir", "run.exist_ok", "run.nvtx",
     "run.profile_steps", "run.sync_debug", "run.progress", "run.tensorboard",
     "data.num_workers", "data.loader", "data.cache_dir", "data.eval_batch_size",
-    "compile.compile", "compile.cuda_graphs", "compile.backend", "compile.dynamic",
+    "compile.compile", "compile.cuda_graphs", "compile.backend",
     "compile.warmup", "compile.shapes", "compile.workers", "compile.worker_nice", "compile.cache_dir",
     "run.ckpt_interval_minutes", "run.dist_timeout_minutes",
     "run.auto_resume",

@@ -708,7 +708,7 @@ def _step_worker(cfg_dict, cache, results):
     variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)[:1]
     (bucket,) = gcache.train_buckets([(64, 64)], variants)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-    (record,) = compile_workers.compile_buckets(cfg_dict, [bucket], None, "cpu", True, 1, world_size=2)
+    (record,) = compile_workers.compile_buckets(cfg_dict, [bucket], None, "cpu", True, world_size=2)
     results["worker"] = (record["ok"], record.get("error"), codes)
 
 

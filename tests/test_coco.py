@@ -487,7 +487,7 @@ def test_an_unwritable_cache_only_warns(tmp_path, caplog):
 
 def test_missing_iscrowd_area_and_id_are_filled_as_coco_defines_them(tmp_path):
     from fastdet.data.coco import fill_coco_defaults
-    from fastdet.eval.coco import coco_ground_truth
+    from fastdet.eval.scoring import load_gt
 
     anns = [{k: v for k, v in a.items() if k not in ("iscrowd", "area")} for a in good_annotations()]
     del anns[1]["id"]
@@ -496,7 +496,7 @@ def test_missing_iscrowd_area_and_id_are_filled_as_coco_defines_them(tmp_path):
     n = len(anns)
     assert ds.report.filled == {"iscrowd": n, "area": n, "id": 1}
     assert ds.report.summary().startswith(f"filled in {n} missing 'area', 1 missing 'id', {n} missing 'iscrowd'")
-    gt = coco_ground_truth(str(ann))  # pycocotools indexes it (KeyError: 'iscrowd' before)
+    gt = load_gt(str(ann), "pycocotools").coco  # the evaluator's; pycocotools indexes it (KeyError: 'iscrowd' before)
     a = gt.loadAnns(gt.getAnnIds())
     assert all(x["iscrowd"] == 0 for x in a)
     assert sorted(x["area"] for x in a) == sorted(x["bbox"][2] * x["bbox"][3] for x in anns)

@@ -68,7 +68,7 @@ def test_trainer_worker_and_bench_build_the_same_step(trainer, tmp_path, monkeyp
 
     monkeypatch.setattr(compile_workers, "build_train_step", spy)
     monkeypatch.setattr(step_mod, "build_train_step", spy)
-    assert compile_workers.compile_buckets(trainer.cfg.to_dict(), [], None, "cpu", False, 1) == []
+    assert compile_workers.compile_buckets(trainer.cfg.to_dict(), [], None, "cpu", False) == []
     (worker,) = built
     want = step_settings(trainer.train_step)
     assert want["channels_last"] and want["compiled"] and not any(want["bn_training"])

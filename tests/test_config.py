@@ -175,6 +175,17 @@ def test_config_dict_of_the_previous_layout_still_loads():
         config_from_dict(old)
 
 
+@pytest.mark.parametrize("dynamic, shapes", [(False, "static"), (True, "dynamic")])
+def test_a_checkpoints_compile_dynamic_reads_as_compile_shapes(dynamic, shapes):
+    """compile.dynamic, a second switch for symbolic H and W, is gone: a stored config that
+    has it still loads, its value read as compile.shapes; --set names the field unknown."""
+    old = get_preset("ppyoloe", "s").to_dict()
+    old["compile"]["dynamic"] = dynamic
+    assert config_from_dict(old).compile.shapes == shapes
+    with pytest.raises(ConfigError, match="unknown config field 'compile.dynamic'"):
+        apply_overrides(get_preset("ppyoloe", "s"), {"compile.dynamic": "true"})
+
+
 def test_bare_config_gets_the_family_defaults():
     from fastdet.registry import resolve
 

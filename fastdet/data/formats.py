@@ -79,7 +79,6 @@ CAMERA_EXTS = (".heic", ".heif", ".dng")  # pictures a phone saves that are not 
 VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
                "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
                "train", "tvmonitor")
-FORMATS = ("coco", "yolo", "voc")
 # How far past 0..1 a YOLO coordinate may lie and still be read (the box is then clipped to
 # the image and counted): converters that take VOC's 1-based pixels as 0-based write a
 # full-width box as w = 1 + 1/W (1.0016 at 640 px). Further out is an error.

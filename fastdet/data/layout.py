@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -23,11 +22,7 @@ class Field:
     name: str
     dtype: torch.dtype
     dims: tuple  # per batch; "B", "M", "H", "W" are symbolic
-    doc: str
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return torch.empty((), dtype=self.dtype).numpy().dtype
+    doc: str  # what the field holds (this table is the layout's documentation)
 
 
 FIELDS: tuple[Field, ...] = (
@@ -56,11 +51,6 @@ def shape(name: str, *, B: int, M: int, H: int = 0, W: int = 0) -> tuple[int, ..
     """The concrete shape of field ``name``."""
     sym = {"B": B, "M": M, "H": H, "W": W}
     return tuple(sym[d] if isinstance(d, str) else d for d in BY_NAME[name].dims)
-
-
-def sample_shape(name: str, *, M: int, H: int = 0, W: int = 0) -> tuple[int, ...]:
-    """The shape of one sample's entry (the batch dimension dropped)."""
-    return shape(name, B=1, M=M, H=H, W=W)[1:]
 
 
 def empty_batch(hw: tuple[int, int], max_boxes: int, *, channels_last: bool,

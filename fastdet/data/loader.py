@@ -34,19 +34,9 @@ import numpy as np
 import torch
 
 from fastdet.data import stages as S
-from fastdet.data.layout import empty_batch  # noqa: F401  (part of the loader interface)
 from fastdet.data.loader_base import EvalLoader, TrainLoader
 from fastdet.data.preprocess import Preprocess
-from fastdet.data.schedule import (  # noqa: F401  (re-exported: the loader interface's types)
-    CUBIC,
-    INTERPS,
-    LINEAR,
-    BatchPlan,
-    Canvases,
-    EvalSchedule,
-    LoaderError,
-    TrainSchedule,
-)
+from fastdet.data.schedule import INTERPS, Canvases, EvalSchedule, LoaderError, TrainSchedule
 from fastdet.data.torch_backend import TorchEvalLoader, TorchTrainLoader
 
 BACKENDS = ("auto", "dali", "torch")

@@ -1,4 +1,4 @@
-"""The per-image record every loader back end consumes, and the padded batch layout.
+"""The per-image record every loader back end consumes (the padded batch is fastdet.data.layout's).
 
 Records come from :func:`fastdet.data.coco.load_coco`; the DALI pipelines
 (``fastdet.pipelines``) and the torch reference loader (``fastdet.data.torch_backend``)
@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdet.data.layout import BATCH_KEYS as _BATCH_KEYS
-
 
 @dataclass(frozen=True)
 class ImageRecord:
@@ -23,9 +21,6 @@ class ImageRecord:
     boxes: np.ndarray  # [N, 4] float32 xyxy pixels, clipped to the image, w and h >= 1
     labels: np.ndarray  # [N] int64 contiguous labels 0..C-1
 
-
-# The padded batch built from these records is fastdet.data.layout's (defined there, once).
-BATCH_KEYS = _BATCH_KEYS
 
 # ImageNet statistics on 0..255 RGB values (PP-YOLOE NormalizeImage, is_scale then mean/std).
 IMAGENET_MEAN = (123.675, 116.28, 103.53)

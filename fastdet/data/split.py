@@ -264,9 +264,10 @@ def _units(keys: list) -> list[list[int]]:
     return groups
 
 
-def _draw_files(files: list[Path], keys: list, classes: list[set], usable: list[bool], val_fraction: float,
+def _draw_files(keys: list, classes: list[set], usable: list[bool], val_fraction: float,
                 seed: int, source: Path) -> tuple[list[int], list[int]]:
-    """The image indices of train and val, drawn by label file (:func:`draw`)."""
+    """The image indices of train and val, drawn by label file (``keys[i]``: image i's, or
+    None; images of one label file are one unit: :func:`draw`)."""
     groups = _units(keys)
     train, val = draw([set().union(*(classes[i] for i in g)) for g in groups],
                       [all(usable[i] for i in g) for g in groups], val_fraction, seed, source)
@@ -285,7 +286,7 @@ def split_yolo(data: str, out: Path, val_fraction: float, seed: int, overwrite: 
     labels = [formats.yolo_label_path(f) for f in files]
     classes = [{b[1] for b in formats.yolo_boxes(t, len(names))} if t.is_file() else set() for t in labels]
     read = {Path(r.file) for r in export.records}
-    train, val = _draw_files(files, [t if t.is_file() else None for t in labels], classes,
+    train, val = _draw_files([t if t.is_file() else None for t in labels], classes,
                              [f in read for f in files], val_fraction, seed, path)
     fields: dict[str, Any] = {"train": "train.txt", "val": "val.txt"}
     if test_files is not None:  # the export's own test images, listed as train and val are
@@ -321,7 +322,7 @@ def split_voc(root: Path, out: Path, val_fraction: float, seed: int, overwrite: 
     export = formats.load_voc_folder(root, check_images="open")
     _no_boxes(export, root)
     read = {Path(r.file) for r in export.records}
-    train, val = _draw_files(images, xmls, [{o[0] for o in formats.voc_objects(x)} for x in xmls],
+    train, val = _draw_files(xmls, [{o[0] for o in formats.voc_objects(x)} for x in xmls],
                              [f in read for f in images], val_fraction, seed, root)
     folders = {out / "train": train, out / "val": val}
     _refuse_replacing(out, "voc", overwrite)

@@ -4,7 +4,7 @@
   ``latest.pth`` before any data is read (or refuses another config's checkpoint).
 - :class:`Checkpointer` (``Trainer.checkpoints``): the state of ``latest.pth`` and
   ``best.pth`` (:meth:`~Checkpointer.state`, :meth:`~Checkpointer.weights_state`),
-  :meth:`~Checkpointer.save` (every rank calls it; rank 0 writes), :meth:`~Checkpointer.resume`
+  :meth:`~Checkpointer.save_latest` (every rank calls it; rank 0 writes), :meth:`~Checkpointer.resume`
   (``--resume``: weights, optimizer, counters, each rank's random streams) and
   :meth:`~Checkpointer.finetune` (``--ckpt`` without ``--resume``: the weights that fit).
 - :func:`truncate_run_logs`: a resumed run drops the log lines written after its checkpoint.
@@ -146,16 +146,14 @@ class Checkpointer:
         return {k: v for k, v in self.state(epoch, step, best_ap).items()
                 if k not in ("optimizer", "scaler", "rng", "rng_ranks")}
 
-    def save(self, name: str, epoch: int, step: int, best_ap: float) -> None:
-        """``<name>.pth``: every rank calls it (BatchNorm statistics and random streams are
-        gathered), rank 0 writes."""
+    def save_latest(self, epoch: int, step: int, best_ap: float) -> None:
+        """``latest.pth``: every rank calls it (BatchNorm statistics and random streams are
+        gathered), rank 0 writes, keeping the one before it (latest.prev.pth) to fall back
+        on. (``best.pth`` is the evaluated weights, written by the evaluation: eval_hook.py.)"""
         self.average_bn_stats()
         rng_ranks = dist.all_gather_objects(rng_state()) if self.dist.world_size > 1 else None
         if self.dist.is_main:
-            state = (self.weights_state(epoch, step, best_ap) if name == "best"
-                     else self.state(epoch, step, best_ap, rng_ranks))
-            # `latest` keeps the one before it (latest.prev.pth) to fall back on.
-            save_checkpoint(self.out / f"{name}.pth", state, keep_previous=name == "latest")
+            save_checkpoint(self.out / "latest.pth", self.state(epoch, step, best_ap, rng_ranks), keep_previous=True)
 
     def _load_resume_checkpoint(self, source: ResumeFrom) -> tuple[dict[str, Any], Path]:
         """The checkpoint to resume from: the one auto-resume chose, ``--ckpt``, or

@@ -124,7 +124,7 @@ def _no_gradient_exchange(state, bucket):  # unannotated: DDP checks a hook's an
 
 
 def compile_buckets(cfg_dict: dict[str, Any], buckets: list[Bucket], ready_dir: str | None, device: str,
-                    ddp: bool, threads: int, nice: int = 0, parent: int | None = None,
+                    ddp: bool, nice: int = 0, parent: int | None = None,
                     report=None, torch_threads: int | None = None, world_size: int = 1) -> list[dict[str, Any]]:
     """Compile ``buckets`` as the trainer's step would (forward + loss + backward, on a
     synthetic batch), filling inductor's caches; one record per bucket, also written to
@@ -280,7 +280,8 @@ class CompileWorkers:
         for old in ready_dir.glob("*.json"):
             old.unlink()
         ctx = mp.get_context("spawn")
-        # Workers read these when they import torch; the trainer keeps its own.
+        # Workers read these when they import torch (their inductor compile threads: the
+        # launch's share of the cores); the trainer keeps its own.
         saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")}
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(self.threads)
@@ -289,7 +290,7 @@ class CompileWorkers:
                 share = self.buckets[i:: self.workers]
                 p = ctx.Process(target=_worker_entry, name=f"fastdet-compile-{i}",
                                 args=(self.cfg.to_dict(), share, str(ready_dir), str(self.device),
-                                      self.ddp, self.threads, self.cfg.compile.worker_nice, os.getpid(), None,
+                                      self.ddp, self.cfg.compile.worker_nice, os.getpid(), None,
                                       torch.get_num_threads(), self.world_size))
                 p.start()
                 self.procs.append(p)

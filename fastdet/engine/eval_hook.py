@@ -71,22 +71,18 @@ class EvalRunner:
         tb: ``fastdet.runtime.logging.TensorBoard``.
         is_main: rank 0.
         async_eval: score in the background (False: wait inside :meth:`run`).
-        on_scored: extra per-score work (the plots), called as ``on_scored(job)`` on rank 0.
         best_ap: the best AP so far (a resumed run's); a score above it writes ``best.pth``.
     """
 
     def __init__(self, dataset: Any, out_dir: Path, tb: Any, *, is_main: bool, async_eval: bool = True,
-                 score_fn: str = DEFAULT_SCORE_FN, on_scored: Optional[Callable[[ScoredJob], None]] = None,
-                 plots: bool = True, best_ap: float = -1.0):
+                 score_fn: str = DEFAULT_SCORE_FN, plots: bool = True, best_ap: float = -1.0):
         self.dataset, self.out, self.tb = dataset, Path(out_dir), tb
         self.is_main, self.async_eval, self.score_fn = is_main, async_eval, score_fn
-        self.on_scored = on_scored
         self.plots = plots
         self.scorer: AsyncScorer | None = None
         self.best_ap = best_ap  # a resumed run's, from its checkpoint
         self.best_changed = False  # a best.pth written since the trainer last saved latest.pth
         self.last_stats: dict[str, float] = {}
-        self.history: list[dict[str, Any]] = []
 
     def _scorer(self) -> AsyncScorer:
         if self.scorer is None:
@@ -138,14 +134,11 @@ class EvalRunner:
                   "scored_s": round(job.seconds, 3), "collected_step": current_step}
         with open(self.out / "eval.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.history.append(record)
         self.last_stats = stats
         for tag, path in job.extra.get("plots", {}).items():
             self.tb.image(f"val/{tag}", read_png(path), m["step"])
         if "plot_error" in job.extra:
             log.warning("the evaluation plots of step %d were not drawn: %s", m["step"], job.extra["plot_error"])
-        if self.on_scored is not None:
-            self.on_scored(job)
         if stats["AP"] > self.best_ap:
             self.best_ap = stats["AP"]
             state = m["state"]

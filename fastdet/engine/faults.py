@@ -109,7 +109,7 @@ def _norm(v: Any) -> Any:
 class StopControl:
     """Signal handling and the per-step agreement of all ranks (see the module docstring).
 
-    ``poll(step)`` is called by every rank after every step; it returns ``(stop, checkpoint)``
+    ``poll()`` is called by every rank after every step; it returns ``(stop, checkpoint)``
     as decided one step earlier (the reduction launched then is waited now), identical on
     every rank.
     """

@@ -283,10 +283,6 @@ class LRSchedule:
     kind: str
     args: ScheduleArgs
 
-    @property
-    def base_lr(self) -> float:
-        return self.args.base_lr
-
     @classmethod
     def from_config(cls, cfg: OptimConfig, base_lr: float, steps_per_epoch: int) -> "LRSchedule":
         if cfg.schedule not in SCHEDULES:

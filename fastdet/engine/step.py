@@ -133,7 +133,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, net: nn.Module, optimizer: torch.optim.Optimizer,
                  ema: Any, device: torch.device, amp_dtype: torch.dtype | None,
                  clip_grad_norm: float = 0.0, compile: bool = False, cuda_graphs: bool = False,
-                 dynamic: bool = False, graph_warmup_iters: int = 3, nvtx: Nvtx | None = None,
+                 graph_warmup_iters: int = 3, nvtx: Nvtx | None = None,
                  ddp: Callable[[nn.Module], nn.Module] | None = None, backend: str = "inductor",
                  background: bool = False, shapes: str = "static"):
         if cuda_graphs and device.type != "cuda":
@@ -153,7 +153,8 @@ class TrainStep:
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         if compile:
             same_keys_in_every_process()
-        forward = torch.compile(net, fullgraph=True, dynamic=dynamic, backend=backend) if compile else net
+        # dynamic=False: every shape static but what compile.shapes=dynamic marks (H, W).
+        forward = torch.compile(net, fullgraph=True, dynamic=False, backend=backend) if compile else net
         # compile.warmup=background: a bucket runs eagerly until mark_ready (begin_background).
         self._twin = _Twin(net, forward) if (compile and background) else None
         if self._twin is not None:
@@ -550,6 +551,6 @@ def build_train_step(cfg: Config, device: torch.device, *, parts: TrainParts | N
     c = cfg.compile
     return TrainStep(model, model, parts.optimizer, parts.ema, device, parts.amp_dtype,
                      clip_grad_norm=cfg.optim.clip_grad_norm, compile=c.compile,
-                     cuda_graphs=c.cuda_graphs if cuda_graphs is None else cuda_graphs, dynamic=c.dynamic,
+                     cuda_graphs=c.cuda_graphs if cuda_graphs is None else cuda_graphs,
                      graph_warmup_iters=11 if ddp else 3, nvtx=Nvtx(cfg.run.nvtx), ddp=wrap,
                      backend=c.backend, background=background, shapes=c.shapes)

@@ -152,7 +152,7 @@ class Trainer:
                                   backbone_weights=not cfg.run.resume)
         self.model, self.optimizer, self.ema = parts.model, parts.optimizer, parts.ema
         self.amp_dtype, self.base_lr = parts.amp_dtype, parts.base_lr
-        note = pretrained_backbone_note(registry.recipe(cfg.model.arch), cfg.model.size, cfg.data.data,
+        note = pretrained_backbone_note(self.family.recipe, cfg.model.size, cfg.data.data,
                                         cfg.model.backbone_weights, cfg.run.ckpt or cfg.run.resume)
         if note and self.dist.is_main:
             log.info(note)
@@ -193,11 +193,10 @@ class Trainer:
                                           ddp=self.dist.distributed, ranks=self.dist)
 
     # ------------------------------------------------------------------ checkpoints / eval
-    def save(self, name: str) -> None:
-        """``<name>.pth`` (every rank calls it); ``latest`` restarts the time-sized interval."""
-        self.checkpoints.save(name, self.epoch, self.step, self.evals.best_ap)
-        if name == "latest":
-            self.control.checkpoint_saved()
+    def save(self) -> None:
+        """``latest.pth`` (every rank calls it); it restarts the time-sized interval."""
+        self.checkpoints.save_latest(self.epoch, self.step, self.evals.best_ap)
+        self.control.checkpoint_saved()
 
     def evaluate(self) -> None:
         """The EMA's weights (the model's without one) scored on the val set, in the background."""
@@ -244,7 +243,7 @@ class Trainer:
                     self.epoch += 1
                 last = self.step >= total_steps
                 if epoch_done or last:
-                    self.save("latest")
+                    self.save()
                     self.metrics.data_losses(self.train_loader, self._epoch_number())
                 if self.evals.due(self.epoch, epoch_done, last):
                     self.evaluate()
@@ -260,7 +259,7 @@ class Trainer:
         # The last evaluations are waited for; latest.pth then records the best AP.
         best_changed, stats = self.evals.finish(self.step)
         if best_changed:
-            self.save("latest")
+            self.save()
         self.metrics.close()
         self.compilation.close()
         self.metrics.report_gaps(self.step)
@@ -309,10 +308,10 @@ class Trainer:
             if log_due:
                 self._log()
             if stop and not end:
-                self.save("latest")
+                self.save()
                 self._stop_preempted()
             if ckpt_due:
-                self.save("latest")
+                self.save()
             if end:
                 return stop
         return False

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from fastdet.data.preprocess import boxes_to_original
 from fastdet.runtime import dist
-from fastdet.eval.scoring import STAT_NAMES, load_gt, score  # noqa: F401  (STAT_NAMES: part of this module's interface)
+from fastdet.eval.scoring import score
 
 log = logging.getLogger("fastdet")
 
@@ -57,12 +57,6 @@ def predict_coco(model: nn.Module, loader: Iterable[dict[str, Tensor]], cat_ids:
                 results.append({"image_id": int(image_id), "category_id": int(c),
                                 "bbox": [round(float(v), 3) for v in b], "score": round(float(s), 5)})
     return results, seen
-
-
-def coco_ground_truth(ann_file: str):
-    """pycocotools' ``COCO`` of ``ann_file`` with the fields it needs and many tools leave
-    out (``iscrowd``, ``area``, ``id``) filled in as COCO defines them (as ``load_coco`` does)."""
-    return load_gt(ann_file, "pycocotools").coco
 
 
 def coco_eval(ann_file: str | dict, results: list[dict], image_ids: list[int]) -> dict[str, float]:

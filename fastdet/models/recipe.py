@@ -20,11 +20,11 @@ new family declares, in its model module::
 
     @dataclass(frozen=True)
     class MyOptions(NMSOptions):
-        no_aug_epochs: int = 15
+        flip_prob: float = 0.5
 
     def my_phase(epoch, epochs, cfg):
-        late = epoch >= epochs - cfg.family.no_aug_epochs
-        return Phase({"use_l1": late}, (Flip(), Resize("letterbox", 114.0), Normalize(None, None)))
+        late = epoch >= epochs - cfg.optim.no_aug_epochs
+        return Phase({"use_l1": late}, (Flip(cfg.family.flip_prob), Resize("letterbox", 114.0), Normalize(None, None)))
 
     RECIPE = Recipe(options=MyOptions, phase=my_phase, sizes={"s": {"data.batch_size": 64}})
     FAMILY = ArchFamily(build=build_my, sizes=("s",), recipe=RECIPE)

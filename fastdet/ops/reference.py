@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 
-def _pairwise_inter_union(a: Tensor, b: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _pairwise_inter_union(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)  # [.., N]
     area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)  # [.., M]
     lt = torch.maximum(a[..., :, None, :2], b[..., None, :, :2])  # [.., N, M, 2]
@@ -23,13 +23,13 @@ def _pairwise_inter_union(a: Tensor, b: Tensor, eps: float) -> tuple[Tensor, Ten
 
 def box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
     """IoU of every box in ``a`` with every box in ``b``; 0 where the union is empty."""
-    inter, union = _pairwise_inter_union(a, b, eps)
+    inter, union = _pairwise_inter_union(a, b)
     return inter / union.clamp(min=eps)
 
 
 def generalized_box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
     """Generalized IoU (Rezatofighi et al. 2019), pairwise like :func:`box_iou`."""
-    inter, union = _pairwise_inter_union(a, b, eps)
+    inter, union = _pairwise_inter_union(a, b)
     iou = inter / union.clamp(min=eps)
     lt = torch.minimum(a[..., :, None, :2], b[..., None, :, :2])
     rb = torch.maximum(a[..., :, None, 2:], b[..., None, :, 2:])

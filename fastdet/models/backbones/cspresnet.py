@@ -88,7 +88,6 @@ class CSPResNet(nn.Module):
         )
         self.return_idx = tuple(return_idx)
         self.out_channels = [ch[i + 1] for i in self.return_idx]
-        self.out_strides = [4 * 2**i for i in self.return_idx]
 
     def forward(self, x: Tensor) -> list[Tensor]:
         x = self.stem(x)
