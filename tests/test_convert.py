@@ -343,3 +343,16 @@ def test_eval_cli_scores_the_released_file_as_its_conversion(tmp_path, capsys):
     assert eval_main(["--ckpt", str(src)] + common) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(src) in err[0] and "not a fastdet checkpoint" in err[0]
+
+
+def test_coco_classes_are_torchvisions_91_and_the_80_of_coco_2017():
+    """The class table the converters give released COCO models: torchvision's 91-entry
+    list (label = category id, "N/A" for the ids COCO 2017 does not use), and its 80."""
+    from torchvision.models.detection import FCOS_ResNet50_FPN_Weights
+
+    from fastdet.convert import coco_classes
+
+    names, ids = coco_classes("coco91")
+    assert list(names) == FCOS_ResNet50_FPN_Weights.COCO_V1.meta["categories"] and ids == tuple(range(91))
+    names80, ids80 = coco_classes("coco80")
+    assert len(names80) == 80 and [names[i] for i in ids80] == list(names80)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from fastdet.data.coco import load_coco
-from fastdet.data.targets import keep_largest, pad_one, pad_targets, pad_targets_torch
+from fastdet.data.targets import keep_largest, pad_one, pad_targets
 
 
 def random_boxes(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -71,20 +70,6 @@ def test_batch_matches_reference_and_counts_overflow(m):
         np.testing.assert_array_equal(gt_labels[i, :k], lb[keep])
         assert (gt_boxes[i, k:] == 0).all() and (gt_labels[i, k:] == 0).all()
         assert keep_largest(bx, m).tolist() == keep
-
-
-@pytest.mark.parametrize("m", [1, 5, 12])
-def test_torch_variant_matches_numpy(m):
-    rng = np.random.default_rng(100 + m)
-    counts = [0, 2, 5, 9, 30]
-    boxes_list = [random_boxes(rng, n) for n in counts]
-    labels_list = [rng.integers(0, 4, n) for n in counts]
-    ref = pad_targets(boxes_list, labels_list, m)
-    out = pad_targets_torch([torch.from_numpy(b) for b in boxes_list], [torch.from_numpy(l) for l in labels_list], m)
-    assert out[0].dtype == torch.float32 and out[1].dtype == torch.int64 and out[2].dtype == torch.bool
-    for r, o in zip(ref[:3], out[:3]):
-        np.testing.assert_array_equal(o.numpy(), r)
-    assert out[3] == ref[3]
 
 
 def test_bad_inputs():

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
-from torchvision.models.detection import FCOS_ResNet50_FPN_Weights
 
 from fastdet import registry
 from fastdet.config import apply_overrides
@@ -26,6 +25,24 @@ from fastdet.runtime.checkpoint import UnsafeWeightsError, is_torch_file, read_w
 log = logging.getLogger("fastdet.convert")
 
 
+# COCO 2017's 80 categories by id (instances_val2017.json): the class names of the authors'
+# released COCO models; ids 12, 26, 29, 30, 45, 66, 68, 69, 71, 83 are unused.
+COCO_2017_CATEGORIES: dict[int, str] = {
+    1: "person", 2: "bicycle", 3: "car", 4: "motorcycle", 5: "airplane", 6: "bus", 7: "train", 8: "truck",
+    9: "boat", 10: "traffic light", 11: "fire hydrant", 13: "stop sign", 14: "parking meter", 15: "bench",
+    16: "bird", 17: "cat", 18: "dog", 19: "horse", 20: "sheep", 21: "cow", 22: "elephant", 23: "bear",
+    24: "zebra", 25: "giraffe", 27: "backpack", 28: "umbrella", 31: "handbag", 32: "tie", 33: "suitcase",
+    34: "frisbee", 35: "skis", 36: "snowboard", 37: "sports ball", 38: "kite", 39: "baseball bat",
+    40: "baseball glove", 41: "skateboard", 42: "surfboard", 43: "tennis racket", 44: "bottle",
+    46: "wine glass", 47: "cup", 48: "fork", 49: "knife", 50: "spoon", 51: "bowl", 52: "banana", 53: "apple",
+    54: "sandwich", 55: "orange", 56: "broccoli", 57: "carrot", 58: "hot dog", 59: "pizza", 60: "donut",
+    61: "cake", 62: "chair", 63: "couch", 64: "potted plant", 65: "bed", 67: "dining table", 70: "toilet",
+    72: "tv", 73: "laptop", 74: "mouse", 75: "remote", 76: "keyboard", 77: "cell phone", 78: "microwave",
+    79: "oven", 80: "toaster", 81: "sink", 82: "refrigerator", 84: "book", 85: "clock", 86: "vase",
+    87: "scissors", 88: "teddy bear", 89: "hair drier", 90: "toothbrush",
+}
+
+
 class ConvertError(ValueError):
     """The file cannot be converted; the message is one line naming the file."""
 
@@ -33,11 +50,10 @@ class ConvertError(ValueError):
 def coco_classes(kind: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Class names and COCO category ids of the released COCO models: ``"coco80"`` (the 80
     contiguous labels) or ``"coco91"`` (torchvision's: label = category id, unused ids "N/A")."""
-    cats = FCOS_ResNet50_FPN_Weights.COCO_V1.meta["categories"]  # 91 entries, index = COCO id
     if kind == "coco91":
-        return tuple(cats), tuple(range(len(cats)))
-    ids = tuple(i for i, c in enumerate(cats) if c not in ("__background__", "N/A"))
-    return tuple(cats[i] for i in ids), ids
+        names = ("__background__",) + tuple(COCO_2017_CATEGORIES.get(i, "N/A") for i in range(1, 91))
+        return names, tuple(range(91))
+    return tuple(COCO_2017_CATEGORIES.values()), tuple(COCO_2017_CATEGORIES)
 
 
 def unwrap(raw: Any, path: Path) -> dict[str, torch.Tensor]:

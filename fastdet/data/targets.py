@@ -1,7 +1,7 @@
 """Padding per-image ground truth to the fixed ``[B, M, ...]`` layout every model consumes.
 
 ``M = DataConfig.max_boxes`` for every batch, so compiled steps see static shapes
-(``fastdet.data.records`` describes the batch). An image with more than ``M`` boxes
+(``fastdet.data.layout`` describes the batch). An image with more than ``M`` boxes
 keeps its ``M`` largest by area, in their original order, and the number dropped is
 returned so the loader can report it. Padded slots hold zero boxes, label 0 and
 ``mask = False``.
@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
 
 
 def _check(boxes: np.ndarray, labels: np.ndarray, max_boxes: int) -> None:
@@ -93,40 +92,3 @@ def pad_targets(
         overflow += o
     return gt_boxes, gt_labels, gt_mask, overflow
 
-
-def pad_targets_torch(
-    boxes_list: Sequence[torch.Tensor],
-    labels_list: Sequence[torch.Tensor],
-    max_boxes: int,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """:func:`pad_targets` for torch tensors (e.g. boxes after torch-side augmentation).
-
-    Same selection rule and outputs as the numpy version, as tensors on ``device``
-    (default: the device of the first boxes tensor, or the CPU for an empty batch).
-    """
-    if len(boxes_list) != len(labels_list):
-        raise ValueError(f"{len(boxes_list)} box tensors but {len(labels_list)} label tensors")
-    if device is None:
-        device = boxes_list[0].device if len(boxes_list) else torch.device("cpu")
-    B = len(boxes_list)
-    gt_boxes = torch.zeros((B, max_boxes, 4), dtype=torch.float32, device=device)
-    gt_labels = torch.zeros((B, max_boxes), dtype=torch.int64, device=device)
-    gt_mask = torch.zeros((B, max_boxes), dtype=torch.bool, device=device)
-    overflow = 0
-    for i, (b, l) in enumerate(zip(boxes_list, labels_list)):
-        b = b.reshape(-1, 4).to(device=device, dtype=torch.float32)
-        l = l.reshape(-1).to(device=device, dtype=torch.int64)
-        _check(b, l, max_boxes)
-        n = b.shape[0]
-        if n > max_boxes:
-            area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-            # Stable sort by descending area: ties keep the earlier box, as in keep_largest.
-            idx = torch.sort(torch.argsort(-area, stable=True)[:max_boxes]).values
-            b, l = b[idx], l[idx]
-            overflow += n - max_boxes
-        k = b.shape[0]
-        gt_boxes[i, :k] = b
-        gt_labels[i, :k] = l
-        gt_mask[i, :k] = True
-    return gt_boxes, gt_labels, gt_mask, overflow
