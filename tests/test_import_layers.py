@@ -95,7 +95,7 @@ def function_level_imports(path: Path) -> list[tuple[int, str, bool]]:
 
 def test_function_level_imports_say_why():
     offenders, checked = [], 0
-    for path in sorted(PKG.rglob("*.py")):
+    for path in sorted([*PKG.rglob("*.py"), *(ROOT / "pipelines").glob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         for line, module, says_why in function_level_imports(path):
             checked += 1
@@ -152,6 +152,33 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (c := visit(m)):
             return c
     return None
+
+
+def fastdet_imports(path: Path) -> list[str]:
+    """Every fastdet module ``path`` imports, at module level or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return [m for m in found if m.split(".")[0] == "fastdet"]
+
+
+def test_the_dali_pipelines_sit_in_the_data_layer():
+    """``fastdet.pipelines`` is installed from ``pipelines/``, outside ``fastdet/``, where
+    lint-imports does not look: its imports are checked here against the layers contract,
+    as a part of the data layer (the DALI back end of its loaders)."""
+    layers = [l.replace("|", ":").split(":") for l in next(c for c in CONTRACTS if c["type"] == "layers")["layers"]]
+    layers = [{n.strip() for n in l} for l in layers]
+    data = next(i for i, l in enumerate(layers) if "fastdet.data" in l)
+    allowed = {"fastdet.pipelines"} | {n for l in layers[data:] for n in l}
+    found = {(p.name, m) for p in sorted((ROOT / "pipelines").glob("*.py")) for m in fastdet_imports(p)}
+    assert any(m.startswith("fastdet.data") for _, m in found), "no import of the data layer found: wrong folder?"
+    upward = sorted(f"pipelines/{f} imports {m}" for f, m in found
+                    if not any(m == a or m.startswith(a + ".") for a in allowed))
+    assert not upward, "\n".join(upward)
+    assert "fastdet.engine" not in allowed and "fastdet.models" not in allowed  # the check can fail
 
 
 def test_no_import_loops_in_data_and_pipelines():
