@@ -257,23 +257,30 @@ class Config:
 
 def _migrate(d: dict[str, Any], family: type[FamilyOptions]) -> dict[str, Any]:
     """A dict of an earlier layout in this one: ``compile.dynamic`` (a second switch for
-    symbolic H, W) is ``compile.shapes``; family options move out of the shared sections."""
+    symbolic H, W) is ``compile.shapes``; ``family.nms_iou`` of a family without one (PP-YOLO's
+    Matrix NMS, which never read it) goes; family options move out of the shared sections."""
+    names = {f.name for f in fields(family)}
     comp = d.get("compile")
     if isinstance(comp, dict) and "dynamic" in comp:
         comp = dict(comp)
         if comp.pop("dynamic"):
             comp["shapes"] = "dynamic"
         d = {**d, "compile": comp}
+    retired = {"nms_iou"} - names if family is not FamilyOptions else set()
+    fam = d.get("family")
+    if isinstance(fam, dict) and retired & set(fam):
+        d = {**d, "family": {k: v for k, v in fam.items() if k not in retired}}
     if "family" in d:
         return d
-    names = {f.name for f in fields(family)}
     out: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     moved: dict[str, Any] = {}
     for sec in ("model", "data"):
         raw = out.get(sec)
         if isinstance(raw, dict):
-            for k in [k for k in raw if k in names]:
-                moved[k] = raw.pop(k)
+            for k in [k for k in raw if k in names | retired]:
+                v = raw.pop(k)
+                if k in names:
+                    moved[k] = v
     out["family"] = moved
     return out
 

@@ -231,3 +231,25 @@ def test_the_trainer_refuses_values_that_would_fail_an_epoch_in(key, value, mess
     with pytest.raises(ConfigError) as e:
         check_config(apply_overrides(get_preset("ppyoloe", "s"), {key: value}))
     assert str(e.value) == message
+
+
+def test_ppyolo_has_no_nms_iou_and_a_stored_one_is_dropped():
+    """PP-YOLO's Matrix NMS cuts at no IoU: family.nms_iou, which it carried and never read,
+    is gone (--set of it is an unknown field, predict takes no iou_thresh); a checkpoint's
+    config that holds it, in the family section or the layout before it, still loads."""
+    from fastdet.models.ppyolo import PPYOLO
+
+    cfg = get_preset("ppyolo", "r18vd")
+    with pytest.raises(ConfigError, match="unknown config field 'family.nms_iou'"):
+        apply_overrides(cfg, {"family.nms_iou": "0.3"})
+    stored = cfg.to_dict()
+    stored["family"]["nms_iou"] = 0.7
+    assert config_from_dict(stored) == cfg
+    old = cfg.to_dict()
+    family = old.pop("family")
+    old["model"].update(score_thresh=family["score_thresh"], nms_iou=0.7, max_det=family["max_det"])
+    assert config_from_dict(old).family == cfg.family
+    assert "iou_thresh" not in PPYOLO.predict.__code__.co_varnames
+    keeps = get_preset("ppyoloe", "s").to_dict()  # a family with an IoU cut keeps its own
+    keeps["family"]["nms_iou"] = 0.5
+    assert config_from_dict(keeps).family.nms_iou == 0.5

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastdet.config import Config
+from fastdet.config import Config, FamilyOptions
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Resize
 from fastdet.losses import loss_float
@@ -53,7 +53,7 @@ from fastdet.models.backbones.resnet_vd import ResNetVd
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
 from fastdet.models.layers import SPP, ConvBNAct, paddle_conv_init_
 from fastdet.models.paddle_names import NAME_TABLE, bn_name, load_paddle_backbone
-from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, Phase, Recipe, check_probabilities
 from fastdet.ops import box_iou, yolo_targets
 
 
@@ -552,13 +552,12 @@ class PPYOLO(Detector):
         self,
         images: Tensor,
         score_thresh: float = 0.01,
-        iou_thresh: float | None = None,
         max_det: int = 100,
         pre_nms_topk: int = 1000,
         post_thresh: float = 0.01,
     ) -> list[dict[str, Tensor]]:
-        """Detections per image after Matrix NMS (``iou_thresh`` is accepted for the shared
-        signature; Matrix NMS decays scores instead of cutting at an IoU)."""
+        """Detections per image after Matrix NMS, which decays scores instead of cutting at
+        an IoU: there is no ``iou_thresh`` (one passed is a TypeError, not ignored)."""
         boxes, scores = self(images)
         return matrix_nms(boxes, scores, score_thresh, post_thresh, max_det, pre_nms_topk)
 
@@ -576,15 +575,17 @@ def build_ppyolo(size: str, num_classes: int = 80) -> PPYOLO:
 
 
 @dataclass(frozen=True)
-class PPYOLOOptions(NMSOptions):
+class PPYOLOOptions(FamilyOptions):
     """The ``family`` config section of PP-YOLO (``--set family.<field>=value``).
 
-    Post-processing is Matrix NMS (ppyolo_*.yml ``MatrixNMS``): candidates above
-    ``score_thresh`` (0.01), kept above ``post_thresh`` (0.01) after the decay, the best
-    ``max_det`` (100); ``nms_iou`` is not used (Matrix NMS cuts no IoU).
+    Post-processing is Matrix NMS (ppyolo_*.yml ``MatrixNMS``): the best ``pre_nms_topk``
+    candidates above ``score_thresh`` (0.01), kept above ``post_thresh`` (0.01) after the
+    decay, the best ``max_det`` (100). It cuts at no IoU, so there is no ``nms_iou``.
     """
 
+    score_thresh: float = 0.01
     max_det: int = 100
+    pre_nms_topk: int = 1000
     post_thresh: float = 0.01
     # The reader (PaddleDetection configs/ppyolo/_base_/ppyolo_reader.yml): mixup with
     # lambda ~ Beta(1.5, 1.5) and per-box scores for the first `mixup_epochs` epochs
