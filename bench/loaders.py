@@ -43,7 +43,7 @@ from fastdet.data.loader import build_train_loader, dali_unavailable_reason
 
 # YOLOX's training stages (MX yolox_base.py: mosaic 1.0, mixup 1.0, degrees 10, translate
 # 0.1, mosaic_scale (0.1, 2), shear 2, HSV 1.0, flip 0.5; preproc letterbox 114, raw pixels).
-YOLOX_STAGES = (S.Mosaic(), S.RandomAffine(), S.MixUp("yolox"), S.HSV(), S.Flip(),
+YOLOX_STAGES = (S.Mosaic(), S.RandomAffine(), S.MixUp("scaled_crop"), S.HSV(), S.Flip(),
                 S.Resize("letterbox", pad_value=114.0, interp="linear"), S.Normalize(None, None))
 
 

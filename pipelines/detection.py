@@ -72,13 +72,13 @@ def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int
         elif isinstance(st, S.MixUp):
             partner = stages.decode(s[f"enc_p{k}"], device)
             k += 1
-            if st.kind == "yolox":
-                images = stages.mixup_yolox(images, partner, s["mix_letter"], s["mix_input"], s["mix_jit"],
-                                            s["mix_flip"], s["mix_anchor"], s["mix_target"], s["mix_w"])
+            if st.kind == "scaled_crop":
+                images = stages.mixup_scaled_crop(images, partner, s["mix_letter"], s["mix_input"], s["mix_jit"],
+                                                  s["mix_flip"], s["mix_anchor"], s["mix_target"], s["mix_w"])
             else:
-                images = stages.mixup_ppyolo(images, partner, s["mix_lam"], s["mix_canvas"])
+                images = stages.mixup_beta_blend(images, partner, s["mix_lam"], s["mix_canvas"])
         elif isinstance(st, S.HSV):
-            images = stages.hsv_yolox(images, st)
+            images = stages.hsv_jitter(images, st)
         elif isinstance(st, S.Distort):
             if st.prob > 0:
                 images = stages.distort(images, st.prob)

@@ -195,7 +195,7 @@ def plan_outputs(head: tuple) -> tuple[str, ...]:
             k += 3
         elif isinstance(st, S.RandomAffine):
             names += ["aff_m", "aff_size"]
-        elif isinstance(st, S.MixUp) and st.kind == "yolox":
+        elif isinstance(st, S.MixUp) and st.kind == "scaled_crop":
             names += [f"enc_p{k}", "mix_letter", "mix_input", "mix_jit", "mix_flip", "mix_anchor", "mix_target",
                       "mix_w"]
             k += 1
@@ -244,7 +244,7 @@ def plan_arrays(head: tuple, p: augment.Prefix, partner_files: list[str], read) 
             else:
                 out["aff_m"] = np.array([[1, 0, 0], [0, 1, 0]], np.float32)
                 out["aff_size"] = np.array([h0, w0], np.float32)
-        elif isinstance(st, S.MixUp) and st.kind == "yolox":
+        elif isinstance(st, S.MixUp) and st.kind == "scaled_crop":
             m = p.mixup
             if m is not None:
                 out[f"enc_p{k}"] = read(partner_files[k])

@@ -66,7 +66,7 @@ def expand_crop(images, boxes, labels, wh, spec: S.ExpandCrop, scores=None):
         boxes: [N, 4] xyxy relative to the image; labels: [N] int32.
         wh: float32 [2] (width, height) of the image.
         spec: ``expand_prob``, ``max_ratio`` and ``crop`` are read at build time.
-        scores: [N] float32 per-box scores (after a PP-YOLO mixup) or None (all ones).
+        scores: [N] float32 per-box scores (after a ``beta_blend`` mixup) or None (all ones).
 
     Returns:
         ``(window images, boxes [K, 4] relative to the window, labels [K], scores [K] or None)``.
@@ -267,7 +267,7 @@ def affine(images, matrix, size, pad_value: float):
     return fn.warp_affine(images, matrix=matrix, size=size, fill_value=pad_value, interp_type=types.INTERP_LINEAR)
 
 
-def mixup_yolox(images, partner, letter, input_wh, jit, flip_coin, anchor, target_wh, weights):
+def mixup_scaled_crop(images, partner, letter, input_wh, jit, flip_coin, anchor, target_wh, weights):
     """YOLOX mixup: the partner letterboxed (114), jittered, flipped, cropped at ``anchor``
     onto the target's size (0 beyond it), then ``floor(0.5·image + 0.5·partner)``.
 
@@ -283,7 +283,7 @@ def mixup_yolox(images, partner, letter, input_wh, jit, flip_coin, anchor, targe
     return fn.cast(mixed, dtype=types.UINT8)
 
 
-def mixup_ppyolo(images, partner, lam, canvas_wh):
+def mixup_beta_blend(images, partner, lam, canvas_wh):
     """PaddleDetection Mixup: both at the top-left of a max(h) x max(w) canvas of 0,
     ``λ·a + (1 − λ)·b`` truncated to uint8.
 
@@ -298,7 +298,7 @@ def mixup_ppyolo(images, partner, lam, canvas_wh):
     return fn.cast(dmath.floor(lam * a + (1.0 - lam) * b), dtype=types.UINT8)
 
 
-def hsv_yolox(images, st: S.HSV):
+def hsv_jitter(images, st: S.HSV):
     """YOLOX augment_hsv, approximated with DALI's operators (the back ends differ here).
 
     YOLOX adds integer gains to OpenCV's H (0..180), S and V; DALI has no HSV-space

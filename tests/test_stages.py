@@ -43,9 +43,9 @@ BACKENDS = ("torch", "dali")
 SIZE = 128
 LETTERBOX = S.Resize("letterbox", pad_value=114.0, interp="linear")
 RAW = S.Normalize(None, None)
-YOLOX_GEOMETRY = (S.Mosaic(), S.RandomAffine(), S.MixUp("yolox"), LETTERBOX, RAW)
-YOLOX = (S.Mosaic(), S.RandomAffine(), S.MixUp("yolox"), S.HSV(), S.Flip(), LETTERBOX, RAW)
-PPYOLO = (S.MixUp("ppyolo"), S.Distort(), S.ExpandCrop(), S.Flip(), S.Resize("stretch"), S.Normalize())
+YOLOX_GEOMETRY = (S.Mosaic(), S.RandomAffine(), S.MixUp("scaled_crop"), LETTERBOX, RAW)
+YOLOX = (S.Mosaic(), S.RandomAffine(), S.MixUp("scaled_crop"), S.HSV(), S.Flip(), LETTERBOX, RAW)
+PPYOLO = (S.MixUp("beta_blend"), S.Distort(), S.ExpandCrop(), S.Flip(), S.Resize("stretch"), S.Normalize())
 
 
 @pytest.fixture(autouse=True)
@@ -169,8 +169,9 @@ def test_boxes_follow_the_pixels(backend, name, stages, rects):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixup_boxes_follow_the_pixels(backend, rects):
-    # YOLOX mixup blends 0.5 / 0.5 onto a black background: a record's colour appears halved.
-    stages = (S.Mosaic(prob=0.0), S.MixUp("yolox"), LETTERBOX, RAW)
+    # The scaled_crop mixup (YOLOX's) blends 0.5 / 0.5 onto a black background: a record's colour
+    # appears halved.
+    stages = (S.Mosaic(prob=0.0), S.MixUp("scaled_crop"), LETTERBOX, RAW)
     got = batches(loader_for(backend, rects, stages), 2)
     for b in got:
         check_boxes_follow_pixels(b, tight=False, half=True)
@@ -178,8 +179,8 @@ def test_mixup_boxes_follow_the_pixels(backend, rects):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ppyolo_mixup_scores(backend, rects):
-    stages = (S.MixUp("ppyolo"), S.Resize("stretch", interp="linear"), S.Normalize())
+def test_beta_blend_mixup_scores(backend, rects):
+    stages = (S.MixUp("beta_blend"), S.Resize("stretch", interp="linear"), S.Normalize())
     for b in batches(loader_for(backend, rects, stages), 2):
         m = b["gt_mask"]
         s = b["gt_scores"]
@@ -204,16 +205,26 @@ def test_affine_filters_boxes_as_box_candidates():
     np.testing.assert_allclose(out[0], [0, 0, 20, 20])
 
 
-def test_yolox_mixup_keeps_partner_boxes_over_5px():
+def test_scaled_crop_mixup_keeps_partner_boxes_over_5px():
     rng = np.random.default_rng(0)
     boxes = np.array([[0, 0, 60, 60], [70, 70, 74, 120]], np.float32)  # the second: 4 px wide
     for _ in range(20):
-        plan, b, keep = G.yolox_mixup_plan(rng, 1.0, (1.0, 1.0), (128, 128), (128, 128), True, (128, 128), boxes)
+        plan, b, keep = G.scaled_crop_mixup_plan(rng, 1.0, (1.0, 1.0), (128, 128), (128, 128), True, (128, 128),
+                                                 boxes)
         assert plan is not None and keep.tolist() == [True, False]
         assert ((b[:, 2:] - b[:, :2]) > 5).all()
     # No mixup for a target without boxes (YOLOX) or when none of the partner's boxes survive.
-    assert G.yolox_mixup_plan(rng, 1.0, (1.0, 1.0), (128, 128), (128, 128), False, (128, 128), boxes)[0] is None
-    assert G.yolox_mixup_plan(rng, 1.0, (1.0, 1.0), (128, 128), (128, 128), True, (128, 128), boxes[1:])[0] is None
+    assert G.scaled_crop_mixup_plan(rng, 1.0, (1.0, 1.0), (128, 128), (128, 128), False, (128, 128),
+                                    boxes)[0] is None
+    assert G.scaled_crop_mixup_plan(rng, 1.0, (1.0, 1.0), (128, 128), (128, 128), True, (128, 128),
+                                    boxes[1:])[0] is None
+
+
+def test_mixup_kinds_are_named_by_the_blend():
+    assert S.MixUp().kind == "scaled_crop"
+    for kind in ("yolox", "ppyolo", "cutmix"):
+        with pytest.raises(ValueError, match="'scaled_crop', 'beta_blend'"):
+            S.MixUp(kind)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,9 +1,10 @@
 """The layering the design keeps: no import loop between the trainer and evaluation,
-config below everything, and nothing in engine/ or data/ naming a model family."""
+config below everything, and nothing in engine/, data/ or pipelines/ naming a model family."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -35,18 +36,17 @@ def test_config_imports_no_other_fastdet_module():
     assert not _imports(PKG / "config.py")
 
 
-# MixUp's kinds are named after the detector whose reader defines the blend: a stage
-# parameter that describes it, not a branch on the family being trained.
-NAMED_BLENDS = {name: ('"ppyolo"', '"yolox"') for name in ("stages.py", "augment.py")}
-
-
-def test_engine_and_data_name_no_family():
+def test_engine_data_and_pipelines_name_no_family():
+    """No family name as a string literal or a ``models.<family>`` import in engine/, data/
+    or the DALI pipelines/ (installed as ``fastdet.pipelines``; located without importing
+    DALI). Augmentation variants are named by what they do (``MixUp("scaled_crop")``)."""
     names = set(ARCHITECTURES)
-    for sub in ("engine", "data"):
-        for path in (PKG / sub).glob("*.py"):
+    pipelines = Path(importlib.util.find_spec("fastdet.pipelines").submodule_search_locations[0])
+    for folder in (PKG / "engine", PKG / "data", pipelines):
+        paths = list(folder.glob("*.py"))
+        assert paths, folder
+        for path in paths:
             text = path.read_text().lower()
-            for literal in NAMED_BLENDS.get(path.name, ()):
-                text = text.replace(literal, "")
             assert not [n for n in names if f'"{n}"' in text or f"models.{n}" in text], path
 
 

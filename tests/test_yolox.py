@@ -212,7 +212,7 @@ def test_recipe_phases_follow_megvii():
     assert cfg.data.train_sizes == tuple(range(480, 801, 32)) and cfg.family.nms_iou == 0.65
     early, late = phase(cfg, 284), phase(cfg, 285)  # the last 15 of 300 epochs drop the mosaic
     assert [type(s) for s in early.stages] == [Mosaic, RandomAffine, MixUp, HSV, Flip, Resize, Normalize]
-    assert early.stages[1].scale == (0.1, 2.0) and early.stages[2].kind == "yolox"
+    assert early.stages[1].scale == (0.1, 2.0) and early.stages[2].kind == "scaled_crop"
     assert early.loss_kwargs == {"use_l1": False} and early.eval_interval is None
     assert [type(s) for s in late.stages] == [HSV, Flip, Resize, Normalize]
     assert late.loss_kwargs == {"use_l1": True} and late.eval_interval == 1

@@ -32,7 +32,7 @@ where its parameters come from:
 - Normalize: ImageNet-style mean/std on 0..255, or raw 0..255 floats.
 - targets: boxes narrower or lower than 1 px of the network input are dropped, the
   rest padded to ``max_boxes`` (``fastdet.data.targets.pad_one``: the largest are
-  kept), with their scores (1, or a PP-YOLO mixup's λ / 1 − λ).
+  kept), with their scores (1, or a ``beta_blend`` mixup's λ / 1 − λ).
 
 The draws of Distort, ExpandCrop, Flip and HSV come from the sample's generator in
 list order, so PP-YOLOE's batches are the ones the fixed chain gave before stage lists.
@@ -458,9 +458,9 @@ def _mosaic(w: Work, st: S.Mosaic, prng: np.random.Generator, hw: tuple[int, int
 
 def _mixup(w: Work, st: S.MixUp, prng: np.random.Generator, hw: tuple[int, int], p: Work) -> None:
     th, tw = w.img.shape[:2]
-    if st.kind == "yolox":
-        plan, boxes, keep = G.yolox_mixup_plan(prng, st.prob, st.scale, hw, (th, tw), len(w.boxes) > 0,
-                                               (p.img.shape[1], p.img.shape[0]), p.boxes)
+    if st.kind == "scaled_crop":
+        plan, boxes, keep = G.scaled_crop_mixup_plan(prng, st.prob, st.scale, hw, (th, tw), len(w.boxes) > 0,
+                                                     (p.img.shape[1], p.img.shape[0]), p.boxes)
         if plan is None:
             return
         other = mixup_partner_pixels(p.img, plan)
@@ -469,7 +469,7 @@ def _mixup(w: Work, st: S.MixUp, prng: np.random.Generator, hw: tuple[int, int],
         w.labels = np.concatenate([w.labels, p.labels[keep]])
         w.scores = np.concatenate([w.scores, p.scores[keep]])
         return
-    lam = G.ppyolo_mixup_factor(prng, st.prob, st.alpha, st.beta)
+    lam = G.beta_blend_factor(prng, st.prob, st.alpha, st.beta)
     if lam is None or lam >= 1.0:
         return
     if lam <= 0.0:
@@ -485,7 +485,7 @@ def _mixup(w: Work, st: S.MixUp, prng: np.random.Generator, hw: tuple[int, int],
     w.scores = np.concatenate([w.scores * lam, p.scores * (1.0 - lam)]).astype(np.float32)
 
 
-def mixup_partner_pixels(img: np.ndarray, plan: G.YoloxMixupPlan) -> np.ndarray:
+def mixup_partner_pixels(img: np.ndarray, plan: G.ScaledCropMixupPlan) -> np.ndarray:
     """The YOLOX mixup partner's pixels on the target: letterbox, jitter, flip, crop; uint8 [th, tw, 3]."""
     letter = place(resize_hwc(img, plan.letter_hw, "linear"), plan.input_hw, (0, 0), 114)
     jit = resize_hwc(letter, plan.jitter_hw, "linear")
@@ -628,8 +628,8 @@ class Prefix:
     scores: np.ndarray
     mosaic: Optional[G.MosaicPlan] = None
     affine: Optional[tuple[np.ndarray, tuple[int, int]]] = None  # (M [2, 3] src → dst, out (h, w))
-    mixup: Optional[object] = None  # G.YoloxMixupPlan, or the PP-YOLO λ (float)
-    mixup_wh: tuple[int, int] = (0, 0)  # PP-YOLO: the partner's (w, h)
+    mixup: Optional[object] = None  # G.ScaledCropMixupPlan, or the beta_blend λ (float)
+    mixup_wh: tuple[int, int] = (0, 0)  # beta_blend: the partner's (w, h)
     wh_before: dict = None  # stage type → (w, h) of the image entering it
 
 
@@ -683,17 +683,17 @@ def plan_sample(head: tuple, own: tuple, partners: Sequence[tuple], prng: np.ran
             (pw, ph), pboxes, plabels = queue.pop(0)
             pboxes = np.asarray(pboxes, np.float32).reshape(-1, 4)
             plabels = np.asarray(plabels, np.int64).reshape(-1)
-            if st.kind == "yolox":
+            if st.kind == "scaled_crop":
                 th, tw = p.wh[1], p.wh[0]
-                plan, b, keep = G.yolox_mixup_plan(prng, st.prob, st.scale, hw, (th, tw), len(p.boxes) > 0,
-                                                   (pw, ph), pboxes)
+                plan, b, keep = G.scaled_crop_mixup_plan(prng, st.prob, st.scale, hw, (th, tw),
+                                                         len(p.boxes) > 0, (pw, ph), pboxes)
                 if plan is not None:
                     p.mixup = plan
                     p.boxes = np.concatenate([p.boxes, b])
                     p.labels = np.concatenate([p.labels, plabels[keep]])
                     p.scores = np.concatenate([p.scores, np.ones(int(keep.sum()), np.float32)])
                 continue
-            lam = G.ppyolo_mixup_factor(prng, st.prob, st.alpha, st.beta)
+            lam = G.beta_blend_factor(prng, st.prob, st.alpha, st.beta)
             if lam is None or lam >= 1.0:
                 continue
             p.mixup, p.mixup_wh = lam, (pw, ph)

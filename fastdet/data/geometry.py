@@ -132,7 +132,7 @@ def affine_boxes(boxes: np.ndarray, M: np.ndarray, scale: float, out_hw: HW) -> 
 # --------------------------------------------------------------------------- mixup
 
 @dataclass(frozen=True)
-class YoloxMixupPlan:
+class ScaledCropMixupPlan:
     """The partner: letterboxed into the ``input_hw`` canvas (content ``letter_hw``, fill
     114), that canvas resized to ``jitter_hw``, flipped if ``flip``, padded with 0 to at
     least the target's size and cropped at ``offset`` (x, y) to ``target_hw``; blended 0.5/0.5."""
@@ -145,9 +145,9 @@ class YoloxMixupPlan:
     target_hw: HW
 
 
-def yolox_mixup_plan(rng: np.random.Generator, prob: float, scale_range: Sequence[float], input_hw: HW,
-                     target_hw: HW, target_has_boxes: bool, partner_wh: tuple[int, int],
-                     partner_boxes: np.ndarray) -> tuple[Optional[YoloxMixupPlan], np.ndarray, np.ndarray]:
+def scaled_crop_mixup_plan(rng: np.random.Generator, prob: float, scale_range: Sequence[float], input_hw: HW,
+                           target_hw: HW, target_has_boxes: bool, partner_wh: tuple[int, int],
+                           partner_boxes: np.ndarray) -> tuple[Optional[ScaledCropMixupPlan], np.ndarray, np.ndarray]:
     """YOLOX ``MosaicDetection.mixup``: ``(plan or None, partner boxes on the target [K, 4], kept [N] bool)``.
 
     Drawn only when the target has boxes (as YOLOX); no mixup when none of the partner's
@@ -179,11 +179,11 @@ def yolox_mixup_plan(rng: np.random.Generator, prob: float, scale_range: Sequenc
     keep = box_candidates(origin, b, wh_thr=5)
     if not keep.any():
         return none
-    plan = YoloxMixupPlan(input_hw, letter, (jh, jw), bool(flip), (ox, oy), target_hw)
+    plan = ScaledCropMixupPlan(input_hw, letter, (jh, jw), bool(flip), (ox, oy), target_hw)
     return plan, b[keep].astype(np.float32), keep
 
 
-def ppyolo_mixup_factor(rng: np.random.Generator, prob: float, alpha: float, beta: float) -> Optional[float]:
+def beta_blend_factor(rng: np.random.Generator, prob: float, alpha: float, beta: float) -> Optional[float]:
     """PaddleDetection ``Mixup``: λ ~ Beta(alpha, beta) clipped to [0, 1]; None when not drawn."""
     if rng.random() >= prob:
         return None

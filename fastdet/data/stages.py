@@ -10,8 +10,8 @@ tuple, and a loader rebuilds its chain only when the tuple changes) and printabl
 Order matters and is the recipe's. The usual orders:
 
 - PP-YOLOE: ``Distort, ExpandCrop, Flip, Resize("stretch"), Normalize(ImageNet)``;
-- PP-YOLO: ``MixUp("ppyolo"), Distort, ExpandCrop, Flip, Resize("stretch"), Normalize``;
-- YOLOX: ``Mosaic, RandomAffine, MixUp("yolox"), HSV, Flip, Resize("letterbox"), Normalize(None)``
+- PP-YOLO: ``MixUp("beta_blend"), Distort, ExpandCrop, Flip, Resize("stretch"), Normalize``;
+- YOLOX: ``Mosaic, RandomAffine, MixUp("scaled_crop"), HSV, Flip, Resize("letterbox"), Normalize(None)``
   (its last 15 epochs: ``HSV, Flip, Resize("letterbox"), Normalize(None)``);
 - FCOS: ``Flip, Resize("keep_ratio"), Normalize(ImageNet)``.
 
@@ -84,27 +84,34 @@ class RandomAffine:
     after_mosaic_only: bool = True
 
 
+# MixUp's blends, named by what they do (see :class:`MixUp`).
+MIXUP_KINDS = ("scaled_crop", "beta_blend")
+
+
 @dataclass(frozen=True)
 class MixUp:
-    """Blend with one partner record, with probability ``prob``.
+    """Blend with one partner record, with probability ``prob``. ``kind`` names the blend:
 
-    ``kind="yolox"``: the partner is letterboxed to S, scaled by U(``scale``), flipped with
-    p 0.5, randomly cropped to this sample's size, blended 0.5/0.5; its boxes kept by
-    ``box_candidates`` with ``wh_thr`` 5 (YOLOX ``mixup``). Scores stay 1.
-    ``kind="ppyolo"``: λ ~ Beta(``alpha``, ``beta``) clipped to [0, 1]; both images on a
+    ``kind="scaled_crop"``: the partner is letterboxed to S, scaled by U(``scale``), flipped
+    with p 0.5, randomly cropped to this sample's size, blended 0.5/0.5; its boxes kept by
+    ``box_candidates`` with ``wh_thr`` 5. Scores stay 1. Drawn only when this sample has
+    boxes. (Reproduces Megvii YOLOX's ``MosaicDetection.mixup``.)
+    ``kind="beta_blend"``: λ ~ Beta(``alpha``, ``beta``) clipped to [0, 1]; both images on a
     max(h)×max(w) canvas, ``λ·a + (1−λ)·b``; boxes of both kept, ``gt_scores`` λ and 1−λ
-    (PaddleDetection ``Mixup``; λ ≥ 1 keeps this sample alone, λ ≤ 0 the partner alone).
+    (λ ≥ 1 keeps this sample alone, λ ≤ 0 the partner alone). (Reproduces PaddleDetection's
+    ``Mixup`` operator.)
+    ``scale`` is read by ``scaled_crop`` only, ``alpha`` and ``beta`` by ``beta_blend`` only.
     """
 
-    kind: str = "yolox"
+    kind: str = "scaled_crop"
     prob: float = 1.0
     scale: tuple[float, float] = (0.5, 1.5)
     alpha: float = 1.5
     beta: float = 1.5
 
     def __post_init__(self) -> None:
-        if self.kind not in ("yolox", "ppyolo"):
-            raise ValueError(f"MixUp.kind: expected 'yolox' or 'ppyolo', got {self.kind!r}")
+        if self.kind not in MIXUP_KINDS:
+            raise ValueError(f"MixUp.kind: expected one of {', '.join(map(repr, MIXUP_KINDS))}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)

@@ -612,7 +612,7 @@ def ppyolo_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
         raise ValueError(f"family.mixup_alpha: expected > 0, got {o.mixup_alpha}")
     # Zero-probability stages are left out: they would still draw from the sample's
     # random stream and change every later draw.
-    mixup = (MixUp("ppyolo", o.mixup_prob, alpha=o.mixup_alpha, beta=o.mixup_alpha),) \
+    mixup = (MixUp("beta_blend", o.mixup_prob, alpha=o.mixup_alpha, beta=o.mixup_alpha),) \
         if o.mixup_prob > 0 and epoch < o.mixup_epochs else ()
     distort = (Distort(o.distort_prob),) if o.distort_prob > 0 else ()
     stages = mixup + distort + (

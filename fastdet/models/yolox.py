@@ -403,7 +403,7 @@ def yolox_phase(epoch: int, epochs: int, cfg: Config) -> Phase:
         head += (Mosaic(o.mosaic_prob, pad_value=114.0),
                  RandomAffine(o.degrees, o.translate, tuple(o.mosaic_scale), o.shear, pad_value=114.0))
     if o.mixup_prob > 0:
-        head += (MixUp("yolox", o.mixup_prob, scale=tuple(o.mixup_scale)),)
+        head += (MixUp("scaled_crop", o.mixup_prob, scale=tuple(o.mixup_scale)),)
     return Phase({"use_l1": False}, head + tail)
 
 
