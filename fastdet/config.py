@@ -95,8 +95,8 @@ class OptimConfig:
     # A name in fastdet.engine.optim.SCHEDULES:
     # "cosine": linear warm-up then cosine over `cosine_epochs` (PP-YOLOE);
     # "warmcos": linear warm-up then cosine to 0 at the end of training (YOLOX warmcos);
-    # "yoloxwarmcos": quadratic warm-up from 0, cosine to min_lr_ratio, flat for the last
-    #   no_aug_epochs (YOLOX);
+    # "quadratic_warmcos": quadratic warm-up from 0, cosine to min_lr_ratio, flat for the last
+    #   no_aug_epochs (YOLOX yoloxwarmcos);
     # "piecewise": linear warm-up, then x gamma at each of `milestones` (epochs) (PP-YOLO, FCOS).
     schedule: str = "cosine"
     cosine_epochs: int = 360
@@ -257,7 +257,8 @@ class Config:
 
 def _migrate(d: dict[str, Any], family: type[FamilyOptions]) -> dict[str, Any]:
     """A dict of an earlier layout in this one: ``compile.dynamic`` (a second switch for
-    symbolic H, W) is ``compile.shapes``; ``family.nms_iou`` of a family without one (PP-YOLO's
+    symbolic H, W) is ``compile.shapes``; ``optim.schedule`` "yoloxwarmcos" is
+    "quadratic_warmcos" (schedules are named by their shape, not a family); ``family.nms_iou`` of a family without one (PP-YOLO's
     Matrix NMS, which never read it) goes; family options move out of the shared sections."""
     names = {f.name for f in fields(family)}
     comp = d.get("compile")
@@ -266,6 +267,9 @@ def _migrate(d: dict[str, Any], family: type[FamilyOptions]) -> dict[str, Any]:
         if comp.pop("dynamic"):
             comp["shapes"] = "dynamic"
         d = {**d, "compile": comp}
+    optim = d.get("optim")
+    if isinstance(optim, dict) and optim.get("schedule") == "yoloxwarmcos":
+        d = {**d, "optim": {**optim, "schedule": "quadratic_warmcos"}}
     retired = {"nms_iou"} - names if family is not FamilyOptions else set()
     fam = d.get("family")
     if isinstance(fam, dict) and retired & set(fam):

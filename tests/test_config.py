@@ -253,3 +253,11 @@ def test_ppyolo_has_no_nms_iou_and_a_stored_one_is_dropped():
     keeps = get_preset("ppyoloe", "s").to_dict()  # a family with an IoU cut keeps its own
     keeps["family"]["nms_iou"] = 0.5
     assert config_from_dict(keeps).family.nms_iou == 0.5
+
+
+def test_a_stored_yoloxwarmcos_schedule_reads_as_quadratic_warmcos():
+    """Schedules are named by their shape: a checkpoint of a YOLOX run stored Megvii's name."""
+    stored = get_preset("yolox", "s").to_dict()
+    assert stored["optim"]["schedule"] == "quadratic_warmcos"
+    stored["optim"]["schedule"] = "yoloxwarmcos"
+    assert config_from_dict(stored) == get_preset("yolox", "s")

@@ -192,12 +192,12 @@ def _paddle_piecewise(base_lr, warmup, start_factor, milestones, gamma, spe, ste
 
 
 def test_schedule_registry_names():
-    assert set(SCHEDULES) == {"cosine", "warmcos", "yoloxwarmcos", "piecewise"}
+    assert set(SCHEDULES) == {"cosine", "warmcos", "quadratic_warmcos", "piecewise"}
 
 
-def test_yoloxwarmcos_schedule_matches_yolox():
+def test_quadratic_warmcos_schedule_matches_megvii_yoloxwarmcos():
     """YOLOX-s: 300 epochs, 5 warm-up, cosine to 0.05 lr, flat for the last 15."""
-    cfg = OptimConfig(schedule="yoloxwarmcos", epochs=300, warmup_epochs=5, min_lr_ratio=0.05,
+    cfg = OptimConfig(schedule="quadratic_warmcos", epochs=300, warmup_epochs=5, min_lr_ratio=0.05,
                       no_aug_epochs=15)
     spe, lr = 7, 0.01
     s = LRSchedule.from_config(cfg, base_lr=lr, steps_per_epoch=spe)

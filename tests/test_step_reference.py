@@ -91,7 +91,7 @@ def published_warmup_lr(cfg, step: int) -> float:
     linearly by the global batch as both codebases do."""
     o = cfg.optim
     lr = o.base_lr * BATCH / o.ref_batch
-    if o.schedule == "yoloxwarmcos":  # Megvii yolox_warm_cos_lr, warmup_lr_start 0
+    if o.schedule == "quadratic_warmcos":  # Megvii yolox_warm_cos_lr, warmup_lr_start 0
         w = o.warmup_epochs * STEPS_PER_EPOCH
         assert step <= w
         return lr * (step / w) ** 2

@@ -208,7 +208,7 @@ def test_recipe_phases_follow_megvii():
 
     cfg = get_preset("yolox", "s")
     assert (cfg.optim.schedule, cfg.optim.nesterov, cfg.optim.ema_type, cfg.data.size_period) == (
-        "yoloxwarmcos", True, "ramp", 10)
+        "quadratic_warmcos", True, "ramp", 10)
     assert cfg.data.train_sizes == tuple(range(480, 801, 32)) and cfg.family.nms_iou == 0.65
     early, late = phase(cfg, 284), phase(cfg, 285)  # the last 15 of 300 epochs drop the mosaic
     assert [type(s) for s in early.stages] == [Mosaic, RandomAffine, MixUp, HSV, Flip, Resize, Normalize]

@@ -241,8 +241,8 @@ def warmcos(step: int, a: ScheduleArgs) -> float:
     return a.base_lr * 0.5 * (1.0 + math.cos(math.pi * min(step - a.warmup, span) / span))
 
 
-def yoloxwarmcos(step: int, a: ScheduleArgs) -> float:
-    """YOLOX ``yoloxwarmcos``: quadratic warm-up ``lr * (step / warmup)^2`` from 0, cosine
+def quadratic_warmcos(step: int, a: ScheduleArgs) -> float:
+    """Megvii YOLOX's ``yoloxwarmcos``: quadratic warm-up ``lr * (step / warmup)^2`` from 0, cosine
     down to ``min_lr_ratio * lr`` (YOLOX: 0.05), held there for the last ``no_aug_epochs``."""
     total = a.epochs * a.steps_per_epoch
     no_aug = a.no_aug_epochs * a.steps_per_epoch
@@ -267,7 +267,7 @@ def piecewise(step: int, a: ScheduleArgs) -> float:
 SCHEDULES: dict[str, Callable[[int, ScheduleArgs], float]] = {
     "cosine": cosine,
     "warmcos": warmcos,
-    "yoloxwarmcos": yoloxwarmcos,
+    "quadratic_warmcos": quadratic_warmcos,
     "piecewise": piecewise,
 }
 

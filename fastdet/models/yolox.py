@@ -361,7 +361,7 @@ class YOLOXOptions(NMSOptions):
     mixup (prob 1.0, partner scale U(0.5, 1.5)), HSV (prob 1.0), flip 0.5, a top-left
     letterbox padded with 114, raw 0..255 pixels. nano and tiny: mosaic scale (0.5, 1.5),
     no mixup; nano also mosaic prob 0.5. The last ``optim.no_aug_epochs`` (15) epochs drop
-    mosaic, affine and mixup and add the L1 loss; the LR holds flat then (yoloxwarmcos).
+    mosaic, affine and mixup and add the L1 loss; the LR holds flat then (quadratic_warmcos).
     """
 
     nms_iou: float = NMS_IOU
@@ -416,12 +416,12 @@ RECIPE = Recipe(
     phase=yolox_phase,
     # Megvii yolox/exp/yolox_base.py: 300 epochs, SGD nesterov momentum 0.9, weight decay
     # 5e-4 (not on BatchNorm weights and biases), lr 0.01 per 64 images (README: 8 GPUs x 8),
-    # yoloxwarmcos (5 warm-up epochs from 0, cosine to 0.05 lr, flat for the last 15),
+    # quadratic_warmcos, Megvii's yoloxwarmcos (5 warm-up epochs from 0, cosine to 0.05 lr, flat for the last 15),
     # ModelEMA 0.9998 ramp, max_labels 120, a new size every 10 iterations from
     # 32 * randint(input/32 +- 5) (480..800 at 640), evaluation at 640.
     base={
         "optim.optimizer": "sgd", "optim.momentum": 0.9, "optim.nesterov": True, "optim.weight_decay": 5e-4,
-        "optim.base_lr": 0.01, "optim.ref_batch": 64, "optim.epochs": 300, "optim.schedule": "yoloxwarmcos",
+        "optim.base_lr": 0.01, "optim.ref_batch": 64, "optim.epochs": 300, "optim.schedule": "quadratic_warmcos",
         "optim.warmup_epochs": 5.0, "optim.warmup_start_factor": 0.0, "optim.min_lr_ratio": 0.05,
         "optim.no_aug_epochs": 15, "optim.ema_type": "ramp", "optim.ema_decay": 0.9998,
         "data.batch_size": 8, "data.img_size": 640, "data.train_sizes": _sizes(480, 800),
