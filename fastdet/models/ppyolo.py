@@ -327,7 +327,7 @@ class YOLOv3Head(nn.Module):
             ioup, out = out[:, :na], out[:, na:]
         return ioup, out.reshape(b, na, self.num_classes + 5, h, w)
 
-    def _decode(self, i: int, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _decode(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Grid-sensitive centre (cell units, offset in the cell), log sizes, and the grid.
 
         -> x, y [B, na, H, W] in the cell, w, h raw logs, gx, gy [H, W] cell indices."""
@@ -366,7 +366,7 @@ class YOLOv3Head(nn.Module):
         all_boxes, all_scores = [], []
         for i, feat in enumerate(feats):
             ioup, p = self._level(i, feat)
-            x, y, tw, th, gx, gy = self._decode(i, p)
+            x, y, tw, th, gx, gy = self._decode(p)
             obj = p[:, :, 4].sigmoid()  # [B, na, H, W]
             if ioup is not None:
                 f = self.iou_aware_factor
@@ -403,7 +403,7 @@ class YOLOv3Head(nn.Module):
                              self.strides, img_hw, self.num_classes)  # per level [B, na, 6 + C, H, W]
 
         levels = [self._level(i, feat) for i, feat in enumerate(feats)]
-        decoded = [self._decode(i, p) for i, (_, p) in enumerate(levels)]
+        decoded = [self._decode(p) for _, p in levels]
         # The ignore rule: the best IoU of each decoded prediction with any ground truth,
         # over all levels at once: [B, sum(na*H*W), M] by one batched box_iou.
         with torch.no_grad():
