@@ -258,8 +258,9 @@ class Config:
 def _migrate(d: dict[str, Any], family: type[FamilyOptions]) -> dict[str, Any]:
     """A dict of an earlier layout in this one: ``compile.dynamic`` (a second switch for
     symbolic H, W) is ``compile.shapes``; ``optim.schedule`` "yoloxwarmcos" is
-    "quadratic_warmcos" (schedules are named by their shape, not a family); ``family.nms_iou`` of a family without one (PP-YOLO's
-    Matrix NMS, which never read it) goes; family options move out of the shared sections."""
+    "quadratic_warmcos" (schedules are named by their shape, not a family);
+    ``family.nms_iou`` of a family without one (PP-YOLO's Matrix NMS, which never read it)
+    goes; family options move out of the shared sections."""
     names = {f.name for f in fields(family)}
     comp = d.get("compile")
     if isinstance(comp, dict) and "dynamic" in comp:

@@ -202,8 +202,8 @@ class Trainer:
         """The EMA's weights (the model's without one) scored on the val set, in the background."""
         self.checkpoints.average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
-        self.evals.evaluate(model, step=self.step, epoch=self._epoch_number(), state=lambda: self.checkpoints.weights_state(
-            self.epoch, self.step, self.evals.best_ap))
+        self.evals.evaluate(model, step=self.step, epoch=self._epoch_number(),
+                            state=lambda: self.checkpoints.weights_state(self.epoch, self.step, self.evals.best_ap))
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, float]:
