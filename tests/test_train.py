@@ -645,6 +645,37 @@ def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_
     assert_same_training(one, out)
 
 
+def test_step_on_resize_counts_the_epochs_images_in_the_new_batches():
+    from fastdet.engine.checkpointer import step_on_resize
+
+    # 1 process x 2 images, 11 steps an epoch, saved at step 6 of epoch 0 (12 images), on
+    # 2 processes x 2 (5 steps an epoch): step 3; from 2 ranks to 1 the other way round.
+    assert step_on_resize(6, 0, 11, 2, 4, 5) == 3
+    assert step_on_resize(14, 2, 5, 4, 2, 11) == 2 * 11 + 8
+    assert step_on_resize(10, 0, 11, 2, 4, 5) == 4  # 20 images of an epoch of 5 x 4: its last step again
+    assert step_on_resize(6, 0, None, 2, 4, 5) == 0  # an earlier fastdet's checkpoint: the epoch again
+
+
+def test_a_run_resumed_on_more_processes_continues_where_its_epoch_was(demo_small, tmp_path):
+    """One process (2 images a step: 11 steps an epoch) stopped at step 6, resumed under
+    torchrun on 2 (4 images a step: 5 steps an epoch): it continues at step 3 of the epoch
+    and trains; before, it skipped 6 batches of a 5-batch epoch, forever."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path / "run"
+    a = run(train_cmd(demo_small, out, "--batch-size", "2", "--max-steps", "6", "--no-augment"))
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "fastdet.train", *train_cmd(demo_small, out, "--batch-size", "2", "--max-steps", "5", "--no-augment",
+                                             "--resume")[3:]]
+    b = run(cmd, timeout=600)
+    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
+    assert b.stdout.count("its step 6 is step 3 in the new batches (epoch 1, 3 of 5 steps done)") == 1, b.stdout
+    ck = load_checkpoint(out / "latest.pth")
+    assert (ck["step"], ck["epoch"], ck["world_size"], ck["steps_per_epoch"]) == (5, 1, 2, 5)
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]  # on in the new steps, none twice
+
+
 def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
     """Two torchrun agents as two nodes (--nnodes 2, c10d rendezvous on 127.0.0.1), one
     process each: the run equals one process with the whole batch (and so two processes

@@ -87,6 +87,19 @@ def truncate_run_logs(out: Path, step: int) -> None:
                      f.name, len(lines) - len(keep), step)
 
 
+def step_on_resize(step: int, epoch: int, old_steps_per_epoch: int | None, old_batch: int, new_batch: int,
+                   steps_per_epoch: int) -> int:
+    """The step at which a run saved at ``step`` (``epoch`` epochs done, epochs of
+    ``old_steps_per_epoch`` steps of ``old_batch`` images) continues with batches of
+    ``new_batch`` images, ``steps_per_epoch`` to an epoch: the images its epoch has seen,
+    in the new batches (rounded), and at most the epoch's last step (that batch again). A
+    checkpoint without its steps per epoch (an earlier fastdet) restarts its epoch."""
+    if not old_steps_per_epoch:
+        return epoch * steps_per_epoch
+    done = round((step - epoch * old_steps_per_epoch) * old_batch / new_batch)
+    return epoch * steps_per_epoch + min(done, steps_per_epoch - 1)
+
+
 class Checkpointer:
     """Checkpointing and the resume / fine-tune state of one run.
 
@@ -97,11 +110,14 @@ class Checkpointer:
         model, ema, optimizer: what the checkpoints hold (``ema`` may be None). SyncBatchNorm
             conversion later swaps modules inside ``model`` in place, so the reference holds.
         train_set: the training set (its classes go into every checkpoint).
+        steps_per_epoch: this run's (stored, so a resume on another number of processes
+            finds where in its epoch the run was).
     """
 
     def __init__(self, cfg: Config, out: Path, dist_info: Any, model: nn.Module, ema: Any, optimizer: Any,
-                 train_set: Any):
+                 train_set: Any, steps_per_epoch: int):
         self.cfg, self.out, self.dist = cfg, out, dist_info
+        self.steps_per_epoch = steps_per_epoch
         self.model, self.ema, self.optimizer, self.train_set = model, ema, optimizer, train_set
         # The train step's GradScaler (use_scaler), built after the weights are restored, and
         # the state a resumed checkpoint holds for it.
@@ -138,6 +154,7 @@ class Checkpointer:
             # draws on each rank), gathered by save().
             "rng_ranks": rng_ranks or [],
             "world_size": self.dist.world_size,
+            "steps_per_epoch": self.steps_per_epoch,
         }
 
     def weights_state(self, epoch: int, step: int, best_ap: float) -> dict[str, Any]:
@@ -168,12 +185,12 @@ class Checkpointer:
             raise FileNotFoundError(f"--resume: no checkpoint at {latest} (train once without --resume)")
         return load_with_fallback(latest, warn=log.warning)
 
-    def resume(self, source: ResumeFrom, world_batch: int, base_lr: float,
-               steps_per_epoch: int) -> tuple[int, int, float]:
+    def resume(self, source: ResumeFrom, world_batch: int, base_lr: float) -> tuple[int, int, float]:
         """Weights, EMA, optimizer and this rank's random streams from the checkpoint (the
         scaler's state waits for :meth:`use_scaler`); returns its (epoch, step, best AP).
-        ``world_batch``, ``base_lr``, ``steps_per_epoch``: this run's, for the warning when
-        the number of processes changed."""
+        ``world_batch``, ``base_lr``: this run's. On another number of processes an epoch
+        has another number of steps: the step returned is the checkpoint's place in its
+        epoch counted in this run's batches (:func:`step_on_resize`)."""
         ck, path = self._load_resume_checkpoint(source)
         if "optimizer" not in ck:
             raise ValueError(f"--resume: {path} holds weights only (best.pth keeps no optimizer state): "
@@ -193,20 +210,27 @@ class Checkpointer:
         self.optimizer.load_state_dict(ck["optimizer"])
         self.scaler_state = ck.get("scaler") or {}
         epoch, step, best_ap = ck["epoch"], ck["step"], ck.get("best_ap", -1.0)
+        log.info("resumed from %s after step %d (%d epoch(s) done)", path, step, epoch)
         if ck.get("world_size", 1) == self.dist.world_size:
             ranks = ck.get("rng_ranks") or []
             set_rng_state(ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ck["rng"])
-        else:
-            was = ck.get("world_size", 1)
-            log.warning("resuming a run trained on %d process(es) on %d: the total batch is now %d "
-                        "(was %d), the LR scales with it to %.4g, an epoch is %d steps, and the data "
-                        "order and augmentation draws differ from an uninterrupted run",
-                        was, self.dist.world_size, world_batch, self.cfg.data.batch_size * was,
-                        base_lr, steps_per_epoch)
-        log.info("resumed from %s after step %d (%d epoch(s) done)", path, step, epoch)
+            if self.dist.is_main:
+                truncate_run_logs(self.out, step)
+            return epoch, step, best_ap
+        was = ck.get("world_size", 1)
+        old_batch = self.cfg.data.batch_size * was
+        new_step = step_on_resize(step, epoch, ck.get("steps_per_epoch"), old_batch, world_batch, self.steps_per_epoch)
         if self.dist.is_main:
-            truncate_run_logs(self.out, step)
-        return epoch, step, best_ap
+            log.warning("resuming a run trained on %d process(es) on %d: the total batch is now %d (was %d), the "
+                        "LR scales with it to %.4g, an epoch is %d steps, and the data order and augmentation "
+                        "draws differ from an uninterrupted run; its step %d is step %d in the new batches "
+                        "(epoch %d, %d of %d steps done%s), from which the logs count", was, self.dist.world_size,
+                        world_batch, old_batch, base_lr, self.steps_per_epoch, step, new_step, epoch + 1,
+                        new_step - epoch * self.steps_per_epoch, self.steps_per_epoch,
+                        "" if ck.get("steps_per_epoch") else ": a checkpoint of an earlier fastdet, whose place in "
+                        "the epoch is not known, restarts the epoch")
+            truncate_run_logs(self.out, new_step)  # the logs go on in the new steps, as TensorBoard does
+        return epoch, new_step, best_ap
 
     def finetune(self, path: str) -> None:
         """Start from ``path``'s weights (ours, or the authors' released files, converted),

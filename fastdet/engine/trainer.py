@@ -77,11 +77,10 @@ class Trainer:
         self._build_model()
         self._build_loaders()
         self.checkpoints = Checkpointer(self.cfg, self.out, self.dist, self.model, self.ema, self.optimizer,
-                                        self.train_set)
+                                        self.train_set, self.steps_per_epoch)
         self.epoch, self.step, best_ap = 0, 0, -1.0
         if self.cfg.run.resume:
-            self.epoch, self.step, best_ap = self.checkpoints.resume(
-                resume_from, self.world_batch, self.base_lr, self.steps_per_epoch)
+            self.epoch, self.step, best_ap = self.checkpoints.resume(resume_from, self.world_batch, self.base_lr)
         elif self.cfg.run.ckpt:
             self.checkpoints.finetune(self.cfg.run.ckpt)
         self._build_step()
@@ -276,6 +275,8 @@ class Trainer:
         self.train_loader.set_epoch(self.epoch)
         self.metrics.epoch_begins()
         skip = self.step - self.epoch * self.steps_per_epoch  # resumed mid-epoch
+        # Never all of it: an epoch that skips every batch would be read again forever.
+        assert 0 <= skip < self.steps_per_epoch, (self.step, self.epoch, self.steps_per_epoch)
         kw = self.phase(self.epoch).loss_kwargs
         it = iter(self.train_loader)
         while (batch := self._next_batch(it)) is not None:
