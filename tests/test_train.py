@@ -645,6 +645,26 @@ def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_
     assert_same_training(one, out)
 
 
+def test_a_last_evaluation_lost_to_a_stop_is_made_on_resume(eager_run, demo_small, tmp_path):
+    """A run killed during the evaluation of its last step (torchrun then restarts it; or the
+    user resumes): latest.pth holds the last step, eval.jsonl has no line of it. Resuming
+    evaluates it (before, "nothing to train", exit 0, and no final AP ever); once recorded,
+    a resume has nothing to do."""
+    done, _ = eager_run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    lines = (out / "eval.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == 3
+    (out / "eval.jsonl").write_text("".join(line + "\n" for line in lines[:-1]))
+    a = run(train_cmd(demo_small, out, "--max-steps", "3", "--resume"))
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    assert "its evaluation of it was not recorded (stopped during it): evaluating it now" in a.stdout
+    assert "final: AP" in a.stdout
+    assert [json.loads(line)["step"] for line in (out / "eval.jsonl").read_text().splitlines()][-1] == 3
+    b = run(train_cmd(demo_small, out, "--max-steps", "3", "--resume"))
+    assert b.returncode == 0 and "nothing to train" in b.stdout, b.stdout[-3000:] + b.stderr[-3000:]
+
+
 def test_step_on_resize_counts_the_epochs_images_in_the_new_batches():
     from fastdet.engine.checkpointer import step_on_resize
 

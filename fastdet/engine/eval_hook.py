@@ -232,6 +232,16 @@ class EvalHook:
         self.runner.draw_results(step)
         return best_changed, stats or {}
 
+    def recorded(self, step: int) -> bool:
+        """Whether ``eval.jsonl`` holds an evaluation of ``step`` (rank 0 reads it; every
+        rank gets the answer, so that all evaluate or none)."""
+        found = False
+        if self.runner.is_main:
+            f = self.runner.out / "eval.jsonl"
+            found = f.is_file() and any(json.loads(line).get("step") == step
+                                        for line in f.read_text().splitlines() if line.strip())
+        return dist.broadcast_object(found)
+
     def report(self, stats: dict[str, float]) -> None:
         if stats and self.runner.is_main:
             log.info("final: AP %.4f  AP50 %.4f  (best AP %.4f; checkpoints in %s; val predictions "

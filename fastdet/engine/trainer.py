@@ -210,6 +210,8 @@ class Trainer:
         total_steps = cfg.optim.epochs * self.steps_per_epoch
         if run.max_steps > 0:
             total_steps = min(total_steps, run.max_steps)
+        if self.step == total_steps and not self.evals.recorded(self.step):
+            return self._evaluate_the_last_step()
         if self.step >= total_steps:
             more = ("raise --max-steps, or start a new run for more --epochs" if total_steps < cfg.optim.epochs *
                     self.steps_per_epoch else "its schedule is done: for more --epochs start a new run, with --ckpt "
@@ -265,6 +267,21 @@ class Trainer:
         self.evals.report(stats)
         for hook in self.hooks:
             hook.after_train(self)
+        return stats
+
+    def _evaluate_the_last_step(self) -> dict[str, float]:
+        """A run whose training ended at its last step but whose evaluation of it is not in
+        eval.jsonl (stopped or killed during that evaluation, then resumed or restarted by
+        torchrun): the last step is always evaluated, so it is evaluated now."""
+        log.info("the run in %s trained to its last step, %d, but its evaluation of it was not recorded (stopped "
+                 "during it): evaluating it now", self.out, self.step)
+        self.evaluate()
+        best_changed, stats = self.evals.finish(self.step)
+        if best_changed:
+            self.save()
+        self.metrics.close()
+        self.compilation.close()
+        self.evals.report(stats)
         return stats
 
     def _train_epoch(self, progress: Progress, total_steps: int) -> bool:
