@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
         cfg = resolve_config(args)
         check_config(cfg)
     except ConfigError as e:
-        print(f"fastdet.train: error: {e}", file=sys.stderr)
+        _say_error(e)
         return 2
     if args.print_config:
         cfg, note = with_dataset_classes(cfg)
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
     except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, CompileError, LoaderError,
             ImageDecodeError) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
-        print(f"fastdet.train: error: {e}", file=sys.stderr)
+        _say_error(e)
         return 1
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":
@@ -455,6 +455,23 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
     if stats and int(os.environ.get("RANK", "0")) == 0:  # once under torchrun
         print(f"COCO AP {stats['AP']:.4f}  AP50 {stats['AP50']:.4f}  AP75 {stats['AP75']:.4f}")
     return 0
+
+
+# Errors every rank of a torchrun launch meets alike (they come from the command line, the
+# config, the data files, a checkpoint, or losses averaged over the ranks): said by each
+# node's first rank only, not once per rank. Others (a rank's own images, its compile)
+# are said by every rank that meets them, with its rank.
+_SAME_ON_EVERY_RANK = (ConfigError, DataError, FileNotFoundError, ValueError, TrainingError)
+
+
+def _say_error(e: Exception) -> None:
+    rank, local = os.environ.get("RANK"), os.environ.get("LOCAL_RANK", "0")
+    if rank is None or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        print(f"fastdet.train: error: {e}", file=sys.stderr)
+    elif not isinstance(e, _SAME_ON_EVERY_RANK):
+        print(f"fastdet.train: error on rank {rank}: {e}", file=sys.stderr)
+    elif local == "0":
+        print(f"fastdet.train: error: {e}", file=sys.stderr)
 
 
 def _log_to_file_only(msg: str) -> None:

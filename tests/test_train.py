@@ -665,6 +665,15 @@ def test_a_last_evaluation_lost_to_a_stop_is_made_on_resume(eager_run, demo_smal
     assert b.returncode == 0 and "nothing to train" in b.stdout, b.stdout[-3000:] + b.stderr[-3000:]
 
 
+def test_an_error_every_rank_meets_is_said_once_under_torchrun(demo_small, tmp_path):
+    """A bad --set under torchrun --nproc_per_node 2 is one line, not one per rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "fastdet.train", *train_cmd(demo_small, tmp_path / "out", "--set", "optim.bogus=1")[3:]]
+    r = run(cmd, timeout=300)
+    assert r.returncode != 0
+    assert r.stderr.count("fastdet.train: error: unknown config field 'optim.bogus'") == 1, r.stderr[-3000:]
+
+
 def test_step_on_resize_counts_the_epochs_images_in_the_new_batches():
     from fastdet.engine.checkpointer import step_on_resize
 
