@@ -445,6 +445,17 @@ def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a
     with pytest.raises(ValueError, match="holds .*best.pth but no latest.pth to continue from"):
         auto_resume(cfg, done, True)
     assert (done / "best.pth").read_bytes() == b"a finished run's weights"
+    # Through the command: refused, and the folder is left as it was (its train.log too).
+    (done / "train.log").write_text("the other run's log\n")
+    r = run(train_cmd(demo_small, done, "--resume", "auto"))
+    assert r.returncode == 1 and "but no latest.pth to continue from" in r.stderr, r.stdout + r.stderr
+    assert sorted(p.name for p in done.iterdir()) == ["best.pth", "train.log"]
+    assert (done / "train.log").read_text() == "the other run's log\n"
+    fresh = tmp_path / "fresh"  # a folder of no log: a refused start leaves none in it
+    fresh.mkdir()
+    (fresh / "best.pth").write_bytes(b"weights")
+    r = run(train_cmd(demo_small, fresh, "--resume", "auto"))
+    assert r.returncode == 1 and sorted(p.name for p in fresh.iterdir()) == ["best.pth"], r.stderr
 
 
 def test_a_failed_check_before_the_first_step_leaves_no_folder(demo_small, tmp_path, monkeypatch):

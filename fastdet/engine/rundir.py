@@ -9,6 +9,7 @@ into the directory as it is (its logs are started anew, its checkpoints replaced
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -43,11 +44,29 @@ def free_run_dir(path: Path) -> Path:
         n += 1
 
 
-def forget_failed_start(path: Path, made: bool) -> None:
+def log_size(path: Path) -> int | None:
+    """The size of ``path/train.log`` before a start writes to it (None: there is none)."""
+    f = path / "train.log"
+    return f.stat().st_size if f.is_file() else None
+
+
+def forget_failed_start(path: Path, made: bool, is_main: bool, log_before: int | None) -> None:
     """A start that fails before its first step (a data file missing, a bad --ckpt, the
-    check before training) leaves no run directory behind: the corrected command would be
-    sent to a numbered one. Only a directory this start ``made``, holding only what a start
-    writes, goes; the error is printed by the caller."""
-    if made and path.is_dir() and {p.name for p in path.iterdir()} <= START_FILES:
-        close_log_file()
-        shutil.rmtree(path, ignore_errors=True)
+    check before training, a refused --resume auto) leaves no trace: a directory this start
+    ``made``, holding only what a start writes, goes (the corrected command would be sent to
+    a numbered one); one it did not make (another run's, a resumed one's) gets its
+    ``train.log`` back as it was (``log_before``: :func:`log_size`). Rank 0 does it; the
+    error is printed by the caller."""
+    if not is_main or not path.is_dir():
+        return
+    if made:
+        if {p.name for p in path.iterdir()} <= START_FILES:
+            close_log_file()
+            shutil.rmtree(path, ignore_errors=True)
+        return
+    close_log_file()
+    f = path / "train.log"
+    if log_before is None:
+        f.unlink(missing_ok=True)
+    elif f.is_file():
+        os.truncate(f, log_before)

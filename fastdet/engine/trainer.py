@@ -36,7 +36,7 @@ from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
-from fastdet.engine.rundir import forget_failed_start, free_run_dir
+from fastdet.engine.rundir import forget_failed_start, free_run_dir, log_size
 from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
 from fastdet.runtime.amp import backend_flags
@@ -63,7 +63,7 @@ class Trainer:
         try:
             self._set_up(cfg, hooks)
         except BaseException:
-            forget_failed_start(self.out, self._made_out)
+            forget_failed_start(self.out, self._made_out, self.dist.is_main, self._log_before)
             raise
 
     def _set_up(self, cfg: Config, hooks: Sequence[Hook]) -> None:
@@ -123,6 +123,7 @@ class Trainer:
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        self._log_before = log_size(self.out)  # a failed start gives a folder it did not make its log back
         setup_logging(self.out, self.dist.is_main)
         if self.out != asked:
             resumable = "--resume continues that run, " if (asked / "latest.pth").exists() else ""
@@ -351,7 +352,7 @@ class Trainer:
         self.metrics.close()
         self.evals.close()
         self.compilation.close()
-        forget_failed_start(self.out, self._made_out)
+        forget_failed_start(self.out, self._made_out, self.dist.is_main, self._log_before)
 
     def _epoch_number(self) -> int:
         """The epoch of the last step, counted from 1, as every line and file names it
