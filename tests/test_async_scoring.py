@@ -46,6 +46,28 @@ def slow_score(gt, results, image_ids):
     return score(gt, results, image_ids)
 
 
+def test_the_scorer_outlives_a_ctrl_c(demo_paths):
+    """Ctrl-C signals the terminal's whole process group: the scorer ignores it (the
+    trainer stops at a step boundary and waits for the score); before, it died and the
+    run's last evaluation was lost with "the scoring process exited"."""
+    import signal
+
+    doc = json.loads(demo_paths.val_ann.read_text())
+    ids = [im["id"] for im in doc["images"]]
+    res = [{"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9}
+           for a in doc["annotations"]]
+    s = async_scoring.AsyncScorer(str(demo_paths.val_ann))
+    try:
+        s.submit(res, ids, {"step": 1})
+        assert len(s.wait(timeout=120)) == 1  # up and scoring
+        os.kill(s._proc.pid, signal.SIGINT)
+        s.submit(res, ids, {"step": 2})
+        (job,) = s.wait(timeout=120)
+        assert job.meta == {"step": 2} and job.scores.stats["AP"] == pytest.approx(1.0)
+    finally:
+        s.close()
+
+
 def test_scorer_round_trip_and_errors(demo_paths):
     doc = json.loads(demo_paths.val_ann.read_text())
     ids = [im["id"] for im in doc["images"]]

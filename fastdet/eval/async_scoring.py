@@ -24,6 +24,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -59,6 +60,9 @@ def _resolve(fn: str) -> Callable:
 def _worker(gt_source: Any, backend: Optional[str], score_fn: str, plot_dir: Optional[str], jobs: Any,
             done: Any) -> None:
     """The background process: load the ground truth once, then score (and draw) jobs until None."""
+    # Ctrl-C reaches the terminal's whole process group: the trainer stops at a step
+    # boundary and waits for its scores (or drops them); the scorer must not die under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         gt = load_gt(gt_source, backend)
         fn = _resolve(score_fn)
