@@ -103,6 +103,24 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small):
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
 
 
+def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path):
+    """A val JPEG cut short (its header reads, its pixels do not) is a counted, named skip:
+    the evaluation scores the other images and says so; before, the eval loader left it out
+    and the evaluation then failed with "the eval loader dropped images" (a run, after its
+    whole schedule)."""
+    out, _ = eager_run
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    bad = sorted((data / "val2017").glob("*.jpg"))[5]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 3])
+    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "best.pth"), "--data", str(data),
+              "--device", "cpu"])
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    said = ev.stdout + ev.stderr
+    assert bad.name in said and "1 of 8 val images do not decode and are left out of this evaluation" in said
+    assert any(line.startswith("COCO AP") for line in ev.stdout.splitlines())
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--img-size", "100"], "--img-size must be a positive multiple of 32"),

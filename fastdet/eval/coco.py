@@ -74,24 +74,43 @@ def gt_source(dataset) -> str | dict:
     return gt if gt is not None else str(dataset.ann_file)
 
 
+def left_out_ids(loader, dataset) -> set[int]:
+    """The ids of ``dataset``'s images this rank's ``loader`` left out, each counted and said
+    in its report: files that did not decode while read (``loader.skipped``) and records the
+    loader was not given (DALI's decode check before it)."""
+    by_file = {r.file: r.image_id for r in dataset.records}
+    lost = {by_file[f] for f in getattr(loader, "skipped", {}) if f in by_file}
+    given = getattr(loader, "records", None)
+    if given is not None:
+        lost |= set(by_file.values()) - {r.image_id for r in given}
+    return lost
+
+
 def gather_predictions(model: nn.Module, loader, dataset, amp_dtype: torch.dtype | None,
                        predict_kwargs: dict[str, Any]) -> tuple[list[dict], list[int]] | None:
-    """Every rank predicts its shard; rank 0 gets ``(results, image ids)``, the others None."""
+    """Every rank predicts its shard; rank 0 gets ``(results, image ids)``, the others None.
+    An image that does not decode is left out of the scoring (counted and named by the
+    loader, and said here); any other image missing is a loader's fault and raises."""
     results, seen = predict_coco(model, loader, dataset.cat_ids, amp_dtype, predict_kwargs)
-    gathered = dist.all_gather_objects((results, sorted(seen)))
+    gathered = dist.all_gather_objects((results, sorted(seen), sorted(left_out_ids(loader, dataset))))
     if _rank() != 0:
         return None
     all_seen: set[int] = set()
     merged: list[dict] = []
-    for res, ids in gathered:
+    lost: set[int] = set()
+    for res, ids, left_out in gathered:
         new = set(ids) - all_seen  # a duplicated image (padding) counts once
         merged += [r for r in res if r["image_id"] in new]
         all_seen |= new
+        lost |= set(left_out)
     expected = {r.image_id for r in dataset.records}
-    if all_seen != expected:
-        missing = len(expected - all_seen)
+    missing = expected - all_seen
+    if missing - lost:
         raise RuntimeError(f"evaluation saw {len(all_seen)} of {len(expected)} val images "
-                           f"({missing} missing): the eval loader dropped images")
+                           f"({len(missing - lost)} missing that decode): the eval loader dropped images")
+    if missing:
+        log.warning("%d of %d val images do not decode and are left out of this evaluation (scored on the other "
+                    "%d; the log names each file)", len(missing), len(expected), len(all_seen))
     return merged, sorted(all_seen)
 
 
