@@ -348,3 +348,19 @@ def test_layouts_with_a_test_split_keep_it_and_untrue_lines_are_gone(demo_small,
     rc, _, err = run(capsys, "--data", str(beside), "--output-dir", str(tmp_path / "b_out"))
     assert rc == 1 and "label file beside its image, where ultralytics' rule does not look" in err, err
     assert "README.txt" in err.split("not an image file (")[1], err  # not called a label file
+
+
+def test_check_reads_every_pixel_and_finds_a_jpeg_cut_short(demo_small, tmp_path, capsys):
+    """A JPEG cut short has a header that reads: only its pixels show it. `data check`
+    decodes every image by default and names it; with --check-images open it would pass."""
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    bad = sorted((data / "train2017").glob("*.jpg"))[3]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 3])
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert data_main(["check", "--data", str(data), *cache]) == 0
+    out = capsys.readouterr().out
+    assert "images: every pixel read" in out and f"1 corrupt ({bad})" in out, out
+    assert data_main(["check", "--data", str(data), "--check-images", "open", *cache[:1], str(tmp_path / "c2")]) == 0
+    out = capsys.readouterr().out
+    assert "headers read" in out and "corrupt" not in out, out

@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--train-images", default=None, metavar="DIR")
     c.add_argument("--val-ann", default=None, metavar="JSON")
     c.add_argument("--val-images", default=None, metavar="DIR")
-    c.add_argument("--check-images", choices=["none", "open", "decode"], default="open")
+    # decode: a JPEG cut short has a header that reads; only its pixels show it. Training
+    # reads headers only ("open"), so this is where every pixel is read, once per file
+    # (the results are cached by file size and time).
+    c.add_argument("--check-images", choices=["none", "open", "decode"], default="decode",
+                   help="decode (default): read every image's pixels; open: its header only; none: trust the file")
     c.add_argument("--splits", default="train,val", help="comma-separated train, val, test (default: train,val)")
     c.add_argument("--cache-dir", default=None)
     sp = sub.add_parser("split", help="split a single-split export (CVAT's or Label Studio's COCO, a YOLO folder "
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             if i == 0:  # once the set reads, so that an export refused by load_split is not called COCO
                 print(f"{args.data}: {data_format(args.data).upper()} format" if args.data is not None
                       else "COCO files")
+                print("images: " + {"decode": "every pixel read", "open": "headers read (--check-images decode "
+                                    "reads every pixel)", "none": "not opened"}[args.check_images])
             print(f"{split}: {ds.ann_file}")
             print(split_report(ds))
     except DataError as e:
