@@ -259,6 +259,11 @@ def test_duplicate_ids_and_empty_categories(tmp_path):
     raises_one_line(r"categories\[1\]: duplicate category id 1", ann, img_dir, train=True)
     ann, img_dir = make_set(tmp_path / "c", categories=[], annotations=[], write_images=False)
     raises_one_line(r"'categories' is empty", ann, img_dir, train=True)
+    # Two classes of one name would take one class's rows when fine-tuning and one category
+    # id when evaluating (classes are matched by name).
+    ann, img_dir = make_set(tmp_path / "d", categories=[{"id": 1, "name": "cat"}, {"id": 3, "name": "dog"},
+                                                        {"id": 4, "name": "cat"}], annotations=[], write_images=False)
+    raises_one_line(r"categories 1 and 4 are both named 'cat': classes are matched by name", ann, img_dir, train=True)
 
 
 def test_missing_image_directory(tmp_path):

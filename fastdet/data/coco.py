@@ -715,6 +715,14 @@ def load_coco_doc(
     class_names = [n for i, n in zip(cat_ids, class_names) if i not in left_out]
     cat_ids = [i for i in cat_ids if i not in left_out]
     groups = [f"'{name}' (id {i})" for i, name in left_out.items()]
+    # Classes are told apart by name wherever two class lists meet (fine-tuning's head rows,
+    # evaluation's category ids, a resume's check): two of one name would be matched to one.
+    named: dict[str, int] = {}
+    for i, name in zip(cat_ids, class_names):
+        if name in named:
+            raise DataError(f"{ann_file}: categories {named[name]} and {i} are both named {name!r}: classes are "
+                            "matched by name (fine-tuning, evaluation, resuming), so each needs its own: rename one")
+        named[name] = i
     images = _parse_images(ann_file, doc["images"])
     image_index = {im[0]: i for i, im in enumerate(images)}
     label_of = {c: i for i, c in enumerate(cat_ids)}
@@ -729,6 +737,7 @@ def load_coco_doc(
         report.count(report.image_skips, reason, examples=[path])
     for reason, path in ignored_files:
         report.count(report.files_ignored, reason, examples=[path])
+    turned_upright = dict.fromkeys(turned_upright)  # in order, for the examples
     for path in turned_upright:
         report.count(report.image_changes, UPRIGHT, examples=[path])
     for reason, path in changed_images:
@@ -748,7 +757,7 @@ def load_coco_doc(
             if status == "ok" and (fw, fh) != (w, h):
                 turned = " upright (EXIF orientation {})".format(orientation) if orientation != 1 else ""
                 status, detail = "size mismatch", f"{path}: file is {fw}x{fh}{turned}, JSON says {w}x{h}"
-            if status == "ok" and orientation != 1:
+            if status == "ok" and orientation != 1 and path not in turned_upright:  # a reader's probe counted it
                 report.count(report.image_changes, UPRIGHT, examples=[path])
             if status != "ok":
                 usable[i] = False
