@@ -24,11 +24,13 @@ import re
 import statistics
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+
+from fastdet.runtime.outputs import refuse_replacing
 
 SCHEMA = "fastdet.bench/1"
 REPO = Path(__file__).resolve().parent.parent
@@ -286,13 +288,38 @@ def result_stem(env: dict[str, Any], what: str) -> str:
 
 # --------------------------------------------------------------------------- output
 
+def check_output_file(path: str | Path, flag: str, overwrite: bool = False) -> None:
+    """A ``ValueError`` (one line naming ``flag``) if a result file cannot go to ``path``: a
+    folder there, a file where a folder above it should be, a folder that cannot be written,
+    or, without ``overwrite``, a file there already. Called before measuring, so a run does
+    not end in that error after its minutes, nor replace a user's file unasked."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; name the file to write in it")
+    above = path.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent  # write_json makes the missing folders below it
+    if not above.is_dir():
+        raise ValueError(f"{flag} {path}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the folder {above} cannot be written")
+    if not overwrite:
+        refuse_replacing([path], f"{flag} {path}", "--overwrite")
+
+
 def write_json(path: str | Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` atomically (a killed run never leaves half a file)."""
+    """Write ``doc`` atomically (a killed run never leaves half a file); a write that fails
+    (or is interrupted) takes its temporary file away with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _json_default(x: Any) -> Any:

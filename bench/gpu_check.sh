@@ -249,9 +249,11 @@ if wanted precompile; then
         # Bench graphs first (PP-YOLOE's batch 64 feeds two timed parts and the profile),
         # then the trainer runs', then batch 128 (the slowest, 144 s on the H200).
         # Only the graphs of the parts this run has (profile's is step_ppyoloe's).
+        # --overwrite: OUT_DIR is this script's; a rerun into the same OUT_DIR replaces its
+        # own results there, as it does its record (throughput.py refuses that unasked).
         for p in step_ppyoloe step_yolox step_ppyolo step_fcos; do
             if wanted "$p" || { [[ $p == step_ppyoloe ]] && wanted profile; }; then
-                printf '%s\t%s\t%s\n' "$p" "${JOB_GIB[$p]}" "$PY ${STEP_CMD[$p]} --precompile --json $OUT_DIR/precompile/$p.json" >> "$JOBFILE"
+                printf '%s\t%s\t%s\n' "$p" "${JOB_GIB[$p]}" "$PY ${STEP_CMD[$p]} --precompile --json $OUT_DIR/precompile/$p.json --overwrite" >> "$JOBFILE"
             fi
         done
         if wanted train; then
@@ -261,7 +263,7 @@ if wanted precompile; then
             done
         fi
         if wanted step_b128; then
-            printf '%s\t%s\t%s\n' step_b128 "${JOB_GIB[step_b128]}" "$PY ${STEP_CMD[step_b128]} --precompile --json $OUT_DIR/precompile/step_b128.json" >> "$JOBFILE"
+            printf '%s\t%s\t%s\n' step_b128 "${JOB_GIB[step_b128]}" "$PY ${STEP_CMD[step_b128]} --precompile --json $OUT_DIR/precompile/step_b128.json --overwrite" >> "$JOBFILE"
         fi
         DEADLINE=$(( $(date +%s) + PRE_LIM ))
         THREADS=$(( CPUS / JOBS_AT_ONCE )); (( THREADS < 1 )) && THREADS=1
@@ -351,7 +353,7 @@ fi
 # box padding, PP-YOLOE-s's other rows, batch 128; then the profile from the same cache.
 for p in "${STEP_PARTS[@]}"; do
     # shellcheck disable=SC2086
-    part "$p" "$PY" ${STEP_CMD[$p]} --json "$OUT_DIR/${STEM}_throughput-${p#step_}.json"
+    part "$p" "$PY" ${STEP_CMD[$p]} --json "$OUT_DIR/${STEM}_throughput-${p#step_}.json" --overwrite
 done
 # shellcheck disable=SC2086
 part profile "$PY" $PROFILE_CMD --out "$OUT_DIR/profile"

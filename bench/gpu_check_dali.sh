@@ -162,8 +162,10 @@ if wanted precompile && [[ -n "$(allowed precompile)" ]]; then
         for p in "${E2E_PARTS[@]}"; do
             wanted "$p" || continue
             # shellcheck disable=SC2086
+            # --overwrite: OUT_DIR is this script's; a rerun into the same OUT_DIR replaces
+            # its own results there, as it does its record.
             timeout -k 5 "$PRE_LIM" "$PY" ${E2E_CMD[$p]} --demo-images "$DEMO_IMAGES" --precompile \
-                --json "$OUT_DIR/precompile/$p.json" > "$OUT_DIR/precompile/$p.log" 2>&1 &
+                --json "$OUT_DIR/precompile/$p.json" --overwrite > "$OUT_DIR/precompile/$p.log" 2>&1 &
             pids+=($!)
         done
         rc=0
@@ -200,7 +202,7 @@ fi
 
 for p in "${E2E_PARTS[@]}"; do
     # shellcheck disable=SC2086
-    part "$p" "$PY" ${E2E_CMD[$p]} --demo-images "$DEMO_IMAGES" --json "$OUT_DIR/${STEM}_throughput-${p}.json"
+    part "$p" "$PY" ${E2E_CMD[$p]} --demo-images "$DEMO_IMAGES" --json "$OUT_DIR/${STEM}_throughput-${p}.json" --overwrite
 done
 
 note "done in $(elapsed)s; results in $OUT_DIR${PACK_TO:+ (packed into $PACK_TO/gpu_check_dali.tgz)}"

@@ -5,7 +5,8 @@
     python bench/throughput.py --modes step --json step.json
     python bench/throughput.py --modes data,e2e --data /data/coco --workers 16
 
-Modes (``--modes`` takes names or the groups ``data``, ``step``, ``layout``, ``e2e``, ``all``):
+Modes (``--modes`` takes names or the groups ``data``, ``step``, ``layout``, ``warmup``, ``e2e``,
+``all``):
 
 data   data_torch            images/s of the torch DataLoader (the seed-style baseline)
        data_dali             images/s of the DALI pipeline; same dataset, augmentation, batch
@@ -47,7 +48,8 @@ iterations, and their spread), speedup over its group's baseline measured in the
 run, peak memory, warm-up time (compilation and capture included) and Dynamo graphs,
 graph breaks and recompilations after warm-up. Nothing is timed before warm-up ends.
 The table goes to the terminal; ``--json FILE`` writes the same figures with the
-environment (rewritten after every mode, so a run cut short keeps what it measured).
+environment (rewritten after every mode, so a run cut short keeps what it measured; a FILE
+there before the run is replaced only with ``--overwrite``).
 A mode that cannot run here is skipped with its reason; one that fails is recorded
 with its error and the run goes on (the exit status is then 1).
 """
@@ -73,9 +75,10 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable from t
 
 import torch
 
+from fastdet.config import ConfigError
 from fastdet.engine.graph_cache import bucket_sizes, cache_counts, count_delta
-from bench.common import (SCHEMA, PeakMemory, dynamo_counts, env_info, format_table, fresh_dynamo,
-                          one_line, release_memory, summarize, sync, time_windows, write_json)
+from bench.common import (SCHEMA, PeakMemory, check_output_file, dynamo_counts, env_info, format_table,
+                          fresh_dynamo, one_line, release_memory, summarize, sync, time_windows, write_json)
 
 log = logging.getLogger("fastdet.bench")
 
@@ -110,6 +113,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ALL_MODES = GROUPS["step"] + GROUPS["layout"] + GROUPS["data"] + GROUPS["e2e"]
 KNOWN_MODES = ALL_MODES + GROUPS["warmup"]
 GROUP_OF = {m: g for g, ms in GROUPS.items() for m in ms}
+# What --modes takes besides mode names (its help and its error list these).
+GROUP_NAMES = (*GROUPS, "all")
 # The row each mode's speedup is over: its group's baseline; a layout row's NCHW twin.
 GROUP_BASELINES = {"step": "step_eager_fp32", "data": "data_torch", "e2e": "e2e_seed"}
 BASELINE_OF = {m: GROUP_BASELINES[g] if g in GROUP_BASELINES else m.removesuffix("_nhwc")
@@ -134,7 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: cuda when available, else cpu")
     p.add_argument("--quick", action="store_true",
                    help="small configuration (128 px, batch 2, 3 windows of 2 iterations)")
-    p.add_argument("--json", metavar="FILE", help="write the results and the environment as JSON")
+    p.add_argument("--json", metavar="FILE", help="write the results and the environment as JSON "
+                   "(an existing FILE only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace --json FILE if it exists")
     p.add_argument("--arch", default="ppyoloe")
     p.add_argument("--size", default="s")
     p.add_argument("--num-classes", type=int, default=80,
@@ -151,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "trainer: bf16 on a GPU that supports it, fp32 on the CPU)")
     p.add_argument("--channels-last", action="store_true", help="model and images in channels-last")
     p.add_argument("--modes", default="all",
-                   help="comma-separated modes or groups (data, step, e2e, all); default all")
+                   help=f"comma-separated modes or groups ({', '.join(GROUP_NAMES)}); default all")
     p.add_argument("--e2e-step", choices=sorted(STEP_VARIANTS), default=None,
                    help="step of e2e_torch / e2e_dali (default: compile_graphs on CUDA; on the CPU "
                         "eager_amp with an explicit --amp bf16/fp16, else eager_fp32)")
@@ -183,17 +190,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only generate the demo set the data and e2e modes read (--demo-images), "
                         "print where it is and exit (bench/gpu_check.sh does this in the background)")
     args = p.parse_args(argv)
+    if args.json and not args.prepare_data:  # --prepare-data writes no JSON
+        try:
+            check_output_file(args.json, "--json", args.overwrite)
+        except ValueError as e:
+            p.error(str(e))
     defaults = QUICK if args.quick else FULL
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.img_size is None or args.max_boxes is None:
-        try:
-            hw, boxes = recipe_shape(args.arch, args.size)
-        except Exception as e:  # noqa: BLE001 - an unknown --arch / --size, said plainly
-            p.error(str(e))
-        args.img_size = args.img_size or hw
-        args.max_boxes = args.max_boxes or boxes
+    # Whatever --quick or --img-size / --max-boxes set: an unknown --arch / --size is said
+    # here, not as a traceback once a mode builds its model.
+    try:
+        hw, boxes = recipe_shape(args.arch, args.size)
+    except ConfigError as e:
+        p.error(str(e))
+    args.img_size = args.img_size or hw
+    args.max_boxes = args.max_boxes or boxes
     if isinstance(args.img_size, int):
         args.img_size = (args.img_size, args.img_size)
     for k in ("batch_size", "max_boxes", "windows", "iters", "workers", "demo_images", "num_classes"):
@@ -256,7 +269,7 @@ def parse_modes(spec: str) -> list[str]:
         for n in names:
             if n not in KNOWN_MODES:
                 raise ValueError(f"--modes: unknown mode {n!r}; modes are {', '.join(KNOWN_MODES)} "
-                                 "(or the groups data, step, layout, e2e, warmup, all)")
+                                 f"(or the groups {', '.join(GROUP_NAMES)})")
             if n not in chosen:
                 chosen.append(n)
     if not chosen:

@@ -11,10 +11,11 @@ reuses the cache directory) then loads each graph in seconds instead of compilin
     TORCHINDUCTOR_CACHE_DIR=/shared/inductor python -m fastdet.compile --arch fcos --size r50 ...
 
 The model's class count comes from the training annotations (``--data``), or
-``--num-classes`` without reading them. ``--ddp W`` compiles the graphs a ``torchrun``
-launch of W ranks in all (nodes x processes per node) uses: DDP cuts them at its gradient
-buckets, and they hold collectives of W ranks (the loss normaliser's all-reduce,
-SyncBatchNorm's all-gather), so a fill for one world size serves launches of that size.
+``--num-classes`` without reading them (given both, they must agree where the set can be
+read here). ``--print-config`` prints the config whose graphs would be compiled, and exits.
+``--ddp W`` compiles the graphs a ``torchrun`` launch of W ranks in all (nodes x processes
+per node) uses: DDP cuts them at its gradient buckets, and they hold collectives of W ranks
+(the loss normaliser's all-reduce, SyncBatchNorm's all-gather), so a fill for one world size serves launches of that size.
 On a GPU machine the graphs are compiled for ``cuda:0``: launch training with ``torchrun
 --virtual-local-rank`` so every rank loads them. On the CPU inductor's kernels (and its cache key) depend on torch's
 thread count: run this with the training's ``OMP_NUM_THREADS`` (torchrun sets 1 per rank
@@ -23,6 +24,7 @@ when it starts several).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -31,14 +33,17 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from fastdet import registry
-from fastdet.config import ConfigError, apply_overrides
+from fastdet.config import Config, ConfigError, apply_overrides
+from fastdet.data.coco import DataError
 from fastdet.data.formats import train_num_classes
 from fastdet.engine.compile_workers import CompileWorkers
+from fastdet.engine.trainer import check_device
 from fastdet.runtime.dist import resolve_device
+from fastdet.train import PATH_KEYS, check_config, explicit_overrides, flag_of, resolve_config
 from fastdet.train import build_parser as train_parser
-from fastdet.train import check_config, resolve_config
 
 
 class _Stopped(Exception):
@@ -54,11 +59,35 @@ def build_parser():
     p.prog = "python -m fastdet.compile"
     p.description = __doc__
     p.add_argument("--num-classes", type=int, default=None,
-                   help="classes of the model (default: counted from the training annotations of --data)")
+                   help="classes of the model (default: counted from the training annotations of --data; "
+                        "with --data, the set's count where it can be read here)")
     p.add_argument("--ddp", type=int, default=None, metavar="W",
                    help="compile the graphs of a torchrun launch of W ranks in all (nodes x processes per node): "
                         "DDP's gradient-bucket cuts and the collectives of W ranks")
     return p
+
+
+def num_classes(args: argparse.Namespace, cfg: Config) -> int:
+    """The model's class count: --num-classes, else the training set's. Given both --num-classes
+    and a dataset (--data or its paths), the two must agree: training counts the set's classes,
+    so graphs of another count would never be loaded. A set that cannot be read here (a
+    cluster's path) leaves --num-classes as given, which is what it is for."""
+    if args.num_classes is None:
+        return train_num_classes(cfg.data)
+    given = [k for k in PATH_KEYS if k in explicit_overrides(args)]
+    if not given:
+        return args.num_classes
+    try:
+        counted = train_num_classes(cfg.data)
+    except (DataError, OSError, ValueError):
+        return args.num_classes
+    if counted != args.num_classes:
+        key = "data.data" if "data.data" in given else "data.train_ann"
+        where = f"{flag_of(key)} {getattr(cfg.data, key.split('.')[1])}"
+        raise ConfigError(f"--num-classes {args.num_classes} differs from the {counted} classes of the training set "
+                          f"of {where}: training builds a {counted}-class model and would not load these graphs; "
+                          "drop --num-classes")
+    return counted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,19 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         check_config(cfg)
-        if args.num_classes is not None:
-            if args.num_classes < 1:
-                raise ConfigError(f"--num-classes must be at least 1, got {args.num_classes}")
-            n = args.num_classes
-        else:
-            n = train_num_classes(cfg.data)
+        if args.num_classes is not None and args.num_classes < 1:
+            raise ConfigError(f"--num-classes must be at least 1, got {args.num_classes}")
         if args.ddp is not None and args.ddp < 1:
             raise ConfigError(f"--ddp takes the launch's number of ranks (at least 1), got {args.ddp}")
-        cfg = apply_overrides(registry.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
         device = resolve_device(cfg.run.device)
+        check_device(cfg, device)
+        n = num_classes(args, cfg)
+        cfg = apply_overrides(registry.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"fastdet.compile: error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
     if device.type == "cuda":
         device = torch.device("cuda", 0)
     variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)

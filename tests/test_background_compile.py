@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from ports import free_port
 
 from fastdet import registry
@@ -256,6 +257,50 @@ def test_compile_cli_rejects_bad_input_before_any_work(tmp_path):
                         "--data", str(tmp_path / "missing")], capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert r.returncode == 2 and str(tmp_path / "missing") in r.stderr
+
+
+@pytest.fixture
+def compile_cli(monkeypatch):
+    """``fastdet.compile.main`` in this process, with its CompileWorkers replaced by a record
+    of their making: a refused command must not get that far."""
+    from fastdet import compile as cli
+
+    made = []
+    monkeypatch.setattr(cli, "CompileWorkers", lambda *a, **k: made.append((a, k)) or pytest.fail("compiled"))
+    return cli.main, made
+
+
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--sync-debug"])
+def test_compile_cli_refuses_cuda_only_flags_on_the_cpu_as_training_does(compile_cli, capsys, flag):
+    main, made = compile_cli
+    assert main(["--arch", "ppyoloe", "--size", "s", "--num-classes", "4", "--device", "cpu", flag]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} needs a CUDA device" in err and err.count("\n") == 1, err
+    assert made == []
+
+
+def test_compile_cli_print_config_prints_the_compiled_config_and_exits(compile_cli, capsys):
+    main, made = compile_cli
+    assert main(["--arch", "yolox", "--size", "s", "--num-classes", "7", "--device", "cpu", "--batch-size", "3",
+                 "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["model"]["arch"] == "yolox" and cfg["model"]["num_classes"] == 7
+    assert cfg["data"]["batch_size"] == 3 and cfg["compile"]["compile"] is True
+    assert made == []
+
+
+def test_compile_cli_num_classes_must_match_the_data_it_is_given(compile_cli, demo_small, tmp_path, capsys):
+    """The demo set has 4 classes: training on it builds a 4-class model, so graphs of 7
+    classes would never load. A set that cannot be read here leaves --num-classes as given."""
+    main, made = compile_cli
+    base = ["--arch", "ppyoloe", "--size", "s", "--device", "cpu"]
+    assert main([*base, "--num-classes", "7", "--data", str(demo_small)]) == 2
+    err = capsys.readouterr().err
+    assert f"--num-classes 7 differs from the 4 classes of the training set of --data {demo_small}" in err
+    assert err.count("\n") == 1 and made == []
+    for data, n in ((demo_small, 4), (tmp_path / "elsewhere", 7)):
+        assert main([*base, "--num-classes", str(n), "--data", str(data), "--print-config"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["model"]["num_classes"] == n
 
 
 @pytest.mark.slow

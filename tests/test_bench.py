@@ -137,6 +137,57 @@ def test_mode_selection_and_bad_flags(capsys):
         assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shape", [[], ["--quick"], ["--img-size", "64", "--max-boxes", "4"]])
+@pytest.mark.parametrize("bad, needle", [(["--arch", "foo"], "unknown --arch 'foo'"),
+                                         (["--size", "xl"], "unknown --size 'xl' for ppyoloe")])
+def test_an_unknown_arch_or_size_is_a_usage_error_whatever_sets_the_shape(capsys, shape, bad, needle):
+    """--quick (or an explicit --img-size and --max-boxes) needs no recipe shape, and the name
+    was then first looked up when a mode built its model: a traceback after the data set-up."""
+    with pytest.raises(SystemExit) as e:
+        throughput.parse_args(["--device", "cpu", "--modes", "step_eager_fp32", *shape, *bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {needle}" in err and "Traceback" not in err
+
+
+def test_modes_help_lists_every_group_it_accepts(capsys):
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    groups = [*throughput.GROUPS, "all"]
+    assert f"groups ({', '.join(groups)}); default all" in text
+    for g in groups:
+        assert throughput.parse_modes(g), g
+
+
+def test_the_json_path_is_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """A folder, a file where a folder should be, or an existing file (without --overwrite):
+    one line naming --json, before measuring; before, the first two failed after measuring
+    (leaving a temporary file) and the third was replaced unasked."""
+    monkeypatch.setattr(throughput, "Bench", lambda args: pytest.fail("measured"))
+    (tmp_path / "a_file").write_text("mine")
+    kept = tmp_path / "kept.json"
+    kept.write_text('{"mine": 1}')
+    for path, needle in ((tmp_path, f"--json {tmp_path} is a folder"),
+                         (tmp_path / "a_file" / "t.json", f"{tmp_path / 'a_file'} is a file, not a folder"),
+                         (kept, f"--json {kept}: {kept} exists; add --overwrite to replace it")):
+        with pytest.raises(SystemExit) as e:
+            throughput.main(["--device", "cpu", "--quick", "--modes", "step_eager_fp32", "--json", str(path)])
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err, path
+    assert kept.read_text() == '{"mine": 1}' and (tmp_path / "a_file").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "kept.json"]
+    for ok in (["--json", str(kept), "--overwrite"], ["--json", str(tmp_path / "new" / "t.json")]):
+        assert throughput.parse_args(["--device", "cpu", "--quick", *ok]).json == ok[1]
+
+
+def test_a_failed_json_write_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OSError):
+        common.write_json(tmp_path / "taken", {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"] and not any((tmp_path / "taken").iterdir())
+
+
 def test_e2e_torch_is_skipped_only_when_it_repeats_the_seed_step():
     def bench(*argv):
         return throughput.Bench(throughput.parse_args(["--device", "cpu", *argv]))

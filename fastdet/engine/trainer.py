@@ -53,6 +53,17 @@ def output_dir(cfg: Config) -> Path:
     return Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
 
 
+def check_device(cfg: Config, device: torch.device) -> None:
+    """The flags that need a CUDA device, refused in one line on ``device`` (the resolved
+    ``--device``: ``auto`` is only known here, not in ``check_config``). The trainer and
+    ``python -m fastdet.compile`` both call this, so they refuse the same command alike."""
+    if device.type == "cuda":
+        return
+    for on, flag in ((cfg.compile.cuda_graphs, "--cuda-graphs"), (cfg.run.sync_debug, "--sync-debug")):
+        if on:
+            raise ValueError(f"{flag} needs a CUDA device (--device resolves to the CPU here): drop the flag")
+
+
 class Trainer:
     """Set up in small named steps (process, data, family, model, loaders, restore, step,
     collaborators), then :meth:`train`."""
@@ -103,10 +114,7 @@ class Trainer:
     def _setup_process(self, cfg: Config) -> None:
         """Device, process group, output directory, logging and seeds."""
         self.device = dist.resolve_device(cfg.run.device)
-        if cfg.compile.cuda_graphs and self.device.type != "cuda":
-            raise ValueError("--cuda-graphs needs a CUDA device (this run is on the CPU): drop the flag")
-        if cfg.run.sync_debug and self.device.type != "cuda":
-            raise ValueError("--sync-debug needs a CUDA device (this run is on the CPU): drop the flag")
+        check_device(cfg, self.device)
         self.dist = dist.init_distributed(self.device.type, cuda_graphs=cfg.compile.cuda_graphs,
                                           timeout_minutes=cfg.run.dist_timeout_minutes)
         if self.device.type == "cuda":
