@@ -186,6 +186,33 @@ def test_wrong_size_is_refused_naming_the_key_and_the_likely_size(tmp_path):
         convert(path, "fcos", source="megvii")
 
 
+def test_files_that_are_not_released_ones_say_what_they_are(tmp_path):
+    """A fastdet checkpoint is said to be one (no --from value converts it); a plain state
+    dict for a family that reads no torch files, a folder and a cut archive each say what
+    they are, in one line naming the file, with no --from advice that cannot help."""
+    from fastdet.models import build_model
+
+    ours = tmp_path / "best.pth"
+    torch.save({"config": {"model": {"arch": "ppyoloe", "size": "s"}}, "model": build_model("ppyoloe", "s", 2).state_dict()},
+               ours)
+    torch.save({"w": torch.zeros(3)}, tmp_path / "sd.pth")
+    data = (tmp_path / "sd.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])
+    (tmp_path / "adir.pth").mkdir()
+    cases = [(ours, "ppyoloe", None, "already a fastdet checkpoint (ppyoloe-s): use it as is"),
+             (ours, "yolox", "megvii", "already a fastdet checkpoint (ppyoloe-s): use it as is"),
+             (tmp_path / "sd.pth", "ppyoloe", None, "not a fastdet checkpoint (no 'config' and 'model' entries), "
+                                                    "nor a released ppyoloe file fastdet reads (ppyoloe converts paddle "
+                                                    ".pdparams files)"),
+             (tmp_path / "cut.pth", "yolox", None, "a zip archive that does not open (truncated or damaged)"),
+             (tmp_path / "adir.pth", "yolox", None, "a folder, not a weight file")]
+    for path, arch, source, says in cases:
+        with pytest.raises(ConvertError) as e:
+            convert(path, arch, source=source)
+        msg = str(e.value)
+        assert msg.startswith(f"{path}: ") and says in msg and "\n" not in msg and "--from" not in msg, msg
+
+
 # --------------------------------------------------------------------------- torchvision FCOS
 
 
