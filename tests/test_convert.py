@@ -333,6 +333,39 @@ def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp
         load_any(src, "yolox", "s")
 
 
+def test_ckpt_partial_takes_the_tensors_that_fit_from_a_released_file_of_another_size(tmp_path):
+    """``fastdet.train --arch yolox --size s --ckpt yolox_nano.pth --ckpt-partial``
+    (Checkpointer.finetune): the released file is converted at the size its shapes say
+    (nano) and the tensors that fit yolox-s are loaded, as from its converted checkpoint;
+    before, the conversion's size check refused it. Without --ckpt-partial it still is."""
+    from types import SimpleNamespace
+
+    from fastdet import registry
+    from fastdet.config import apply_overrides
+    from fastdet.convert import load_any
+    from fastdet.engine.checkpointer import Checkpointer
+    from fastdet.models import build_model
+
+    src = tmp_path / "yolox_nano.pth"
+    torch.save({"model": megvii_yolox("nano").state_dict()}, src)
+    converted = load_any(src, "yolox")[0]["model"]
+
+    def finetune(partial: bool):
+        cfg = apply_overrides(registry.get_preset("yolox", "s"), {"run.ckpt_partial": partial})
+        model = build_model("yolox", "s", 3)
+        Checkpointer(cfg, tmp_path, None, model, None, None, SimpleNamespace(class_names=["a", "b", "c"]),
+                     1).finetune(str(src))
+        return model
+
+    own = finetune(True).state_dict()
+    fit = [k for k, v in converted.items() if v.is_floating_point() and k in own and own[k].shape == v.shape]
+    assert fit  # the width differs: the 1x1 predictors' biases (box, objectness) fit
+    for k in fit:
+        assert torch.equal(own[k], converted[k]), k
+    with pytest.raises(ConvertError, match="this looks like yolox-nano"):
+        finetune(False)
+
+
 def test_eval_cli_scores_the_released_file_as_its_conversion(tmp_path, capsys):
     """``python -m fastdet.eval --ckpt RELEASED --arch yolox`` converts on load (through
     load_detector's reader) and prints the same AP as the converted checkpoint."""
