@@ -37,8 +37,9 @@ from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
 from fastdet.models.detector import Detector
 from fastdet.ops.ema import EMA_FLAVOURS
-from fastdet.runtime.checkpoint import (is_torch_file, load_checkpoint, load_torch_file, load_with_fallback,
-                                        previous_path)
+from fastdet.convert.core import ConvertError, is_fastdet_checkpoint, pick_source
+from fastdet.runtime.checkpoint import (load_checkpoint, load_torch_file, load_with_fallback, previous_path,
+                                        weight_file_format)
 from fastdet.runtime.logging import ProfilerWindow
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
@@ -317,17 +318,29 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--output-dir {cfg.run.output_dir}: it may name {{arch}} and {{size}}, not {e}") from None
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} is a file, not a folder")
+    _check_weight_files(cfg)
+
+
+def _check_weight_files(cfg: Config) -> None:
+    """--ckpt and --backbone-weights: files that can be read (not a folder, not a damaged
+    archive), a --ckpt this run can start from, and not both at once: one ConfigError line."""
+    if cfg.model.backbone_weights and not cfg.run.resume:
+        if cfg.run.ckpt:
+            # The model is built with the backbone file loaded, then --ckpt's weights are loaded over it.
+            raise ConfigError(f"--backbone-weights {cfg.model.backbone_weights} and --ckpt {cfg.run.ckpt}: --ckpt's "
+                              "weights include a backbone, which would replace the backbone file's; give one of them")
+        try:
+            weight_file_format(Path(cfg.model.backbone_weights).expanduser())
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"--backbone-weights {e}") from None
     if cfg.run.ckpt:
         path = Path(cfg.run.ckpt).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"--ckpt {path}: no such file")
-        with open(path, "rb") as f:
-            pickled = f.read(1) == b"\x80"  # a Paddle .pdparams (fastdet.convert reads it)
-        if not is_torch_file(path) and not pickled:
-            raise ConfigError(f"--ckpt {path} is not a checkpoint: torch.save writes a zip archive "
-                              "and this file is not one, nor is it a Paddle .pdparams pickle (corrupt, truncated or another format)")
-        if not cfg.run.resume and not cfg.run.ckpt_partial:
-            check_same_model(path, cfg)
+        try:
+            fmt = weight_file_format(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"--ckpt {e}") from None
+        if not cfg.run.resume:
+            check_same_model(path, fmt, cfg)
 
 
 def _check_one_image_batch_norm(cfg: Config) -> None:
@@ -396,16 +409,26 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError("--profile-steps needs --device cuda (it drives the CUDA profiler API)")
 
 
-def check_same_model(path: Path, cfg: Config) -> None:
+def check_same_model(path: Path, fmt: str, cfg: Config) -> None:
     """Fine-tuning loads into the same family and size: a ConfigError naming both otherwise
-    (its weights would mostly not fit, and training would start nearly from scratch)."""
-    try:  # mmap: only the config is read, not the tensors
-        ck = load_torch_file(path, mmap=True)
-    except Exception:
-        return  # an unreadable file is named by the loader, with its reason
-    model = (ck.get("config") or {}).get("model") if isinstance(ck, dict) else None
-    if not isinstance(model, dict) or "arch" not in model:
-        return  # weights without a config (a converted or hand-made state dict)
+    (its weights would mostly not fit, and training would start nearly from scratch), unless
+    --ckpt-partial. A file that is not a fastdet checkpoint must be a released file of this
+    family (converted when the model is built); its size is checked then, from the shapes."""
+    ck = None
+    if fmt == "torch":
+        try:  # mmap: only the config is read, not the tensors
+            ck = load_torch_file(path, mmap=True)
+        except ValueError as e:  # damaged, or it needs code to unpickle: the reader's line
+            raise ConfigError(f"--ckpt {e}") from None
+    if not is_fastdet_checkpoint(ck):
+        try:
+            pick_source(cfg.model.arch, path, None)
+        except ConvertError as e:
+            raise ConfigError(f"--ckpt {e}") from None
+        return
+    model = ck["config"].get("model")
+    if cfg.run.ckpt_partial or not isinstance(model, dict) or "arch" not in model:
+        return
     theirs, ours = (model.get("arch"), model.get("size")), (cfg.model.arch, cfg.model.size)
     if theirs != ours:
         partial = (", or --ckpt-partial to load the tensors that fit and start the rest fresh" if theirs[0] == ours[0]

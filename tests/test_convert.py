@@ -186,6 +186,33 @@ def test_wrong_size_is_refused_naming_the_key_and_the_likely_size(tmp_path):
         convert(path, "fcos", source="megvii")
 
 
+def test_files_that_are_not_released_ones_say_what_they_are(tmp_path):
+    """A fastdet checkpoint is said to be one (no --from value converts it); a plain state
+    dict for a family that reads no torch files, a folder and a cut archive each say what
+    they are, in one line naming the file, with no --from advice that cannot help."""
+    from fastdet.models import build_model
+
+    ours = tmp_path / "best.pth"
+    torch.save({"config": {"model": {"arch": "ppyoloe", "size": "s"}}, "model": build_model("ppyoloe", "s", 2).state_dict()},
+               ours)
+    torch.save({"w": torch.zeros(3)}, tmp_path / "sd.pth")
+    data = (tmp_path / "sd.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])
+    (tmp_path / "adir.pth").mkdir()
+    cases = [(ours, "ppyoloe", None, "already a fastdet checkpoint (ppyoloe-s): use it as is"),
+             (ours, "yolox", "megvii", "already a fastdet checkpoint (ppyoloe-s): use it as is"),
+             (tmp_path / "sd.pth", "ppyoloe", None, "not a fastdet checkpoint (no 'config' and 'model' entries), "
+                                                    "nor a released ppyoloe file fastdet reads (ppyoloe converts paddle "
+                                                    ".pdparams files)"),
+             (tmp_path / "cut.pth", "yolox", None, "a zip archive that does not open (truncated or damaged)"),
+             (tmp_path / "adir.pth", "yolox", None, "a folder, not a weight file")]
+    for path, arch, source, says in cases:
+        with pytest.raises(ConvertError) as e:
+            convert(path, arch, source=source)
+        msg = str(e.value)
+        assert msg.startswith(f"{path}: ") and says in msg and "\n" not in msg and "--from" not in msg, msg
+
+
 # --------------------------------------------------------------------------- torchvision FCOS
 
 
@@ -304,6 +331,39 @@ def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp
     torch.testing.assert_close(model.backbone.stem.conv.conv.weight, stem.unflatten(1, (4, 3)).flip(2).flatten(1, 2))
     with pytest.raises(ConvertError, match="this looks like yolox-nano"):
         load_any(src, "yolox", "s")
+
+
+def test_ckpt_partial_takes_the_tensors_that_fit_from_a_released_file_of_another_size(tmp_path):
+    """``fastdet.train --arch yolox --size s --ckpt yolox_nano.pth --ckpt-partial``
+    (Checkpointer.finetune): the released file is converted at the size its shapes say
+    (nano) and the tensors that fit yolox-s are loaded, as from its converted checkpoint;
+    before, the conversion's size check refused it. Without --ckpt-partial it still is."""
+    from types import SimpleNamespace
+
+    from fastdet import registry
+    from fastdet.config import apply_overrides
+    from fastdet.convert import load_any
+    from fastdet.engine.checkpointer import Checkpointer
+    from fastdet.models import build_model
+
+    src = tmp_path / "yolox_nano.pth"
+    torch.save({"model": megvii_yolox("nano").state_dict()}, src)
+    converted = load_any(src, "yolox")[0]["model"]
+
+    def finetune(partial: bool):
+        cfg = apply_overrides(registry.get_preset("yolox", "s"), {"run.ckpt_partial": partial})
+        model = build_model("yolox", "s", 3)
+        Checkpointer(cfg, tmp_path, None, model, None, None, SimpleNamespace(class_names=["a", "b", "c"]),
+                     1).finetune(str(src))
+        return model
+
+    own = finetune(True).state_dict()
+    fit = [k for k, v in converted.items() if v.is_floating_point() and k in own and own[k].shape == v.shape]
+    assert fit  # the width differs: the 1x1 predictors' biases (box, objectness) fit
+    for k in fit:
+        assert torch.equal(own[k], converted[k]), k
+    with pytest.raises(ConvertError, match="this looks like yolox-nano"):
+        finetune(False)
 
 
 def test_eval_cli_scores_the_released_file_as_its_conversion(tmp_path, capsys):

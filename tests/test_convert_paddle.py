@@ -123,6 +123,38 @@ def test_ppyoloe_backbone_weights_from_a_cspresnetb_file(tmp_path, prefix, caplo
         build_model("ppyoloe", "m").load_backbone_weights(str(path))
 
 
+@pytest.mark.parametrize("arch,size", [("ppyoloe", "s"), ("fcos", "r50")])
+def test_backbone_weights_from_a_full_checkpoint_and_a_list_in_one_line(tmp_path, arch, size, caplog):
+    """``--backbone-weights best.pth`` (a fastdet run's checkpoint, or ``{"state_dict": ...}``
+    of a fastdet model): its ``backbone.`` tensors load (fastdet's own names, EMA weights
+    where it has them); before, no tensor was found in it. A torch.save of a list is one
+    line naming the file, not an AttributeError. PP-YOLOE reads through the Paddle loader,
+    FCOS's torch files through the torchvision one."""
+    import logging
+
+    torch.manual_seed(0)
+    src, ema = build_model(arch, size, 4), build_model(arch, size, 4)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(1.0)  # tells the EMA weights from the plain ones
+    full = {"config": {"model": {"arch": arch, "size": size}}, "model": src.state_dict(),
+            "ema": {"module": ema.state_dict()}}
+    for name, obj, want in (("best.pth", full, ema), ("sd.pth", {"state_dict": src.state_dict()}, src)):
+        torch.save(obj, tmp_path / name)
+        model = build_model(arch, size, 2)
+        with caplog.at_level(logging.INFO, logger="fastdet"):
+            model.load_backbone_weights(str(tmp_path / name))
+        for k, v in want.backbone.state_dict().items():
+            assert torch.equal(model.backbone.state_dict()[k], v), (name, k)
+        assert "neck and head, not loaded" in caplog.text and "missing" not in caplog.text
+        caplog.clear()
+    torch.save([torch.zeros(3)], tmp_path / "list.pth")
+    with pytest.raises(ValueError) as e:
+        build_model(arch, size, 2).load_backbone_weights(str(tmp_path / "list.pth"))
+    assert "\n" not in str(e.value) and str(tmp_path / "list.pth") in str(e.value)
+    assert "expected a dict of weights, found a list" in str(e.value)
+
+
 @pytest.mark.parametrize("fixture,size,prefix", [("ppyolo_r18vd", "r18vd", ""), ("ppyolo_r50vd_dcn", "r50vd_dcn", "backbone.")])
 def test_ppyolo_backbone_weights_from_a_resnet_vd_file(tmp_path, fixture, size, prefix, caplog):
     """``--backbone-weights ResNet50_vd_ssld_pretrained.pdparams``: Paddle's ResNet-vd names

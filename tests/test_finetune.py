@@ -170,3 +170,25 @@ def test_a_converted_coco_model_fine_tunes_by_coco_names():
     for i in range(3):
         src = ck["model"][f"head.cls_preds.{i}.weight"]
         torch.testing.assert_close(model.head.cls_preds[i].weight[:2], src[[16, 0]], rtol=0, atol=0)
+
+
+def test_ckpt_partial_from_another_familys_checkpoint_names_the_file(tmp_path):
+    """``--ckpt other_family.pth --ckpt-partial``: nearly nothing fits; the one line says
+    which file, what it holds and what the run trains (it named none of them)."""
+    from types import SimpleNamespace
+
+    from fastdet import registry
+    from fastdet.config import apply_overrides
+    from fastdet.engine.checkpointer import Checkpointer
+
+    ck = checkpoint("ppyoloe", ["a", "b"])
+    ck["config"]["model"].update(arch="ppyoloe", size=small("ppyoloe"))
+    path = tmp_path / "ppyoloe_best.pth"
+    torch.save(ck, path)
+    cfg = apply_overrides(registry.get_preset("yolox", small("yolox")), {"run.ckpt_partial": True})
+    ckpts = Checkpointer(cfg, tmp_path, None, fresh("yolox", 2), None, None, SimpleNamespace(class_names=["a", "b"]), 1)
+    with pytest.raises(ValueError) as e:
+        ckpts.finetune(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"--ckpt {path} (ppyoloe-{small('ppyoloe')} weights): checkpoint does not fit this model")
+    assert msg.endswith(f"this run trains yolox-{small('yolox')}") and "\n" not in msg, msg

@@ -390,16 +390,32 @@ def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, mess
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
     (["--set", "data.eval_batch_size=0"], "data.eval_batch_size must be at least 1, got 0"),
     (["--lr", "-1"], "--lr (optim.base_lr) must be positive, got -1"),
-    (["--ckpt", "NOT_A_CKPT"], "is not a checkpoint: torch.save writes a zip archive"),
+    (["--ckpt", "NOT_A_CKPT"], "weights.pth: neither a torch file (a zip archive) nor a Paddle .pdparams"),
     (["--ckpt", "MISSING"], "no such file"),
+    (["--ckpt", "TRUNCATED"], "cut.pth: a zip archive that does not open (truncated or damaged)"),
+    (["--ckpt", "A_FOLDER"], "--ckpt TMP/adir.pth: a folder, not a weight file"),
+    (["--backbone-weights", "A_FOLDER"], "--backbone-weights TMP/adir.pth: a folder, not a weight file"),
+    # Not a fastdet checkpoint and not a released PP-YOLOE file (Paddle's): fastdet.train has no --from to offer.
+    (["--ckpt", "STATE_DICT"], "sd.pth: a torch file that is not a fastdet checkpoint (no 'config' and 'model' "
+                               "entries), nor a released ppyoloe file fastdet reads (ppyoloe converts paddle"),
+    # --ckpt's weights were loaded over the backbone file's, silently.
+    (["--backbone-weights", "STATE_DICT", "--ckpt", "STATE_DICT"], "--ckpt's weights include a backbone"),
 ])
 def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra, message):
     """Each fails at once (no output directory, no data read), in one line naming the flag;
-    before, these failed an epoch in, at evaluation, or trained 0 steps and exited 0."""
+    before, these failed an epoch in, at evaluation, or trained 0 steps and exited 0 (or,
+    for the weight files, failed after the model was built, with a traceback or a --from
+    flag fastdet.train does not have)."""
     bad = tmp_path / "weights.pth"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is an image, not weights" * 8)
-    extra = [str(bad) if a == "NOT_A_CKPT" else str(tmp_path / "nowhere.pth") if a == "MISSING" else a
-             for a in extra]
+    torch.save({"w": torch.zeros(3)}, tmp_path / "sd.pth")
+    data = (tmp_path / "sd.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])
+    (tmp_path / "adir.pth").mkdir()
+    files = {"NOT_A_CKPT": bad, "MISSING": tmp_path / "nowhere.pth", "STATE_DICT": tmp_path / "sd.pth",
+             "TRUNCATED": tmp_path / "cut.pth", "A_FOLDER": tmp_path / "adir.pth"}
+    extra = [str(files.get(a, a)) for a in extra]
+    message = message.replace("TMP/", f"{tmp_path}/")
     out = tmp_path / "out"
     r = run(train_cmd(demo_small, out, *extra))
     assert r.returncode == 2, r.stdout + r.stderr

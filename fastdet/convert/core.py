@@ -21,6 +21,7 @@ from fastdet.config import apply_overrides
 from fastdet.models import ARCHITECTURES, build_model
 from fastdet.models.paddle_names import NAME_TABLE
 from fastdet.runtime.checkpoint import UnsafeWeightsError, is_torch_file, read_weights, to_tensors
+from fastdet.runtime.checkpoint import weight_file_format as file_format
 
 log = logging.getLogger("fastdet.convert")
 
@@ -98,27 +99,29 @@ def _fit(state: Mapping[str, torch.Tensor], arch: str, size: str, num_classes: i
 
 
 def weight_file_format(path: Path) -> str:
-    """``"torch"`` (a zip archive, as ``torch.save`` writes) or ``"paddle"`` (a pickle, as
-    ``paddle.save`` writes ``.pdparams``); anything else, or no file, is one line saying so."""
-    if not path.is_file():
-        raise ConvertError(f"{path}: no such file")
-    if is_torch_file(path):
-        return "torch"
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head.startswith(b"PK"):
-        raise ConvertError(f"{path}: a zip archive that does not open (truncated or damaged): not a readable "
-                           "torch file")
-    if head[:1] == b"\x80":
-        return "paddle"
-    raise ConvertError(f"{path}: neither a torch file (a zip archive) nor a Paddle .pdparams (a pickle): "
-                       "not a weight file, or damaged")
+    """``"torch"`` or ``"paddle"`` (``fastdet.runtime.checkpoint.weight_file_format``); no
+    file, a folder or anything else is a :class:`ConvertError` line saying so."""
+    try:
+        return file_format(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConvertError(str(e)) from None
+
+
+def released_files(arch: str) -> str:
+    """What ``arch`` converts, for a message: ``paddle .pdparams files`` / ``megvii torch files``."""
+    sources = ARCHITECTURES[arch].weight_sources
+    if not sources:
+        return f"fastdet converts no released {arch} weights"
+    return f"{arch} converts " + ", ".join(f"{n} {'.pdparams' if s.file_format == 'paddle' else 'torch'} files"
+                                           for n, s in sorted(sources.items()))
 
 
 def pick_source(arch: str, path: Path, source: Optional[str]) -> str:
+    """The released file's source (``--from``, else the one of this family that writes its
+    format); the file is one the caller knows is not a fastdet checkpoint."""
     fam = ARCHITECTURES[arch]
     if not fam.weight_sources:
-        raise ConvertError(f"{path}: fastdet converts no released weights for {arch}")
+        raise ConvertError(f"{path}: not a fastdet checkpoint, and {released_files(arch)}")
     if source is not None:
         if source not in fam.weight_sources:
             raise ConvertError(f"{path}: {arch} converts weights from {', '.join(sorted(fam.weight_sources))}, "
@@ -126,9 +129,12 @@ def pick_source(arch: str, path: Path, source: Optional[str]) -> str:
         return source
     fmt = weight_file_format(path)
     names = [n for n, s in fam.weight_sources.items() if s.file_format == fmt]
-    if len(names) != 1:
-        raise ConvertError(f"{path}: a {fmt} file; {arch} reads {fmt} files from "
-                           f"{', '.join(names) or 'no source'}: say which with --from")
+    if not names:
+        raise ConvertError(f"{path}: a {fmt} file that is not a fastdet checkpoint (no 'config' and 'model' "
+                           f"entries), nor a released {arch} file fastdet reads ({released_files(arch)})")
+    if len(names) > 1:
+        raise ConvertError(f"{path}: a {fmt} file; {arch} reads {fmt} files from {', '.join(names)}: say which "
+                           "with --from")
     return names[0]
 
 
@@ -142,14 +148,19 @@ def convert(path: str | Path, arch: str, size: Optional[str] = None, source: Opt
     fam = ARCHITECTURES[arch]
     if size is not None and size not in fam.sizes:
         raise ConvertError(f"unknown --size {size!r} for {arch}: available are {', '.join(fam.sizes)}")
-    source = pick_source(arch, path, source)
-    ws = fam.weight_sources[source]
+    weight_file_format(path)  # no file, a folder, a damaged one: said before anything else
     try:
         raw = read_weights(path)
     except (UnsafeWeightsError, FileNotFoundError):
         raise
     except ValueError as e:
         raise ConvertError(str(e)) from None
+    if is_fastdet_checkpoint(raw):
+        model = raw["config"].get("model") or {}
+        raise ConvertError(f"{path}: already a fastdet checkpoint ({model.get('arch')}-{model.get('size')}): "
+                           "use it as is")
+    source = pick_source(arch, path, source)
+    ws = fam.weight_sources[source]
     state = unwrap(raw, path)
     try:
         state, num_classes = ws.convert(state)

@@ -235,9 +235,16 @@ class Checkpointer:
     def finetune(self, path: str) -> None:
         """Start from ``path``'s weights (ours, or the authors' released files, converted),
         each class's head rows taken from the checkpoint's class of the same name
-        (engine/finetune.py)."""
-        ck, _ = load_any(path, self.cfg.model.arch, self.cfg.model.size)
-        msg = load_for_finetune(self.model, ck, self.train_set.class_names)
+        (engine/finetune.py). With ``--ckpt-partial`` a released file is converted at the size
+        its shapes say, and the tensors that fit this run's size are loaded."""
+        partial = self.cfg.run.ckpt_partial
+        ck, _ = load_any(path, self.cfg.model.arch, None if partial else self.cfg.model.size)
+        try:
+            msg = load_for_finetune(self.model, ck, self.train_set.class_names)
+        except ValueError as e:  # little fits (another family's weights, with --ckpt-partial)
+            model = ck["config"].get("model") or {}
+            raise ValueError(f"--ckpt {path} ({model.get('arch')}-{model.get('size')} weights): {e}; this run "
+                             f"trains {self.cfg.model.arch}-{self.cfg.model.size}") from None
         if self.ema is not None:
             self.ema.reset(self.model)
         log.info("fine-tuning from %s; %s", path, msg)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fastdet.runtime.checkpoint import read_weights, to_tensors
+from fastdet.runtime.checkpoint import backbone_state, read_weights, to_tensors
 
 log = logging.getLogger("fastdet.models")
 
@@ -37,15 +37,18 @@ def load_paddle_backbone(backbone: torch.nn.Module, path: str, rename) -> tuple[
     ``backbone`` (``--backbone-weights``).
 
     Names may carry a ``backbone.`` prefix or not; ``rename(name) -> fastdet backbone name``
-    maps the rest. Tensors the backbone does not have (the ImageNet classifier) are ignored
+    maps the rest. A full fastdet checkpoint (a run's ``best.pth``) gives its backbone
+    (``fastdet.runtime.checkpoint.backbone_state``). Tensors the backbone does not have (the ImageNet classifier) are ignored
     and named in one log line; a shape mismatch or a file that fits nothing is one
     ``ValueError`` line. Returns ``(missing, ignored)``.
     """
-    state = to_tensors({k: v for k, v in read_weights(path).items() if k != NAME_TABLE})
+    raw, own_names = backbone_state(read_weights(path), path)
+    state = to_tensors({k: v for k, v in raw.items() if k != NAME_TABLE})
     own = backbone.state_dict()
     keep, ignored = {}, []
     for k, v in state.items():
-        name = rename(bn_name(k[len("backbone."):] if k.startswith("backbone.") else k))
+        # A fastdet checkpoint's backbone already has the model's names (rename maps Paddle's).
+        name = k if own_names else rename(bn_name(k[len("backbone."):] if k.startswith("backbone.") else k))
         if name not in own:
             ignored.append(k)
         elif tuple(own[name].shape) != tuple(v.shape):

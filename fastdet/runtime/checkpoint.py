@@ -17,6 +17,7 @@ dtypes and plain containers and refuses anything else before calling it.
 from __future__ import annotations
 
 import _codecs
+import logging
 import os
 import pickle
 import random
@@ -28,6 +29,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from torch import nn
+
+log = logging.getLogger("fastdet")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -175,6 +178,7 @@ def load_pdparams(path: str | Path) -> dict[str, Any]:
     containers, ``ValueError`` on a file that is not a pickle of a dict.
     """
     path = Path(path)
+    _refuse_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     with open(path, "rb") as f:
@@ -200,6 +204,7 @@ def load_torch_file(path: str | Path, mmap: bool = False) -> Any:
     of being read (a caller that needs the config only).
     """
     path = Path(path)
+    _refuse_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     try:
@@ -219,6 +224,39 @@ def is_torch_file(path: str | Path) -> bool:
     return zipfile.is_zipfile(path)
 
 
+def _refuse_folder(path: Path) -> None:
+    """A folder is not "no such file" (a run directory given where its best.pth was meant)."""
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder, not a weight file")
+
+
+def _starts_as_zip(path: Path) -> bool:
+    """A zip's first local header, read when ``is_torch_file`` is False: the archive was cut
+    short or damaged (its central directory, at the end, is what does not open)."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"PK"
+
+
+def weight_file_format(path: str | Path) -> str:
+    """``"torch"`` (a zip archive, as ``torch.save`` writes) or ``"paddle"`` (a pickle, as
+    ``paddle.save`` writes ``.pdparams``). ``FileNotFoundError`` for no file, ``ValueError``
+    for a folder, a damaged zip archive or anything else: one line naming the path."""
+    path = Path(path)
+    _refuse_folder(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if is_torch_file(path):
+        return "torch"
+    if _starts_as_zip(path):
+        raise ValueError(f"{path}: a zip archive that does not open (truncated or damaged): not a readable "
+                         "torch file")
+    with open(path, "rb") as f:
+        if f.read(1) == b"\x80":
+            return "paddle"
+    raise ValueError(f"{path}: neither a torch file (a zip archive) nor a Paddle .pdparams (a pickle): "
+                     "not a weight file, or damaged")
+
+
 def to_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` from numpy arrays or tensors; ``(name, array)`` tuple values (some
     third-party Paddle files) are unwrapped; other entries are dropped (the caller names them)."""
@@ -236,27 +274,50 @@ def to_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 def read_weights(path: str | Path) -> dict[str, Any]:
     """A weight file by its format: a torch zip archive, else a Paddle pickle."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    if is_torch_file(path):
-        return load_torch_file(path)
-    with open(path, "rb") as f:
-        head = f.read(2)
-    if head[:1] != b"\x80":
-        raise ValueError(f"{path}: neither a torch.save archive nor a pickle (.pdparams)")
-    return load_pdparams(path)
+    return load_torch_file(path) if weight_file_format(path) == "torch" else load_pdparams(path)
 
 
 def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     """A fastdet checkpoint through :func:`load_torch_file`; a missing file or one that is not
     a ``torch.save`` archive is named as a checkpoint that is not one."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is not a checkpoint: a folder, not a file")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not is_torch_file(path):
+        if _starts_as_zip(path):
+            raise ValueError(f"{path} is not a checkpoint: a zip archive that does not open (truncated or damaged)")
         raise ValueError(f"{path} is not a checkpoint: torch.save writes a zip archive and this "
                          "file is not one (corrupt, truncated or another format)")
     return load_torch_file(path, mmap=mmap)
+
+
+def backbone_state(raw: Any, path: str | Path) -> tuple[dict[str, Any], bool]:
+    """The weights a ``--backbone-weights`` file holds, and whether they are a detector's
+    backbone (names as the model's own ``backbone``, ``backbone.`` stripped).
+
+    A flat dict (an ImageNet file) is returned as it is. A full checkpoint gives its
+    ``backbone.`` tensors: a fastdet one (its EMA weights when it has them, as
+    :func:`select_weights`), or a ``{"model": ...}`` / ``{"state_dict": ...}`` wrapper (one
+    without ``backbone.`` names is a plain state dict, returned whole). Anything but a dict
+    is one ``ValueError`` line naming the file."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"--backbone-weights {path}: expected a dict of weights, found a {type(raw).__name__}")
+    if isinstance(raw.get("config"), Mapping) and isinstance(raw.get("model"), Mapping):
+        nested, which = select_weights(dict(raw))
+        entry = f"a fastdet checkpoint, its {which} weights"
+    else:
+        key = next((k for k in ("model", "state_dict") if isinstance(raw.get(k), Mapping)), None)
+        if key is None:
+            return dict(raw), False
+        nested, entry = raw[key], f"its {key!r} entry"
+    ours = {k[len("backbone."):]: v for k, v in nested.items() if isinstance(k, str) and k.startswith("backbone.")}
+    if not ours:
+        return dict(nested), False
+    log.info("backbone weights: the %d backbone tensors of %s (%s; %d others, the neck and head, not loaded)",
+             len(ours), path, entry, len(nested) - len(ours))
+    return ours, True
 
 
 def select_weights(ck: dict[str, Any], ema: bool = True) -> tuple[dict[str, Any], str]:

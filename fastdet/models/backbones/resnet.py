@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch import Tensor, nn
 from torchvision.models.resnet import Bottleneck, ResNet
 from torchvision.ops import FrozenBatchNorm2d
 
-from fastdet.runtime.checkpoint import load_torch_file
+from fastdet.runtime.checkpoint import backbone_state, load_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +84,8 @@ def load_backbone_weights(backbone: nn.Module, path: str | Path) -> tuple[list[s
         state = load_torch_file(path)
     except (OSError, ValueError) as e:  # missing, damaged, or needs code to unpickle: one line from the reader
         raise ValueError(f"--backbone-weights {path}: cannot read a state dict ({e})") from e
-    if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
-        state = state["state_dict"]
-    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+    state = backbone_state(state, path)[0]  # a {"state_dict": ...} wrapper, a fastdet checkpoint's backbone
+    if not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"--backbone-weights {path}: expected a dict of tensors (a torchvision state_dict)")
     own = backbone.state_dict()
     for k, v in state.items():
