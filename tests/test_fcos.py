@@ -165,7 +165,6 @@ def test_predict_defaults_are_paddles(monkeypatch):
     """``predict()`` runs the base multiclass NMS (the one ``export --nms`` reproduces) at
     Paddle's values, the same as the recipe's post-processing settings."""
     from fastdet import registry
-    from fastdet.config import Config, ModelConfig
     from fastdet.export import export_nms_form
     from fastdet.models import detector
 

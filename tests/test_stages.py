@@ -27,10 +27,9 @@ import torch
 from PIL import Image
 
 from fastdet.config import DataConfig
-from fastdet.data import augment as A
 from fastdet.data import geometry as G
 from fastdet.data import stages as S
-from fastdet.data.loader import build_eval_loader, build_train_loader
+from fastdet.data.loader import build_eval_loader
 from fastdet.data.preprocess import Preprocess, boxes_to_original
 from fastdet.data.records import ImageRecord
 from fastdet.data.schedule import TrainSchedule

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from fastdet.engine.summary import FILE_NAME, summarize_model, write_summary
 from fastdet.models import build_model
 from fastdet.models.flops import count_flops

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from torch import Tensor, nn
 from torchvision.models.resnet import Bottleneck, ResNet
 from torchvision.ops import FrozenBatchNorm2d
