@@ -46,16 +46,21 @@ def slow_score(gt, results, image_ids):
     return score(gt, results, image_ids)
 
 
+def perfect_results(ann_file: Path) -> tuple[list[int], list[dict]]:
+    """The val set's image ids, and its own boxes as detections (AP 1)."""
+    doc = json.loads(ann_file.read_text())
+    return [im["id"] for im in doc["images"]], [
+        {"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9}
+        for a in doc["annotations"]]
+
+
 def test_the_scorer_outlives_a_ctrl_c(demo_paths):
     """Ctrl-C signals the terminal's whole process group: the scorer ignores it (the
     trainer stops at a step boundary and waits for the score); before, it died and the
     run's last evaluation was lost with "the scoring process exited"."""
     import signal
 
-    doc = json.loads(demo_paths.val_ann.read_text())
-    ids = [im["id"] for im in doc["images"]]
-    res = [{"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9}
-           for a in doc["annotations"]]
+    ids, res = perfect_results(demo_paths.val_ann)
     s = async_scoring.AsyncScorer(str(demo_paths.val_ann))
     try:
         s.submit(res, ids, {"step": 1})
@@ -69,10 +74,7 @@ def test_the_scorer_outlives_a_ctrl_c(demo_paths):
 
 
 def test_scorer_round_trip_and_errors(demo_paths):
-    doc = json.loads(demo_paths.val_ann.read_text())
-    ids = [im["id"] for im in doc["images"]]
-    res = [{"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9}
-           for a in doc["annotations"]]
+    ids, res = perfect_results(demo_paths.val_ann)
     s = async_scoring.AsyncScorer(str(demo_paths.val_ann))
     try:
         a = s.submit(res, ids, {"step": 3})
