@@ -40,8 +40,7 @@ from fastdet.config import Config, ConfigError, apply_overrides
 from fastdet.data.coco import DataError
 from fastdet.data.formats import train_num_classes
 from fastdet.engine.compile_workers import CompileWorkers
-from fastdet.engine.trainer import check_device
-from fastdet.runtime.dist import resolve_device
+from fastdet.runtime.dist import check_device_flags, resolve_device
 from fastdet.train import PATH_KEYS, check_config, explicit_overrides, flag_of, resolve_config
 from fastdet.train import build_parser as train_parser
 
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ddp is not None and args.ddp < 1:
             raise ConfigError(f"--ddp takes the launch's number of ranks (at least 1), got {args.ddp}")
         device = resolve_device(cfg.run.device)
-        check_device(cfg, device)
+        check_device_flags(cfg, device)
         n = num_classes(args, cfg)
         cfg = apply_overrides(registry.resolve(cfg), {"model.num_classes": n, "compile.compile": True})
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -53,17 +53,6 @@ def output_dir(cfg: Config) -> Path:
     return Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
 
 
-def check_device(cfg: Config, device: torch.device) -> None:
-    """The flags that need a CUDA device, refused in one line on ``device`` (the resolved
-    ``--device``: ``auto`` is only known here, not in ``check_config``). The trainer and
-    ``python -m fastdet.compile`` both call this, so they refuse the same command alike."""
-    if device.type == "cuda":
-        return
-    for on, flag in ((cfg.compile.cuda_graphs, "--cuda-graphs"), (cfg.run.sync_debug, "--sync-debug")):
-        if on:
-            raise ValueError(f"{flag} needs a CUDA device (--device resolves to the CPU here): drop the flag")
-
-
 class Trainer:
     """Set up in small named steps (process, data, family, model, loaders, restore, step,
     collaborators), then :meth:`train`."""
@@ -114,7 +103,7 @@ class Trainer:
     def _setup_process(self, cfg: Config) -> None:
         """Device, process group, output directory, logging and seeds."""
         self.device = dist.resolve_device(cfg.run.device)
-        check_device(cfg, self.device)
+        dist.check_device_flags(cfg, self.device)
         self.dist = dist.init_distributed(self.device.type, cuda_graphs=cfg.compile.cuda_graphs,
                                           timeout_minutes=cfg.run.dist_timeout_minutes)
         if self.device.type == "cuda":
@@ -220,7 +209,12 @@ class Trainer:
         if run.max_steps > 0:
             total_steps = min(total_steps, run.max_steps)
         if self.step == total_steps and not self.evals.recorded(self.step):
-            return self._evaluate_the_last_step()
+            # Stopped or killed during the evaluation of its last step (then resumed, or
+            # restarted by torchrun): the last step is always evaluated, so it is now.
+            log.info("the run in %s trained to its last step, %d, but its evaluation of it was not recorded "
+                     "(stopped during it): evaluating it now", self.out, self.step)
+            self.evaluate()
+            return self._finish()
         if self.step >= total_steps:
             more = ("raise --max-steps, or start a new run for more --epochs" if total_steps < cfg.optim.epochs *
                     self.steps_per_epoch else "its schedule is done: for more --epochs start a new run, with --ckpt "
@@ -229,23 +223,18 @@ class Trainer:
                      total_steps, self._epoch_number(), more)
             self.metrics.close()
             return {}
-        try:
+        with self._start():
             self._preflight()
             self.control.install()  # a signal during a long blocking warm-up stops at the first step
             # Modes first: warm-up compiles and captures the model in the mode it trains in
             # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
             self._train_mode()
             self.compilation.warmup(self.epoch, self.steps_per_epoch)
-        except BaseException:  # the first step never ran: as a failed set-up, no folder left
-            self._abandon_start()
-            raise
-        progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
-                                      steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
-                                      amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
-        for hook in self.hooks:
-            hook.before_train(self)
-        first_step = self.step + 1
-        try:
+            progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
+                                          steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
+                                          amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
+            for hook in self.hooks:
+                hook.before_train(self)
             while self.step < total_steps:
                 stop = self._train_epoch(progress, total_steps)
                 epoch_done = self.step % self.steps_per_epoch == 0
@@ -261,30 +250,16 @@ class Trainer:
                     hook.after_epoch(self)
                 if stop and not last:  # a signal at an epoch's last step: saved (and evaluated) above
                     self._stop_preempted()
-        except BaseException:
-            if self.step < first_step:  # the first step failed (out of memory, a shape): nothing trained
-                self._abandon_start()
-            raise
         self.control.finish()
-        # The last evaluations are waited for; latest.pth then records the best AP.
-        best_changed, stats = self.evals.finish(self.step)
-        if best_changed:
-            self.save()
-        self.metrics.close()
-        self.compilation.close()
         self.metrics.report_gaps(self.step)
-        self.evals.report(stats)
+        stats = self._finish()
         for hook in self.hooks:
             hook.after_train(self)
         return stats
 
-    def _evaluate_the_last_step(self) -> dict[str, float]:
-        """A run whose training ended at its last step but whose evaluation of it is not in
-        eval.jsonl (stopped or killed during that evaluation, then resumed or restarted by
-        torchrun): the last step is always evaluated, so it is evaluated now."""
-        log.info("the run in %s trained to its last step, %d, but its evaluation of it was not recorded (stopped "
-                 "during it): evaluating it now", self.out, self.step)
-        self.evaluate()
+    def _finish(self) -> dict[str, float]:
+        """The last evaluations waited for (``latest.pth`` then records the best AP), the
+        writers and workers closed, the final line; the last scores."""
         best_changed, stats = self.evals.finish(self.step)
         if best_changed:
             self.save()
@@ -353,14 +328,22 @@ class Trainer:
                 f"the last good checkpoint is {latest}" if latest.exists() else "no checkpoint was written before it"))
         self.evals.collect(self.step)  # scores finished in the background since the last log
 
-    def _abandon_start(self) -> None:
-        """A start that failed before its first step finished: the workers and writers
-        closed, and the folder it made removed (engine/rundir.py), so the corrected command
-        goes to the same folder."""
-        self.metrics.close()
-        self.evals.close()
-        self.compilation.close()
-        forget_failed_start(self.out, self._made_out, self.dist.is_main, self._log_before)
+    @contextlib.contextmanager
+    def _start(self) -> Iterator[None]:
+        """A failure before this process's first step finishes (the check before training,
+        the warm-up, the first step: out of memory, a shape) is a failed start: the workers
+        and writers closed, and the folder as it was (engine/rundir.py), so the corrected
+        command goes to the same folder."""
+        first_step = self.step + 1
+        try:
+            yield
+        except BaseException:
+            if self.step < first_step:
+                self.metrics.close()
+                self.evals.close()
+                self.compilation.close()
+                forget_failed_start(self.out, self._made_out, self.dist.is_main, self._log_before)
+            raise
 
     def _epoch_number(self) -> int:
         """The epoch of the last step, counted from 1, as every line and file names it

@@ -46,6 +46,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_device_flags(cfg: Any, device: torch.device) -> None:
+    """The flags that need a CUDA device, refused in one line on ``device`` (the resolved
+    ``--device``: ``auto`` is only known here, not in ``check_config``). The trainer and
+    ``python -m fastdet.compile`` both call this, so they refuse the same command alike."""
+    if device.type == "cuda":
+        return
+    for on, flag in ((cfg.compile.cuda_graphs, "--cuda-graphs"), (cfg.run.sync_debug, "--sync-debug")):
+        if on:
+            raise ValueError(f"{flag} needs a CUDA device (--device resolves to the CPU here): drop the flag")
+
+
 def init_distributed(device_type: str, cuda_graphs: bool = False,
                      timeout_minutes: float | None = None) -> DistInfo:
     """Initialise the default process group from torchrun's environment, if present.
