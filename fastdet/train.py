@@ -32,7 +32,7 @@ from fastdet.data.loader import BACKENDS as LOADERS, train_sizes
 from fastdet.data.schedule import LoaderError
 from fastdet.engine.compile_workers import CompileError
 from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
-from fastdet.engine.optim import SCHEDULES
+from fastdet.engine.optim import OPTIMIZERS, SCHEDULES
 from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
 from fastdet.models.detector import Detector
@@ -379,7 +379,7 @@ def _check_values(cfg: Config) -> None:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{_named(f'{section}.{name}')} must be a finite number, got {v}")
     o, d = cfg.optim, cfg.data
-    names = {"optim.optimizer": (o.optimizer, ("sgd", "adamw")), "optim.schedule": (o.schedule, tuple(SCHEDULES)),
+    names = {"optim.optimizer": (o.optimizer, OPTIMIZERS), "optim.schedule": (o.schedule, tuple(SCHEDULES)),
              "optim.ema_type": (o.ema_type, tuple(EMA_FLAVOURS)), "data.loader": (d.loader, LOADERS)}
     for key, (v, allowed) in names.items():
         if v not in allowed:

@@ -179,6 +179,10 @@ class CapturableAdamW(_DeviceLROptimizer):
         return None
 
 
+# optim.optimizer: what build_optimizer builds (the trainer's checks name them from here).
+OPTIMIZERS = ("sgd", "adamw")
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float,
                     device: torch.device | str) -> _DeviceLROptimizer:
     """``cfg.optimizer`` over :func:`build_param_groups` of ``model``."""
@@ -187,7 +191,7 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float,
         return CapturableSGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, device=device)
     if cfg.optimizer == "adamw":
         return CapturableAdamW(groups, lr=lr, betas=(cfg.momentum, cfg.beta2), device=device)
-    raise ValueError(f"optim.optimizer: expected 'sgd' or 'adamw', got {cfg.optimizer!r}")
+    raise ValueError(f"optim.optimizer: expected one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
 
 
 def build_optimizer_and_ema(cfg: OptimConfig, model: nn.Module, world_batch: int, device: torch.device
