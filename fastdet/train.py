@@ -37,9 +37,9 @@ from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
 from fastdet.models.detector import Detector
 from fastdet.ops.ema import EMA_FLAVOURS
-from fastdet.convert.core import ConvertError, is_fastdet_checkpoint, pick_source
+from fastdet.convert.core import convert_weights, is_fastdet_checkpoint
 from fastdet.runtime.checkpoint import (load_checkpoint, load_torch_file, load_with_fallback, previous_path,
-                                        weight_file_format)
+                                        read_weights, weight_file_format)
 from fastdet.runtime.logging import ProfilerWindow
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
@@ -421,9 +421,13 @@ def check_same_model(path: Path, fmt: str, cfg: Config) -> None:
         except ValueError as e:  # damaged, or it needs code to unpickle: the reader's line
             raise ConfigError(f"--ckpt {e}") from None
     if not is_fastdet_checkpoint(ck):
+        # Converted here as the model build will (names, class count, size from the shapes), so a
+        # file that is none of this family's is one line before the data is read; the torch file
+        # is memory-mapped, a Paddle pickle read whole.
         try:
-            pick_source(cfg.model.arch, path, None)
-        except ConvertError as e:
+            convert_weights(ck if fmt == "torch" else read_weights(path), path, cfg.model.arch,
+                            None if cfg.run.ckpt_partial else cfg.model.size)
+        except ValueError as e:  # ConvertError, or a Paddle pickle that is damaged or unsafe
             raise ConfigError(f"--ckpt {e}") from None
         return
     model = ck["config"].get("model")

@@ -366,6 +366,33 @@ def test_ckpt_partial_takes_the_tensors_that_fit_from_a_released_file_of_another
         finetune(False)
 
 
+def test_train_refuses_a_torch_file_of_another_model_before_reading_its_data(tmp_path):
+    """``fastdet.train --ckpt`` with a torch file that is not a fastdet checkpoint: the check
+    before any work (train._check_weight_files) converts it as the model build will, so a
+    state dict of some other network, or Megvii's file of another size, is one line naming
+    the file there; before, it passed that check (any torch file is a YOLOX source) and was
+    refused once the data was read and the model built. --ckpt-partial takes the other size."""
+    import torchvision
+
+    from fastdet import registry
+    from fastdet.config import ConfigError, apply_overrides
+    from fastdet.train import _check_weight_files
+
+    nano, other = tmp_path / "yolox_nano.pth", tmp_path / "resnet18.pth"
+    torch.save({"model": megvii_yolox("nano").state_dict()}, nano)
+    torch.save(torchvision.models.resnet18().state_dict(), other)
+
+    def check(path, size="s", **overrides):
+        _check_weight_files(apply_overrides(registry.get_preset("yolox", size), {"run.ckpt": str(path), **overrides}))
+
+    check(nano, "nano")
+    check(nano, "s", **{"run.ckpt_partial": True})
+    for path, says in ((nano, "this looks like yolox-nano"), (other, "not megvii's yolox (conv1.weight")):
+        with pytest.raises(ConfigError) as e:
+            check(path)
+        assert str(e.value).startswith(f"--ckpt {path}: ") and says in str(e.value) and "\n" not in str(e.value)
+
+
 def test_eval_cli_scores_the_released_file_as_its_conversion(tmp_path, capsys):
     """``python -m fastdet.eval --ckpt RELEASED --arch yolox`` converts on load (through
     load_detector's reader) and prints the same AP as the converted checkpoint."""

@@ -155,6 +155,14 @@ def convert(path: str | Path, arch: str, size: Optional[str] = None, source: Opt
         raise
     except ValueError as e:
         raise ConvertError(str(e)) from None
+    return convert_weights(raw, path, arch, size, source)
+
+
+def convert_weights(raw: Any, path: Path, arch: str, size: Optional[str] = None, source: Optional[str] = None,
+                    ) -> tuple[dict[str, Any], str]:
+    """:func:`convert` of the contents ``raw`` already read from ``path`` (``fastdet.train``
+    checks a ``--ckpt`` this way before any work, on the file memory-mapped)."""
+    fam = ARCHITECTURES[arch]
     if is_fastdet_checkpoint(raw):
         model = raw["config"].get("model") or {}
         raise ConvertError(f"{path}: already a fastdet checkpoint ({model.get('arch')}-{model.get('size')}): "
