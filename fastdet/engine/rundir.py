@@ -23,7 +23,9 @@ START_FILES = {"train.log", "config.yaml", "model_summary.txt", "tb"}
 
 
 def holds_run(path: Path) -> bool:
-    """Whether ``path`` holds any file a run writes."""
+    """Whether ``path`` holds any file a run writes (a file of that name takes it too)."""
+    if path.exists() and not path.is_dir():
+        return True
     return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
 
 
@@ -42,6 +44,22 @@ def free_run_dir(path: Path) -> Path:
         if not holds_run(cand):
             return cand
         n += 1
+
+
+def claim_run_dir(path: Path) -> tuple[Path, bool]:
+    """:func:`free_run_dir`, claimed for this start: its ``train.log`` created, which fails if
+    another start created it since (two runs of one command started together would otherwise
+    both choose ``runs/x2`` and write into it); the loser takes the next free one. Returns the
+    directory and whether this start made it (it has no ``train.log`` of its own before)."""
+    while True:
+        cand = free_run_dir(path)
+        made = not cand.exists()
+        cand.mkdir(parents=True, exist_ok=True)
+        try:
+            (cand / "train.log").open("x").close()
+        except FileExistsError:
+            continue
+        return cand, made
 
 
 def log_size(path: Path) -> int | None:

@@ -36,7 +36,7 @@ from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
-from fastdet.engine.rundir import forget_failed_start, free_run_dir, log_size
+from fastdet.engine.rundir import claim_run_dir, forget_failed_start, log_size
 from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
 from fastdet.runtime.amp import backend_flags
@@ -110,17 +110,20 @@ class Trainer:
             self.device = torch.device("cuda", self.dist.local_rank)
             backend_flags(self.device, cfg.compile.tf32)
         asked = output_dir(cfg)
-        # Rank 0 chooses (another rank could see the directory rank 0 just made as taken).
-        self.out = dist.broadcast_object(
-            asked if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or restart_count() > 0
-            else free_run_dir(asked))
-        self._made_out = self.dist.is_main and not self.out.exists()
-        if self.out.exists() and not self.out.is_dir():
-            raise ValueError(f"--output-dir {self.out} is a file, not a folder")
+        if asked.exists() and not asked.is_dir():
+            raise ValueError(f"--output-dir {asked} is a file, not a folder")
+        # Rank 0 chooses (another rank could see the directory rank 0 just made as taken). A
+        # failed start gives a folder it did not make its train.log back as it was
+        # (_log_before; None: the log is this start's).
+        out, self._made_out, self._log_before = asked, False, None
         if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or restart_count() > 0:
+                self._made_out, self._log_before = not asked.exists(), log_size(asked)
+                asked.mkdir(parents=True, exist_ok=True)
+            else:
+                out, self._made_out = claim_run_dir(asked)
+        self.out = dist.broadcast_object(out)
         dist.barrier()
-        self._log_before = log_size(self.out)  # a failed start gives a folder it did not make its log back
         setup_logging(self.out, self.dist.is_main)
         if self.out != asked:
             resumable = "--resume continues that run, " if (asked / "latest.pth").exists() else ""

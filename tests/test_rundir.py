@@ -1,0 +1,66 @@
+"""The output directory a new run writes to (fastdet/engine/rundir.py): never one another
+start has chosen, even when two starts of one command look at the same moment."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+from fastdet.engine import rundir
+
+
+def _claim(path: str, barrier, results) -> None:
+    barrier.wait()  # every start looks at the same moment
+    results.put(str(rundir.claim_run_dir(Path(path))[0]))
+
+
+def test_starts_that_look_together_each_claim_their_own_directory(tmp_path):
+    """Eight starts of one command at once (a sweep launched by a script, a job array):
+    ``runs/x`` holds a run, and each start must get a directory of its own. Choosing the
+    first free one and then making it let several choose ``x2`` and write into it."""
+    asked = tmp_path / "x"
+    asked.mkdir()
+    (asked / "latest.pth").write_bytes(b"a run")
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(8), ctx.Queue()
+    procs = [ctx.Process(target=_claim, args=(str(asked), barrier, results)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == sorted(str(tmp_path / f"x{n}") for n in range(2, 10))
+    assert (asked / "latest.pth").read_bytes() == b"a run" and not (asked / "train.log").exists()
+
+
+def test_a_directory_claimed_between_the_look_and_the_claim_is_left_to_its_run(tmp_path, monkeypatch):
+    """The race made certain: another start claims ``x2`` after this one found it free;
+    this one takes ``x3``, and says it made it (a failed start then removes it)."""
+    asked = tmp_path / "x"
+    asked.mkdir()
+    (asked / "metrics.jsonl").write_text("{}\n")
+    look = rundir.free_run_dir
+
+    def look_then_lose(path: Path) -> Path:
+        chosen = look(path)
+        if chosen.name == "x2":
+            chosen.mkdir()
+            (chosen / "train.log").write_text("the other start\n")
+        return chosen
+
+    monkeypatch.setattr(rundir, "free_run_dir", look_then_lose)
+    out, made = rundir.claim_run_dir(asked)
+    assert (out, made) == (tmp_path / "x3", True)
+    assert (tmp_path / "x2" / "train.log").read_text() == "the other start\n"
+    assert (out / "train.log").read_text() == ""
+
+
+def test_an_empty_folder_is_claimed_as_it_is_and_a_file_of_the_name_is_passed_over(tmp_path):
+    """A folder the user made for the run is used (not made by this start: a failed start
+    leaves it); a file named like the next candidate is not a directory to write into."""
+    asked = tmp_path / "exp"
+    asked.mkdir()
+    assert rundir.claim_run_dir(asked) == (asked, False)
+    (tmp_path / "exp2").write_text("notes")
+    assert rundir.claim_run_dir(asked) == (tmp_path / "exp3", True)
+    assert (tmp_path / "exp2").read_text() == "notes"
