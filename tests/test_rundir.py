@@ -64,3 +64,41 @@ def test_an_empty_folder_is_claimed_as_it_is_and_a_file_of_the_name_is_passed_ov
     (tmp_path / "exp2").write_text("notes")
     assert rundir.claim_run_dir(asked) == (tmp_path / "exp3", True)
     assert (tmp_path / "exp2").read_text() == "notes"
+
+
+def test_a_new_run_over_another_falls_back_on_none_of_its_checkpoints(tmp_path):
+    """--exist-ok over another run: the first latest.pth this run writes must not make the
+    other run's latest.pth its latest.prev.pth (the checkpoint a damaged latest.pth resumes
+    from, config permitting); from its second save on, and in a resumed run, the one before
+    is kept as before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fastdet import registry
+    from fastdet.config import apply_overrides
+    from fastdet.engine.checkpointer import Checkpointer
+    from fastdet.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    for name, step in (("latest.prev.pth", 20), ("latest.pth", 30)):
+        save_checkpoint(tmp_path / name, {"step": step, "config": {}})
+    model = torch.nn.Linear(2, 2)
+
+    def checkpointer(resume: bool) -> Checkpointer:
+        cfg = apply_overrides(registry.get_preset("ppyoloe", "s"), {"run.resume": resume})
+        return Checkpointer(cfg, tmp_path, SimpleNamespace(world_size=1, is_main=True), model, None,
+                            torch.optim.SGD(model.parameters(), lr=0.1),
+                            SimpleNamespace(cat_ids=[1], class_names=["a"]), 5)
+
+    def steps() -> tuple[int, int | None]:
+        prev = tmp_path / "latest.prev.pth"
+        return (load_checkpoint(tmp_path / "latest.pth")["step"],
+                load_checkpoint(prev)["step"] if prev.exists() else None)
+
+    new = checkpointer(resume=False)
+    new.save_latest(0, 1, 0.0)
+    assert steps() == (1, None)
+    new.save_latest(0, 2, 0.0)
+    assert steps() == (2, 1)
+    checkpointer(resume=True).save_latest(0, 3, 0.0)
+    assert steps() == (3, 2)

@@ -64,11 +64,21 @@ def test_the_same_command_twice_starts_a_numbered_run_and_keeps_the_first(demo_s
 
 
 def test_exist_ok_writes_into_the_directory(demo_small, tmp_path):
-    run(train_cmd(demo_small, tmp_path, "--max-steps", "1"))
+    """--exist-ok: the new run writes into the folder of another, and what it logs is its
+    own. Before, TensorBoard drew both runs' curves interleaved (the old event file was read
+    with the new). Its checkpoints' fallback: tests/test_rundir.py."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert run(train_cmd(demo_small, tmp_path, "--max-steps", "3")).returncode == 0
     r = run(train_cmd(demo_small, tmp_path, "--max-steps", "2", "--exist-ok"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert load_checkpoint(tmp_path / "latest.pth")["step"] == 2
     assert not (tmp_path.parent / (tmp_path.name + "2")).exists()
+    assert steps(tmp_path / "metrics.jsonl") == [1, 2]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert len(list((tmp_path / "tb").iterdir())) == 2  # the old run's file stays; TensorBoard skips its events
+    assert [e.step for e in events.Scalars("train/total_loss")] == [1, 2]
 
 
 def test_predict_never_writes_over_a_source_image(demo_small, tmp_path):

@@ -123,6 +123,9 @@ class Checkpointer:
         # the state a resumed checkpoint holds for it.
         self.scaler: Any = None
         self.scaler_state: dict[str, Any] = {}
+        # Whether out/latest.pth is this run's (a resumed one's is): only this run's is kept as
+        # latest.prev.pth, the one a damaged latest.pth falls back to.
+        self._latest_is_ours = cfg.run.resume
 
     def use_scaler(self, scaler: Any) -> None:
         """The train step's GradScaler: saved from now on, restored when resuming."""
@@ -170,7 +173,11 @@ class Checkpointer:
         self.average_bn_stats()
         rng_ranks = dist.all_gather_objects(rng_state()) if self.dist.world_size > 1 else None
         if self.dist.is_main:
-            save_checkpoint(self.out / "latest.pth", self.state(epoch, step, best_ap, rng_ranks), keep_previous=True)
+            latest = self.out / "latest.pth"
+            save_checkpoint(latest, self.state(epoch, step, best_ap, rng_ranks), keep_previous=self._latest_is_ours)
+            if not self._latest_is_ours:  # --exist-ok over another run: its checkpoints are not this run's fallback
+                previous_path(latest).unlink(missing_ok=True)
+                self._latest_is_ours = True
 
     def _load_resume_checkpoint(self, source: ResumeFrom) -> tuple[dict[str, Any], Path]:
         """The checkpoint to resume from: the one auto-resume chose, ``--ckpt``, or

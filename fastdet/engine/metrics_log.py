@@ -61,9 +61,11 @@ class MetricsLog:
         self.schedule, self.gaps = schedule, gaps
         self._data_losses: str | None = None  # the training loader's report last logged
         self.show_progress = cfg.run.progress and dist_info.is_main
-        # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint.
+        # purge_step: TensorBoard drops the events a resumed run logged after its checkpoint, and
+        # for a new run every earlier event (--exist-ok over another run: its curves would
+        # interleave with this one's); the files stay, TensorBoard skips them.
         self.tb = TensorBoard(out / "tb" if dist_info.is_main and cfg.run.tensorboard else None,
-                              purge_step=step + 1 if cfg.run.resume else None)
+                              purge_step=step + 1 if cfg.run.resume else 0)
         self.progress = Progress(0, enabled=False)  # the bar of start()
         self.t_start = self.last_log_t = time.perf_counter()
         self.steps_at_start = self.total_steps = step

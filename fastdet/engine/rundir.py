@@ -3,8 +3,10 @@
 A new run whose output directory already holds a run (checkpoints, logs, TensorBoard
 events) goes to the next free numbered sibling, as ultralytics does: ``runs/ppyoloe_s``
 -> ``runs/ppyoloe_s2`` -> ``runs/ppyoloe_s3``; the log says where. ``--exist-ok`` writes
-into the directory as it is (its logs are started anew, its checkpoints replaced);
-``--resume`` continues the run in it.
+into the directory as it is: ``metrics.jsonl`` and ``eval.jsonl`` start anew, TensorBoard
+shows this run's events only (the earlier file stays, purged from view), ``train.log`` is
+appended to, the checkpoints are replaced as they are written and the other run's
+``latest.pth`` is never this run's fallback; ``--resume`` continues the run in it.
 """
 
 from __future__ import annotations
