@@ -297,12 +297,18 @@ def test_losses_match_torchvisions_fcos_head():
 
 
 def test_padded_ground_truth_changes_nothing():
+    """The five real boxes alone, and with masked slots holding junk boxes smaller than the
+    real ones they overlap (so each would win its points, FCOS taking the smallest box) and
+    of other labels: the same losses."""
     model = small_model().eval()
     x, t = toy_batch()
-    junk = {k: torch.cat([v, v], 1) for k, v in t.items()}
-    junk["gt_mask"][:, 6:] = False
+    real = {k: v[:, :5] for k, v in t.items()}
+    extra = torch.tensor([[20.0, 60.0, 50.0, 100.0], [70.0, 70.0, 110.0, 110.0], [3.0, 3.0, 20.0, 20.0]])
+    junk = dict(gt_boxes=torch.cat([t["gt_boxes"], extra.expand(1, 3, 4)], 1),
+                gt_labels=torch.cat([t["gt_labels"], torch.tensor([[1, 0, 2]])], 1),
+                gt_mask=torch.cat([t["gt_mask"], torch.zeros(1, 3, dtype=torch.bool)], 1))
     with torch.no_grad():
-        a, b = model(x, t), model(x, junk)
+        a, b = model(x, real), model(x, junk)
     for k in LOSS_KEYS:
         torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
 

@@ -164,17 +164,62 @@ def test_extreme_size_logits_stay_finite():
 
 
 def test_ignore_rule_drops_negatives_that_overlap_a_box():
-    torch.manual_seed(0)
-    model = build_ppyolo("r18vd", num_classes=3).eval()
-    x, t = toy_batch()
+    """R18 (strides 32, 16) on a 160-px image with a 128-px and a 40-px box. The output convs
+    predict a constant per anchor (zero weights): centre in the middle of the cell, objectness
+    logit 0, the first anchor of each level sized as the large box, the others as themselves.
+    Negatives whose best IoU with a box exceeds 0.7 (counted by a plain loop) each drop
+    softplus(0) = log 2 from loss_obj; positives keep theirs."""
+    from fastdet.ops import yolo_targets
+
+    model = build_ppyolo("r18vd", num_classes=3).double().eval()  # float64: exact sums of ~500 terms
     head = model.head
-    feats = model.features(x)
-    with_rule = head.loss(feats, t)["loss_obj"]
-    head.ignore_thresh = 1.0  # nothing ignored: every prediction without a target is a negative
-    without = head.loss(feats, t)["loss_obj"]
-    head.ignore_thresh = -1.0  # everything ignored: only the positives remain
-    only_pos = head.loss(feats, t)["loss_obj"]
-    assert only_pos < with_rule <= without
+    img, C = 160, 3
+    gt = [(24.0, 24.0, 152.0, 152.0), (110.0, 4.0, 150.0, 44.0)]
+    t = dict(gt_boxes=torch.tensor([gt], dtype=torch.float64), gt_labels=torch.tensor([[0, 2]]), gt_mask=torch.tensor([[True, True]]))
+    big_w, big_h = gt[0][2] - gt[0][0], gt[0][3] - gt[0][1]
+    with torch.no_grad():
+        for conv, mask in zip(head.outputs, head.anchor_masks):
+            conv.weight.zero_()
+            conv.bias.zero_()
+            aw, ah = head.anchors[mask[0]]
+            conv.bias[2] = np.log(big_w / aw)  # channels of anchor 0: x, y, w, h, obj, classes
+            conv.bias[3] = np.log(big_h / ah)
+        feats = model.features(torch.zeros(1, 3, img, img, dtype=torch.float64))
+
+    def iou(a, b):
+        iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+        ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+        inter = iw * ih
+        return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+    grids = yolo_targets(t["gt_boxes"], t["gt_labels"], t["gt_mask"], None, head.anchors, head.anchor_masks,
+                         head.strides, (img, img), C)
+    ignored = positives = 0
+    for level, (mask, s) in enumerate(zip(head.anchor_masks, head.strides)):
+        n = img // s
+        for a, k in enumerate(mask):
+            w, h = (big_w, big_h) if a == 0 else head.anchors[k]
+            for gy in range(n):
+                for gx in range(n):
+                    cx, cy = (gx + 0.5) * s, (gy + 0.5) * s
+                    box = (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)
+                    positive = bool(grids[level][0, a, 5, gy, gx] > 0)
+                    positives += positive
+                    ignored += not positive and max(iou(box, g) for g in gt) > 0.7
+    # The large box's anchor-0 twins: 1 on level 0 (8 px off in x and y, IoU 0.78), on level 1
+    # the cell at its centre and the 4 beside it (IoU 1, 0.78); one positive per box, on other
+    # anchors (the best-shaped: (135, 169) and (37, 58)).
+    assert positives == 2 and ignored == 6
+
+    with torch.no_grad():
+        with_rule = head.loss(feats, t)["loss_obj"]
+        head.ignore_thresh = 1.0  # nothing ignored: every prediction without a target is a negative
+        without = head.loss(feats, t)["loss_obj"]
+        head.ignore_thresh = -1.0  # everything ignored: only the positives remain
+        only_pos = head.loss(feats, t)["loss_obj"]
+    assert only_pos < with_rule < without
+    torch.testing.assert_close(without - with_rule, torch.tensor(ignored * np.log(2.0), dtype=torch.float64))
+    torch.testing.assert_close(only_pos, torch.tensor(positives * np.log(2.0), dtype=torch.float64))
 
 
 def test_iou_aware_rescoring():

@@ -93,14 +93,46 @@ def test_step_gaps_count_steps_not_the_time_between_epochs(monkeypatch):
     assert (g.longest, g.longest_step) == (30.0, 4) and g.take_interval() == 30.0
 
 
-def test_eval_cli_on_the_checkpoint(eager_run, demo_small):
-    out, r = eager_run
-    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "best.pth"),
-              "--data", str(demo_small), "--device", "cpu"])
+def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys):
+    """The eval CLI scores best.pth as the trainer scored it, with an AP far from 0. Three
+    steps put out one box everywhere (AP 0 on the demo's boxes, as any weights would): a
+    copy of the run gets head predictors of distinct boxes (tests/own_truth.py), other ones
+    in its EMA than in its plain weights; the val boxes become the EMA's own best
+    detections; the copy, resumed at its last step with that step's evaluation dropped,
+    evaluates it. The CLI must print that AP, and ``--weights model`` the plain weights'
+    (as a file holding only them is scored)."""
+    from own_truth import demo_with_own_truth, distinct_predictors_
+
+    from fastdet.eval.__main__ import main as eval_main
+    from fastdet.runtime.checkpoint import save_checkpoint
+
+    out, _ = eager_run
+    rerun = tmp_path / "run"
+    shutil.copytree(out, rerun)
+    ck = load_checkpoint(rerun / "latest.pth")
+    distinct_predictors_(ck["ema"]["module"], "ppyoloe", seed=0)
+    distinct_predictors_(ck["model"], "ppyoloe", seed=1)
+    save_checkpoint(rerun / "latest.pth", ck)
+    (rerun / "eval.jsonl").write_text("")
+    data = demo_with_own_truth(demo_small, tmp_path / "own", rerun / "latest.pth", img_size=64)
+    r = run([sys.executable, "-m", "fastdet.train", "--resume", "--output-dir", str(rerun), "--data", str(data),
+             "--device", "cpu", "--workers", "0"])
+    assert r.returncode == 0 and "evaluating it now" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    trained = json.loads((rerun / "eval.jsonl").read_text().splitlines()[-1])
+    assert trained["step"] == 3 and trained["AP"] > 0.5, trained
+    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(rerun / "best.pth"),
+              "--data", str(data), "--device", "cpu"])
     assert ev.returncode == 0, ev.stderr
     ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
-    trained = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
+
+    def ap(path, *extra: str) -> float:
+        assert eval_main(["--ckpt", str(path), "--data", str(data), "--device", "cpu", *extra]) == 0
+        return float(next(l for l in capsys.readouterr().out.splitlines() if l.startswith("COCO AP")).split()[2])
+
+    save_checkpoint(tmp_path / "plain.pth", {k: v for k, v in ck.items() if k not in ("ema", "optimizer")})
+    plain = ap(rerun / "best.pth", "--weights", "model")
+    assert plain == ap(tmp_path / "plain.pth") and plain < trained["AP"] - 0.2
 
 
 def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path):

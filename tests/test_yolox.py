@@ -190,15 +190,29 @@ def test_loss_terms_and_normaliser():
 
     box = head.decode(reg, cells, stride)
     xyxy = torch.cat([box[..., :2] - box[..., 2:] / 2, box[..., :2] + box[..., 2:] / 2], -1)
-    assigned, _ = simota_assign(cls.sigmoid() * obj.sigmoid()[..., None], xyxy, (cells + 0.5) * stride[:, None],
-                                stride, t["gt_boxes"], t["gt_labels"], t["gt_mask"])
+    assigned, assigned_iou = simota_assign(cls.sigmoid() * obj.sigmoid()[..., None], xyxy,
+                                           (cells + 0.5) * stride[:, None], stride, t["gt_boxes"], t["gt_labels"],
+                                           t["gt_mask"])
     fg = (assigned >= 0).float()
     assert fg.sum() > 0
-    want = torch.nn.functional.binary_cross_entropy_with_logits(obj, fg, reduction="sum") / fg.sum()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    want = bce(obj, fg, reduction="sum") / fg.sum()
     torch.testing.assert_close(off["loss_obj"], want)
+
+    # The classification term: BCE on foreground points against one-hot(matched label) x
+    # assigned IoU x the box's mixup weight, over #foreground. [B, A, C] targets.
+    label = torch.gather(t["gt_labels"], 1, assigned.clamp(min=0))
+    one_hot = torch.nn.functional.one_hot(label, 3).float() * fg[..., None]
+
+    def cls_loss(mixup: float) -> torch.Tensor:
+        target = one_hot * (mixup * assigned_iou)[..., None]
+        return (bce(cls, target, reduction="none") * fg[..., None]).sum() / fg.sum()
+
+    torch.testing.assert_close(off["loss_cls"], cls_loss(1.0))
     # Halving the mixup weight of every box halves the classification targets.
     half = head.loss(feats, {**t, "gt_scores": torch.full((2, 5), 0.5)})
-    assert half["loss_cls"] != off["loss_cls"]
+    torch.testing.assert_close(half["loss_cls"], cls_loss(0.5))
+    assert not torch.allclose(half["loss_cls"], off["loss_cls"])
     torch.testing.assert_close(half["loss_obj"], off["loss_obj"])
 
 
