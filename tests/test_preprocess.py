@@ -30,10 +30,11 @@ def test_stretch_normalises_with_imagenet_stats():
 
 def test_keep_ratio_short_side_and_long_limit():
     p = Preprocess(resize="keep_ratio", short=80, max_long=120)
-    # short side 100 -> 80 would make the long side 160 > 120: the long side limits, r = 0.6.
-    _, (sx, sy) = p(_image(100, 200), (128, 128))
+    # On a canvas of short side 80 (the limits' own scale): short side 100 -> 80 would make
+    # the long side 160 > 120: the long side limits, r = 0.6.
+    _, (sx, sy) = p(_image(100, 200), (80, 160))
     assert sx == sy == pytest.approx(0.6)
-    _, (sx, _) = p(_image(100, 120), (128, 128))
+    _, (sx, _) = p(_image(100, 120), (80, 160))
     assert sx == pytest.approx(0.8)  # short side 100 -> 80, long 96 <= 120
 
 
@@ -66,3 +67,25 @@ x, _ = Preprocess(resize="letterbox")(img, (32, 64))
 assert x.shape == (3, 32, 64) and (img == (10, 20, 30)).all()
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- keep-ratio at another input size
+
+@pytest.mark.parametrize("hw", [(128, 224), (224, 128), (128, 128), (800, 1344), (1344, 800), (800, 800)])
+@pytest.mark.parametrize("image_hw", [(200, 352), (352, 200), (140, 150), (480, 640), (800, 1333), (60, 700)])
+def test_keep_ratio_limits_scale_with_the_canvas_as_the_training_resize(hw, image_hw):
+    """FCOS's 800 / 1333 are the limits at the recipe's 800: on a canvas of short side S they
+    are S and S * 1333 / 800, as the training Resize stage (augment.resize_scale, the
+    reference) and the DALI evaluation put them, not 800 / 1333 capped by the canvas (at
+    128: a 352 x 200 image to a long side of 224, the canvas, instead of 213)."""
+    from fastdet.data import stages as S
+    from fastdet.data.augment import resize_scale
+
+    p = Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear")
+    h, w = image_hw
+    (_, _), (r, _) = resize_scale(S.Resize("keep_ratio", short=800, max_long=1333, interp="linear"), h, w, hw)
+    assert p.scale(h, w, hw) == (r, r)
+    _, (sx, sy) = p(np.zeros((h, w, 3), np.uint8), hw)
+    assert (sx, sy) == (round(w * r) / w, round(h * r) / h)
+    if (h, w, hw) == (200, 352, (128, 224)):
+        assert round(w * r) == 213  # 128 * 1333 / 800 = 213.3
