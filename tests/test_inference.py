@@ -118,12 +118,19 @@ def test_load_detector_carries_names_preprocessing_and_nms(tiny, det):
 
 
 def test_detect_maps_boxes_to_original_pixels(det, demo_small):
-    imgs = val_images(demo_small, 2)
+    imgs = val_images(demo_small, 3)
     out = detect(det, imgs, score_thresh=LOW_THRESH)
-    batch, scales = preprocess_images(imgs, det.info.preprocess, IMG)
-    dets = det.predict(batch, **{**det.info.predict_kwargs, "score_thresh": LOW_THRESH})
     assert sum(len(o["scores"]) for o in out) > 0
-    for o, d, s, img in zip(out, dets, scales, imgs):
+    pre = det.info.preprocess
+    canvases = [pre.canvas(*img.shape[:2], IMG) for img in imgs]
+    for i, (o, img) in enumerate(zip(out, imgs)):
+        # Each image on the canvas of its orientation (alone, it gets that one too), in one
+        # batch with the images of the same canvas, as detect runs them.
+        assert tuple(preprocess_images([img], pre, IMG)[0].shape[-2:]) == canvases[i]
+        group = [j for j, c in enumerate(canvases) if c == canvases[i]]
+        batch, scales = preprocess_images([imgs[j] for j in group], pre, IMG, canvases[i])
+        d = det.predict(batch, **{**det.info.predict_kwargs, "score_thresh": LOW_THRESH})[group.index(i)]
+        s = scales[group.index(i)]
         h, w = img.shape[:2]
         torch.testing.assert_close(o["boxes"], boxes_to_original(d["boxes"], s, (h, w)))
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
