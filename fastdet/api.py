@@ -10,7 +10,7 @@
 evaluation preprocessing (``fastdet.data.preprocess.Preprocess``), the input size and the
 post-processing settings of its recipe. ``det(images)`` and ``det.predict(images, ...)``
 take images preprocessed as :func:`preprocess_images` does (which is also the input of
-an exported ONNX model).
+an exported ONNX model, on the canvas it was exported at).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fastdet import registry
 from fastdet.config import Config, ConfigError
 from fastdet.convert import load_any, stale_conversion_note
 from fastdet.data.augment import ImageDecodeError, decode_image, rgb_of
-from fastdet.data.preprocess import Preprocess, boxes_to_original
+from fastdet.data.preprocess import Preprocess, boxes_to_original, by_canvas
 from fastdet.runtime.checkpoint import load_checkpoint, select_weights
 from fastdet.models import ARCHITECTURES, Detector
 
@@ -50,7 +50,9 @@ class DetectorInfo:
         class_names: one per contiguous label (``labels`` of ``predict``).
         cat_ids: the COCO category id of each contiguous label.
         preprocess: the family's evaluation preprocessing (resize mode, normalisation).
-        img_size: the evaluation input size of the recipe (a square ``img_size`` canvas).
+        img_size: the evaluation input size ``S`` of the recipe: the canvas is ``S`` x ``S``,
+            or for a keep-ratio family the one of the image's orientation
+            (``preprocess.canvases().buckets(S)``; FCOS at 800: 800 x 1344, 1344 x 800, 800 x 800).
         predict_kwargs: ``Detector.predict``'s NMS settings of the recipe.
         weights: ``"ema"`` or ``"model"``, the weights that were loaded.
         checkpoint: the file it came from.
@@ -167,17 +169,25 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
     return detector_from_checkpoint(ck, cfg, ckpt_path, ema=ema, fuse=fuse, device=device)
 
 
-def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preprocess, img_size: int
-                      ) -> tuple[Tensor, list[tuple[float, float]]]:
-    """RGB uint8 ``[H, W, 3]`` images → the network input ``[N, 3, S, S]`` f32 and each ``(sx, sy)``.
+def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preprocess, img_size: int,
+                      canvas: Sequence[int] | None = None) -> tuple[Tensor, list[tuple[float, float]]]:
+    """RGB uint8 ``[H0, W0, 3]`` images → the network input ``[N, 3, H, W]`` f32 and each ``(sx, sy)``.
 
     This is the input of ``det(images)``, ``det.predict`` and an exported ONNX model's
-    ``images``: the family's evaluation resize onto an ``img_size`` square canvas, then
-    its normalisation (``Preprocess``).
+    ``images``: the family's evaluation resize onto one canvas, then its normalisation
+    (``Preprocess``). The canvas is ``canvas`` (H, W) when given (an exported model's
+    ``input_size``), else the one the evaluation loader gives a batch of these images at
+    input size ``img_size``: ``img_size`` square, or for a keep-ratio family (FCOS) the
+    canvas of the images' most common orientation, an image of another orientation
+    scaled down to fit. :func:`detect` puts each image on its own orientation's canvas.
     """
+    if canvas is not None and (len(canvas) != 2 or any(int(v) != v or v < 1 for v in canvas)):
+        raise ValueError(f"canvas: expected (height, width) in px, got {tuple(canvas)}")
+    if canvas is None:
+        canvas = preprocess.canvases().pick(img_size, np.array([img.shape[1] / img.shape[0] for img in images]))
     out, scales = [], []
     for img in images:
-        x, s = preprocess(img, (img_size, img_size))
+        x, s = preprocess(img, canvas)
         out.append(x)
         scales.append(s)
     return torch.stack(out), scales
@@ -244,7 +254,12 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
             is refused in one line rather than read as near-black). Always a list back,
             one entry per image.
         score_thresh: overrides the recipe's (``detector.info.predict_kwargs``).
-        img_size: overrides the recipe's evaluation input size (a multiple of 32).
+        img_size: overrides the recipe's evaluation input size ``S`` (a multiple of 32).
+
+    Each image is resized as evaluation resizes it, on the canvas evaluation gives its
+    orientation (``Preprocess.canvas``: ``S`` x ``S``; keep-ratio, FCOS: ``(S, L)``
+    landscape, ``(L, S)`` portrait or ``(S, S)``); images of different canvases run as
+    separate batches.
     """
     info: DetectorInfo = detector.info
     if img_size is not None and (img_size < 32 or img_size % 32):
@@ -255,14 +270,16 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
     images = as_rgb_images(images)
     if not images:
         return []
-    batch, scales = preprocess_images(images, info.preprocess, size)
     kw = dict(info.predict_kwargs)
     if score_thresh is not None:
         kw["score_thresh"] = score_thresh
     device = next(detector.parameters()).device
-    dets = detector.predict(batch.to(device), **kw)
-    out = []
-    for det, img, s in zip(dets, images, scales):
-        boxes = boxes_to_original(det["boxes"].float().cpu(), s, img.shape[:2])
-        out.append({"boxes": boxes, "scores": det["scores"].float().cpu(), "labels": det["labels"].cpu()})
+    out: list[dict[str, Tensor]] = [{} for _ in images]
+    # One batch per canvas: each image on the canvas evaluation gives its orientation.
+    for canvas, idx in by_canvas([img.shape for img in images], info.preprocess, size).items():
+        batch, scales = preprocess_images([images[i] for i in idx], info.preprocess, size, canvas)
+        dets = detector.predict(batch.to(device), **kw)
+        for i, det, s in zip(idx, dets, scales):
+            boxes = boxes_to_original(det["boxes"].float().cpu(), s, images[i].shape[:2])
+            out[i] = {"boxes": boxes, "scores": det["scores"].float().cpu(), "labels": det["labels"].cpu()}
     return out

@@ -1,9 +1,16 @@
 """``python -m fastdet.export --ckpt PATH --format onnx --output FILE``: an ONNX model of a checkpoint.
 
-The graph's input is ``images`` float32 ``[N, 3, S, S]``, preprocessed as
+The graph's input is ``images`` float32 ``[N, 3, H, W]``, preprocessed as
 ``fastdet.predict`` does (``fastdet.api.preprocess_images``: the family's evaluation
-resize onto the ``S`` x ``S`` canvas, then its normalisation); ``S`` is ``--img-size``
-(default: the recipe's evaluation size) and ``N`` is 1, or any with ``--dynamic-batch``.
+resize onto the ``H`` x ``W`` canvas, then its normalisation); ``N`` is 1, or any with
+``--dynamic-batch``. The canvas is fixed in the graph: ``S`` x ``S`` with ``S`` =
+``--img-size`` (default: the recipe's evaluation size) for the families that stretch or
+letterbox (PP-YOLOE, PP-YOLO, YOLOX). A keep-ratio family (FCOS) evaluates each image on
+the canvas of its orientation, landscape ``(S, L)``, portrait ``(L, S)`` or square
+``(S, S)`` (``L = ceil32(S * 1333 / 800)``; at 800: 800 x 1344, 1344 x 800, 800 x 800):
+``--canvas`` picks the one exported (default ``landscape``); export once per canvas to
+serve every orientation at evaluation's scale (an image of another orientation fed to a
+landscape graph fits only scaled smaller than evaluation saw it).
 
 Outputs, without ``--nms``: ``boxes`` ``[N, A, 4]`` (xyxy, input px) and ``scores``
 ``[N, A, C]`` (probabilities), the dense outputs of ``model(images)``. With ``--nms``:
@@ -30,7 +37,10 @@ dense only (``--nms`` is refused, in one line).
 
 The file is self-describing: its metadata (``onnx.load(f).metadata_props``, or
 onnxruntime's ``get_modelmeta().custom_metadata_map``) holds ``class_names``,
-``category_ids``, ``input_size``, ``resize`` (stretch / letterbox / keep_ratio),
+``category_ids``, ``input_size`` (the canvas ``[H, W]``), ``canvas`` (its orientation:
+landscape / portrait / square), ``canvases`` (the family's at this size), ``resize``
+(stretch / letterbox / keep_ratio), ``resize_note`` (the resize onto this canvas as a
+formula with its numbers; keep-ratio: which images the canvas is for),
 ``pad_value``, ``interpolation`` (the exact call: ``torch.nn.functional.interpolate`` on
 uint8 pixels, ``antialias=False``; PIL's filters give other values), ``mean``/``std``
 (on 0..255) and the NMS settings of the recipe (with ``--nms`` also ``nms_form``: which
@@ -49,6 +59,8 @@ import torchvision
 from torch import Tensor, nn
 
 from fastdet.api import CheckpointError, load_detector, preprocess_images
+from fastdet.data.preprocess import Preprocess
+from fastdet.data.schedule import HW, ORIENTATION_OF, ORIENTATIONS
 from fastdet.models import Detector
 from fastdet.runtime.outputs import refuse_replacing
 
@@ -154,12 +166,31 @@ def export_nms_form(detector: nn.Module) -> str | None:
     return vars(owner).get("nms_form") if issubclass(owner, Detector) else None
 
 
+def export_canvas(preprocess: Preprocess | None, img_size: int, canvas: str | None = None) -> tuple[str, HW]:
+    """``(orientation, (H, W))`` of the exported input at size ``img_size``: ``canvas`` of
+    the family's canvases (``Preprocess.canvases``), by default its first (keep-ratio:
+    ``landscape``; the others: their one ``square``). ``ValueError`` (one line) for a canvas
+    the family does not have. Without a preprocessing (a bare model): the square."""
+    named = preprocess.canvases().named(img_size) if preprocess is not None else {"square": (img_size, img_size)}
+    if canvas is None:
+        canvas = next(iter(named))
+    if canvas not in named:
+        how = f"resize {preprocess.resize}" if preprocess is not None else "no preprocessing"
+        raise ValueError(f"--canvas {canvas}: expected one of {', '.join(named)} ({how} puts every image on "
+                         + (f"the {img_size}x{img_size} canvas)" if len(named) == 1 else "one of these)"))
+    return canvas, named[canvas]
+
+
 def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_batch: bool = False,
-                nms: bool = False, predict_kwargs: dict[str, Any] | None = None) -> Path:
-    """Write the ONNX model of ``detector`` (eval mode, on the CPU) to ``output``; checked with onnx.checker."""
+                nms: bool = False, predict_kwargs: dict[str, Any] | None = None, canvas: str | None = None) -> Path:
+    """Write the ONNX model of ``detector`` (eval mode, on the CPU) to ``output``; checked with onnx.checker.
+
+    The input is ``[N, 3, H, W]`` on the canvas ``canvas`` (:func:`export_canvas`) of size ``img_size``."""
     import onnx  # optional: the export extra (pip install 'fastdet[export]')
 
     output = Path(output)
+    info = getattr(detector, "info", None)
+    canvas, (height, width) = export_canvas(info.preprocess if info is not None else None, img_size, canvas)
     module: nn.Module = Dense(detector)
     names = OUTPUTS_DENSE
     table, form = None, None
@@ -173,7 +204,7 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
                          kw.get("per_class_topk", detector.predict_defaults.get("per_class_topk", False)), form)
         names = OUTPUTS_NMS
         table = {torch.ops.fastdet_export.nms.default: _nms_onnx}
-    example = torch.zeros(2 if dynamic_batch else 1, 3, img_size, img_size)
+    example = torch.zeros(2 if dynamic_batch else 1, 3, height, width)
     shapes = {"images": {0: torch.export.Dim("batch", min=1, max=4096)}} if dynamic_batch else None
     program = torch.onnx.export(module.eval(), (example,), None, input_names=["images"], output_names=list(names),
                                 dynamic_shapes=shapes, custom_translation_table=table, dynamo=True,
@@ -185,18 +216,37 @@ def export_onnx(detector: nn.Module, output: str | Path, img_size: int, dynamic_
     foreign = sorted({f"{n.domain}::{n.op_type}" for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
     if foreign or proto.functions:
         raise RuntimeError(f"{output}: the graph holds non-standard ops {foreign or [f.name for f in proto.functions]}")
-    info = getattr(detector, "info", None)
     if info is not None:
-        onnx.helper.set_model_props(proto, onnx_metadata(info, img_size, form, predict_kwargs))
+        onnx.helper.set_model_props(proto, onnx_metadata(info, img_size, form, predict_kwargs, canvas))
         onnx.save(proto, str(output))
     return output
 
 
-def onnx_metadata(info: Any, img_size: int, nms_form: str | None, predict_kwargs: dict[str, Any] | None = None
-                  ) -> dict[str, str]:
+def resize_note(p: Preprocess, hw: HW, canvas: str, others: tuple[str, ...]) -> str:
+    """What a consumer does to put an ``h`` x ``w`` image on the ``hw`` canvas as ``p`` does
+    (``Preprocess.__call__``), with this canvas's numbers, and which images it is for."""
+    H, W = hw
+    placed = ("resized to round(h * r) x round(w * r), pasted top-left, the rest pad_value; "
+              "sx = round(w * r) / w, sy = round(h * r) / h")
+    if p.resize == "stretch":
+        return f"each side scaled to the {H}x{W} canvas (aspect ratio not kept): sx = {W} / w, sy = {H} / h"
+    if p.resize == "letterbox":
+        return f"aspect kept: r = min({H} / h, {W} / w), {placed}"
+    S = min(H, W)
+    long_max = S * p.max_long / p.short  # Preprocess.scale's limit at this canvas's scale
+    return (f"aspect kept: r = min({H} / h, {W} / w, {S} / min(h, w), {long_max:.10g} / max(h, w)) (short side "
+            f"{S}, long side at most {S} * {p.max_long} / {p.short} = {long_max:.10g}, within the {H}x{W} "
+            f"canvas), {placed}. The {canvas} canvas is evaluation's for images with {ORIENTATION_OF[canvas]}; "
+            f"an image of another orientation fits it only scaled smaller than evaluation saw it: export "
+            f"--canvas {' / '.join(others)} for those")
+
+
+def onnx_metadata(info: Any, img_size: int, nms_form: str | None, predict_kwargs: dict[str, Any] | None = None,
+                  canvas: str | None = None) -> dict[str, str]:
     """What a deployment needs to feed the graph and read its outputs, as ONNX metadata
     (``metadata_props``: string keys and values; lists and mappings as JSON). ``nms_form``:
-    the NMS the graph ends with (``Detector.nms_form``), None for the dense outputs.
+    the NMS the graph ends with (``Detector.nms_form``), None for the dense outputs;
+    ``canvas``: the exported one (:func:`export_canvas`).
 
     ``interpolation`` names the exact resize (``torch.nn.functional.interpolate`` on uint8
     pixels, ``align_corners=False, antialias=False``); PIL's resize filters an image before
@@ -204,6 +254,8 @@ def onnx_metadata(info: Any, img_size: int, nms_form: str | None, predict_kwargs
     import json
 
     p = info.preprocess
+    canvas, hw = export_canvas(p, img_size, canvas)
+    named = p.canvases().named(img_size)
     mode = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}[p.interp]
     interp = (f"torch.nn.functional.interpolate(uint8 NCHW, mode='{mode}'"
               + (")" if mode == "nearest-exact" else ", align_corners=False, antialias=False)"))
@@ -214,12 +266,11 @@ def onnx_metadata(info: Any, img_size: int, nms_form: str | None, predict_kwargs
         "class_names": json.dumps(list(info.class_names)),
         "category_ids": json.dumps([int(c) for c in info.cat_ids]),
         "input": "images float32 [N, 3, H, W], RGB",
-        "input_size": json.dumps([img_size, img_size]),
+        "input_size": json.dumps(list(hw)),
+        "canvas": canvas,
+        "canvases": json.dumps({k: list(v) for k, v in named.items()}),
         "resize": p.resize,
-        "resize_note": {"stretch": "each side scaled to the canvas (aspect ratio not kept)",
-                        "letterbox": "aspect kept, scaled to fit, pasted top-left, rest pad_value",
-                        "keep_ratio": f"aspect kept: short side {p.short}, long side at most {p.max_long} "
-                                      "at the recipe's size (scaled with it), pasted top-left"}[p.resize],
+        "resize_note": resize_note(p, hw, canvas, tuple(o for o in ORIENTATIONS if o in named and o != canvas)),
         "pad_value": json.dumps(float(p.pad_value)),
         "interpolation": interp,
         "mean": json.dumps(list(p.mean) if p.mean is not None else None),
@@ -291,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["onnx"], default="onnx")
     p.add_argument("--output", required=True, metavar="FILE", help="the .onnx file to write")
     p.add_argument("--img-size", type=int, default=None, help="input size S (default: the recipe's evaluation size)")
+    p.add_argument("--canvas", choices=ORIENTATIONS, default=None,
+                   help="the input canvas of a keep-ratio family (FCOS): landscape (S, L) (default), portrait "
+                        "(L, S) or square (S, S); the other families have the one square S x S")
     p.add_argument("--dynamic-batch", action="store_true", help="any batch size N (default: N = 1)")
     p.add_argument("--nms", action="store_true", help="detections after NMS instead of the dense outputs")
     p.add_argument("--score-thresh", type=float, default=None, help="with --nms (default: the recipe's)")
@@ -332,15 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.score_thresh is not None:
         kw["score_thresh"] = args.score_thresh
     try:
-        path = export_onnx(det, args.output, size, args.dynamic_batch, args.nms, kw)
+        canvas, (height, width) = export_canvas(det.info.preprocess, size, args.canvas)  # before the export's work
+        path = export_onnx(det, args.output, size, args.dynamic_batch, args.nms, kw, canvas)
     except ValueError as e:
         print(f"fastdet.export: error: {e}", file=sys.stderr)
         return 2
-    # A check input: random pictures through the real preprocessing; 2 images where N is dynamic.
+    # A check input: random pictures of the canvas's shape through the real preprocessing;
+    # 2 images where N is dynamic.
     g = torch.Generator().manual_seed(0)
-    pics = [torch.randint(0, 256, (size, size, 3), generator=g, dtype=torch.uint8)
+    pics = [torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
             for _ in range(2 if args.dynamic_batch else 1)]
-    images, _ = preprocess_images(pics, det.info.preprocess, size)
+    images, _ = preprocess_images(pics, det.info.preprocess, size, (height, width))
     diff, unmatched, total = compare_with_torch(det, path, images, args.nms, kw)
     n = "N" if args.dynamic_batch else "1"
     outs = ", ".join(OUTPUTS_NMS if args.nms else OUTPUTS_DENSE)
@@ -350,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if unmatched:
             counts += " (the others differ where scores tie, e.g. an untrained model)"
     print(f"exported {det.info.arch}-{det.info.size} ({det.info.weights} weights) to {path}: "
-          f"images [{n},3,{size},{size}] -> {outs}; onnx.checker passed{counts}; onnxruntime vs "
+          f"images [{n},3,{height},{width}] ({canvas} canvas) -> {outs}; onnx.checker passed{counts}; onnxruntime vs "
           f"torch max abs difference {diff:.3g}")
     return 0
 

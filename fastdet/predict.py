@@ -13,11 +13,14 @@ so the file scores directly against ``instances_val2017.json``), else the image'
 1-based position in sorted order. ``category_id`` is the trained dataset's.
 
 The network input (also the ``images`` input of ``python -m fastdet.export``): each RGB
-image is resized as the family's evaluation does (``DetectorInfo.preprocess``: PP-YOLOE
-stretches to the square ``--img-size`` canvas with bicubic interpolation) and normalised
-(ImageNet mean/std on 0..255 for PP-YOLOE), giving float32 ``[N, 3, S, S]``;
-``fastdet.api.preprocess_images`` is that function. Boxes map back with ``(sx, sy)``
-input px per original px.
+image is resized as the family's evaluation does (``DetectorInfo.preprocess``) onto the
+canvas evaluation gives its orientation, and normalised (``fastdet.detect``, through
+``fastdet.api.preprocess_images``): PP-YOLOE stretches to the square ``S`` x ``S`` canvas
+(``S`` = ``--img-size``) with bicubic interpolation, YOLOX letterboxes into it; FCOS keeps
+the aspect ratio (short side ``S``, long side at most ``S`` * 1333 / 800) on a landscape
+``(S, L)``, portrait ``(L, S)`` or square ``(S, S)`` canvas (at 800: 800 x 1344, 1344 x
+800, 800 x 800), one batch per canvas. Boxes map back with ``(sx, sy)`` input px per
+original px.
 
 Files that do not decode are skipped, counted and named in the summary line. A folder
 that already holds a file of these names (an earlier prediction) is refused before any
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.img_size or info.img_size
     out.mkdir(parents=True, exist_ok=True)
     ids = image_ids(files)
+    canvases: dict[tuple[int, int], int] = {}  # (H, W) -> images predicted on it, for the summary
     results: list[dict] = []
     skipped: list[str] = []
     done = 0
@@ -182,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         if imgs:
             with torch.inference_mode():
                 dets = detect(det, imgs, score_thresh=args.score_thresh, img_size=size)
+            for img in imgs:
+                hw = info.preprocess.canvas(img.shape[0], img.shape[1], size)  # the one detect used
+                canvases[hw] = canvases.get(hw, 0) + 1
             for i, img, d in zip(keep, imgs, dets):
                 drawn = draw_detections(img, d["boxes"], d["scores"], d["labels"], info.class_names)
                 save_image(drawn, out / names[i])
@@ -196,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     (out / "predictions.json").write_text(json.dumps(results))
     msg = (f"predicted {done} image(s), {len(results)} detection(s) above {args.score_thresh} "
-           f"({info.arch}-{info.size}, {size}x{size}, {device}): "
+           f"({info.arch}-{info.size}, {', '.join(f'{h}x{w}' for h, w in sorted(canvases)) or f'{size}x{size}'}"
+           f", {device}): "
            + (f"drawn images and predictions.json in {out}" if done else f"an empty predictions.json in {out}"))
     if skipped:
         msg += f"; skipped {len(skipped)} unreadable file(s): {', '.join(skipped)}"

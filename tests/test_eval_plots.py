@@ -147,3 +147,27 @@ def test_val_pictures_show_ground_truth_beside_predictions(demo_paths, tmp_path,
         if detections == "none" and not len(rec.boxes):  # an empty image: equal but for the note
             same = (body_gt == body_pred).all(0).float().mean()
             assert same > 0.8
+
+
+def test_val_pictures_feed_each_image_as_evaluation_does(demo_paths, tmp_path):
+    """Keep-ratio (FCOS): each preview image goes to the model on the canvas of its
+    orientation, as evaluation and fastdet.detect feed it, not on a square S x S one."""
+    from fastdet.data.augment import decode_image
+
+    val = load_coco(demo_paths.val_ann, demo_paths.val_images, train=False)
+    pre = Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear")
+    fed = []
+
+    class Recording(FixedDetections):
+        def predict(self, images, **kw):
+            fed.extend(images)
+            return super().predict(images, **kw)
+
+    previews.log_val_predictions(Recording([], [], []), val.records, pre, 64, {"score_thresh": 0.0},
+                                 val.class_names, FakeTB(), tmp_path, step=1)
+    recs = previews.preview_records(val.records)
+    assert len(fed) == len(recs)
+    want = [pre(decode_image(r.file), pre.canvas(r.height, r.width, 64))[0] for r in recs]
+    assert {tuple(x.shape[-2:]) for x in want} == {(64, 128), (128, 64), (64, 64)}  # the demo set has all three
+    for x in want:
+        assert sum(f.shape == x.shape and torch.equal(f, x) for f in fed) >= 1

@@ -118,12 +118,19 @@ def test_load_detector_carries_names_preprocessing_and_nms(tiny, det):
 
 
 def test_detect_maps_boxes_to_original_pixels(det, demo_small):
-    imgs = val_images(demo_small, 2)
+    imgs = val_images(demo_small, 3)
     out = detect(det, imgs, score_thresh=LOW_THRESH)
-    batch, scales = preprocess_images(imgs, det.info.preprocess, IMG)
-    dets = det.predict(batch, **{**det.info.predict_kwargs, "score_thresh": LOW_THRESH})
     assert sum(len(o["scores"]) for o in out) > 0
-    for o, d, s, img in zip(out, dets, scales, imgs):
+    pre = det.info.preprocess
+    canvases = [pre.canvas(*img.shape[:2], IMG) for img in imgs]
+    for i, (o, img) in enumerate(zip(out, imgs)):
+        # Each image on the canvas of its orientation (alone, it gets that one too), in one
+        # batch with the images of the same canvas, as detect runs them.
+        assert tuple(preprocess_images([img], pre, IMG)[0].shape[-2:]) == canvases[i]
+        group = [j for j, c in enumerate(canvases) if c == canvases[i]]
+        batch, scales = preprocess_images([imgs[j] for j in group], pre, IMG, canvases[i])
+        d = det.predict(batch, **{**det.info.predict_kwargs, "score_thresh": LOW_THRESH})[group.index(i)]
+        s = scales[group.index(i)]
         h, w = img.shape[:2]
         torch.testing.assert_close(o["boxes"], boxes_to_original(d["boxes"], s, (h, w)))
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
@@ -349,6 +356,8 @@ def onnx_files(tiny, det, tmp_path_factory):
         "static": lambda: export_onnx(det, out / "static.onnx", IMG),
         "nms": lambda: (export_onnx(perturbed(det), out / "nms.onnx", IMG, dynamic_batch=True, nms=True,
                                     predict_kwargs=kw) if export_nms_form(det) else None),
+        "portrait": lambda: (export_onnx(det, out / "portrait.onnx", IMG, canvas="portrait")
+                             if "portrait" in det.info.preprocess.canvases().named(IMG) else None),
     })
 
 
@@ -362,6 +371,12 @@ class LazyFiles(dict):
     def __missing__(self, key):
         self[key] = made = self.makers[key]()
         return made
+
+
+def exported_canvas(det) -> tuple[int, int]:
+    """The (H, W) input of an export at ``IMG`` without --canvas: the family's first canvas
+    (keep-ratio: landscape)."""
+    return det.info.preprocess.canvases().buckets(IMG)[0]
 
 
 def ort_run(path: Path, images: torch.Tensor) -> list[np.ndarray]:
@@ -380,7 +395,7 @@ def test_onnx_dense_outputs_match_load_detector(det, onnx_files, demo_small, kin
     assert [i.name for i in proto.graph.input] == ["images"]
     assert [o.name for o in proto.graph.output] == ["boxes", "scores"]
     assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node)  # no fastdet.ops kernel
-    images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG)
+    images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG, exported_canvas(det))
     for batch in ([images[:1]] if kind == "static" else [images[:1], images]):
         boxes, scores = ort_run(onnx_files[kind], batch)
         with torch.no_grad():
@@ -417,7 +432,7 @@ def test_onnx_nms_matches_predict(det, onnx_files, demo_small, tmp_path):
     assert {p.key: p.value for p in proto.metadata_props}["nms_form"] == export_nms_form(det)
     det = perturbed(det)
     kw = {**det.info.predict_kwargs, "score_thresh": LOW_THRESH}
-    images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG)
+    images, _ = preprocess_images(val_images(demo_small, 3), det.info.preprocess, IMG, exported_canvas(det))
     boxes, scores, labels, num = ort_run(onnx_files["nms"], images)
     ref = det.predict(images, **kw)
     assert sum(len(r["scores"]) for r in ref) > 0
@@ -455,6 +470,42 @@ def test_export_cli_prints_the_difference(tiny, onnx_files, tmp_path, capsys):
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_export_canvas_of_another_family_is_one_line(tiny, det, tmp_path, capsys):
+    from fastdet.export import main
+
+    if det.info.preprocess.resize == "keep_ratio":
+        pytest.skip("every --canvas is a keep-ratio family's (test_keep_ratio_exports_each_canvas)")
+    assert main(["--ckpt", str(tiny.ckpt), "--output", str(tmp_path / "m.onnx"), "--canvas", "portrait"]) == 2
+    err = capsys.readouterr().err
+    assert "--canvas portrait: expected one of square" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.slow
+def test_keep_ratio_exports_each_canvas(det, onnx_files, demo_small):
+    """FCOS evaluates a portrait image on the (L, S) canvas: ``--canvas portrait`` exports
+    that input, says so, and gives det's outputs on portrait images preprocessed onto it."""
+    import onnx
+
+    path = onnx_files["portrait"]
+    if path is None:
+        pytest.skip(f"{det.info.arch} has one square canvas (its --canvas refusal: the test above)")
+    hw = det.info.preprocess.canvases().named(IMG)["portrait"]
+    proto = onnx.load(str(path))
+    dims = [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, *hw] and hw[0] > hw[1]
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["canvas"] == "portrait" and json.loads(meta["input_size"]) == list(hw)
+    portrait = [img for img in val_images(demo_small, 12) if img.shape[0] > 1.1 * img.shape[1]][:1]
+    assert portrait and det.info.preprocess.canvas(*portrait[0].shape[:2], IMG) == hw
+    images, _ = preprocess_images(portrait, det.info.preprocess, IMG, hw)
+    boxes, scores = ort_run(path, images)
+    with torch.no_grad():
+        ref_boxes, ref_scores = det(images)
+    torch.testing.assert_close(torch.from_numpy(boxes), ref_boxes, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(scores), ref_scores, atol=1e-3, rtol=0)
 
 
 def test_export_nms_refuses_a_family_with_its_own_nms(det, tmp_path):
@@ -542,13 +593,58 @@ def test_onnx_file_describes_its_input_and_classes(det, onnx_files):
     p = det.info.preprocess
     assert json.loads(meta["class_names"]) == list(det.info.class_names)
     assert json.loads(meta["category_ids"]) == list(det.info.cat_ids)
-    assert json.loads(meta["input_size"]) == [det.info.img_size] * 2
+    assert json.loads(meta["input_size"]) == list(exported_canvas(det))
+    assert meta["canvas"] == ("landscape" if p.resize == "keep_ratio" else "square")
     assert meta["resize"] == p.resize and json.loads(meta["pad_value"]) == p.pad_value
     assert json.loads(meta["mean"]) == (list(p.mean) if p.mean else None)
     assert json.loads(meta["std"]) == (list(p.std) if p.std else None)
     mode = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}[p.interp]
     assert f"mode='{mode}'" in meta["interpolation"]
     assert mode == "nearest-exact" or "antialias=False" in meta["interpolation"]
+
+
+def formula(note: str) -> str:
+    """The ``min(...)`` after ``r = `` in a resize note, up to its closing parenthesis."""
+    start = note.index("r = min(") + len("r = ")
+    depth = 0
+    for i, ch in enumerate(note[start:], start):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == ")" and depth == 0:
+            return note[start : i + 1]
+    raise AssertionError(f"no closed min(...) in {note!r}")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_onnx_metadata_states_the_canvas_and_the_resize_onto_it(arch):
+    """``input_size`` is the exported canvas and ``resize_note``'s ``r`` (or sx, sy), computed
+    as written, is the scale ``Preprocess`` gives an image on it: keep-ratio (FCOS) states
+    its limits at this canvas's size, for every canvas, and which images the canvas is for."""
+    from types import SimpleNamespace
+
+    from fastdet.export import export_canvas, onnx_metadata
+
+    p = ARCHITECTURES[arch].preprocess
+    info = SimpleNamespace(arch=arch, size="x", class_names=("a",), cat_ids=(1,), preprocess=p, predict_kwargs={})
+    named = p.canvases().named(128)
+    assert list(named) == (["landscape", "portrait", "square"] if p.resize == "keep_ratio" else ["square"])
+    for canvas, hw in named.items():
+        meta = onnx_metadata(info, 128, None, canvas=canvas)
+        assert json.loads(meta["input_size"]) == list(hw) and meta["canvas"] == canvas
+        assert json.loads(meta["canvases"]) == {k: list(v) for k, v in named.items()}
+        note = meta["resize_note"]
+        for h, w in ((200, 352), (352, 200), (140, 150), (60, 700), (900, 1600)):
+            want = p.scale(h, w, hw)
+            if "r = min(" in note:
+                r = eval(formula(note), {"min": min, "max": max, "h": h, "w": w})
+                assert (r, r) == pytest.approx(want, rel=1e-9), (arch, canvas, note)
+            else:
+                assert f"sx = {hw[1]} / w, sy = {hw[0]} / h" in note and want == (hw[1] / w, hw[0] / h)
+        if p.resize == "keep_ratio":
+            assert "landscape" in note or "portrait" in note  # the other canvases to export
+    assert export_canvas(p, 128) == next(iter(named.items()))
+    if p.resize != "keep_ratio":
+        with pytest.raises(ValueError, match="--canvas landscape: expected one of square"):
+            export_canvas(p, 128, "landscape")
 
 
 def test_an_image_over_pils_pixel_limit_is_a_decode_error(demo_small, monkeypatch):

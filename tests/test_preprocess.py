@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from fastdet.data.preprocess import Preprocess, boxes_to_original
+from fastdet.models import ARCHITECTURES
 
 
 def _image(h=100, w=200):
@@ -30,10 +32,11 @@ def test_stretch_normalises_with_imagenet_stats():
 
 def test_keep_ratio_short_side_and_long_limit():
     p = Preprocess(resize="keep_ratio", short=80, max_long=120)
-    # short side 100 -> 80 would make the long side 160 > 120: the long side limits, r = 0.6.
-    _, (sx, sy) = p(_image(100, 200), (128, 128))
+    # On a canvas of short side 80 (the limits' own scale): short side 100 -> 80 would make
+    # the long side 160 > 120: the long side limits, r = 0.6.
+    _, (sx, sy) = p(_image(100, 200), (80, 160))
     assert sx == sy == pytest.approx(0.6)
-    _, (sx, _) = p(_image(100, 120), (128, 128))
+    _, (sx, _) = p(_image(100, 120), (80, 160))
     assert sx == pytest.approx(0.8)  # short side 100 -> 80, long 96 <= 120
 
 
@@ -66,3 +69,106 @@ x, _ = Preprocess(resize="letterbox")(img, (32, 64))
 assert x.shape == (3, 32, 64) and (img == (10, 20, 30)).all()
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- keep-ratio at another input size
+
+@pytest.mark.parametrize("hw", [(128, 224), (224, 128), (128, 128), (800, 1344), (1344, 800), (800, 800)])
+@pytest.mark.parametrize("image_hw", [(200, 352), (352, 200), (140, 150), (480, 640), (800, 1333), (60, 700)])
+def test_keep_ratio_limits_scale_with_the_canvas_as_the_training_resize(hw, image_hw):
+    """FCOS's 800 / 1333 are the limits at the recipe's 800: on a canvas of short side S they
+    are S and S * 1333 / 800, as the training Resize stage (augment.resize_scale, the
+    reference) and the DALI evaluation put them, not 800 / 1333 capped by the canvas (at
+    128: a 352 x 200 image to a long side of 224, the canvas, instead of 213)."""
+    from fastdet.data import stages as S
+    from fastdet.data.augment import resize_scale
+
+    p = Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear")
+    h, w = image_hw
+    (_, _), (r, _) = resize_scale(S.Resize("keep_ratio", short=800, max_long=1333, interp="linear"), h, w, hw)
+    assert p.scale(h, w, hw) == (r, r)
+    _, (sx, sy) = p(np.zeros((h, w, 3), np.uint8), hw)
+    assert (sx, sy) == (round(w * r) / w, round(h * r) / h)
+    if (h, w, hw) == (200, 352, (128, 224)):
+        assert round(w * r) == 213  # 128 * 1333 / 800 = 213.3
+
+
+# --------------------------------------------------------------------------- detect feeds what evaluation feeds
+
+class _Recorder(torch.nn.Module):
+    """A detector that records the inputs ``predict`` gets and finds one box, ``BOX`` in input px."""
+
+    BOX = (10.0, 20.0, 50.0, 60.0)
+
+    def __init__(self, preprocess, img_size):
+        from fastdet.api import DetectorInfo
+
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.info = DetectorInfo(arch="stub", size="x", class_names=("a",), cat_ids=(1,), preprocess=preprocess,
+                                 img_size=img_size)
+        self.inputs: list[torch.Tensor] = []
+
+    def predict(self, images, **kw):
+        self.inputs.append(images.clone())
+        return [{"boxes": torch.tensor([self.BOX]), "scores": torch.ones(1), "labels": torch.zeros(1, dtype=torch.long)}
+                for _ in images]
+
+
+@pytest.fixture(scope="module")
+def oriented(tmp_path_factory):
+    """Landscape, portrait and square PNGs of random pixels, as ImageRecords."""
+    from fastdet.data.records import ImageRecord
+
+    root = tmp_path_factory.mktemp("oriented")
+    rng = np.random.default_rng(5)
+    recs = []
+    for i, (h, w) in enumerate(((200, 352), (352, 200), (140, 150), (150, 260))):
+        f = root / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(f)
+        recs.append(ImageRecord(i + 1, str(f), w, h, np.array([[1.0, 2.0, 30.0, 40.0]], np.float32),
+                                np.zeros(1, np.int64)))
+    return recs
+
+
+def _eval_batches(records, preprocess, img_size, batch_size):
+    from types import SimpleNamespace
+
+    from fastdet.config import DataConfig
+    from fastdet.data.loader import build_eval_loader
+
+    data = DataConfig(loader="torch", eval_batch_size=batch_size, img_size=img_size, num_workers=0,
+                      check_images="open")
+    ds = SimpleNamespace(records=list(records), ann_file="x.json")
+    return list(build_eval_loader(data, ds, preprocess=preprocess, rank=0, world_size=1, device="cpu"))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_detect_feeds_each_image_as_evaluation_does(arch, oriented):
+    """For every family, the tensor fastdet.detect gives the model for an image is the one
+    the evaluation loader gives it (same canvas, same pixels), for landscape, portrait and
+    square images in one call, and each image's boxes come back by its own scale. FCOS
+    (keep-ratio) used to get a square S x S canvas here, its images 25-40 % smaller than
+    evaluated."""
+    from fastdet.api import detect, preprocess_images
+
+    pre, size = ARCHITECTURES[arch].preprocess, 128
+    det = _Recorder(pre, size)
+    out = detect(det, [r.file for r in oriented])
+    fed = [x for batch in det.inputs for x in batch]
+    assert len(fed) == len(oriented)
+    for r, o, want in zip(oriented, out, _eval_batches(oriented, pre, size, 1)):
+        assert want["image_ids"].tolist() == [r.image_id]
+        x = want["images"][0]
+        assert sum(f.shape == x.shape and torch.equal(f, x) for f in fed) == 1, (arch, r.width, r.height)
+        sx, sy = want["scale_factors"][0].tolist()
+        x0, y0, x1, y1 = _Recorder.BOX
+        expect = torch.tensor([[x0 / sx, y0 / sy, min(x1 / sx, r.width), min(y1 / sy, r.height)]])
+        torch.testing.assert_close(o["boxes"], expect)
+    shapes = {tuple(f.shape[-2:]) for f in fed}
+    assert shapes == ({(128, 224), (224, 128), (128, 128)} if pre.resize == "keep_ratio" else {(128, 128)})
+    # preprocess_images of a list is the evaluation loader's batch of the same images.
+    (batch,) = _eval_batches(oriented, pre, size, len(oriented))
+    x, scales = preprocess_images([np.asarray(Image.open(r.file).convert("RGB")) for r in oriented], pre, size)
+    assert torch.equal(x, batch["images"])
+    torch.testing.assert_close(torch.tensor(scales, dtype=torch.float32), batch["scale_factors"])

@@ -36,7 +36,7 @@ import torch
 from fastdet.data import stages as S
 from fastdet.data.loader_base import EvalLoader, TrainLoader
 from fastdet.data.preprocess import Preprocess
-from fastdet.data.schedule import INTERPS, Canvases, EvalSchedule, LoaderError, TrainSchedule
+from fastdet.data.schedule import INTERPS, Canvases, EvalSchedule, LoaderError, TrainSchedule, canvases_for
 from fastdet.data.torch_backend import TorchEvalLoader, TorchTrainLoader
 
 BACKENDS = ("auto", "dali", "torch")
@@ -47,11 +47,6 @@ StagesForEpoch = Callable[[int], tuple]
 def train_sizes(data) -> tuple[int, ...]:
     """The square size buckets of a ``DataConfig``: ``train_sizes``, or ``(img_size,)`` without multiscale."""
     return tuple(data.train_sizes) if data.multiscale else (data.img_size,)
-
-
-def canvases_for(resize_mode: str, short: int, max_long: int) -> Canvases:
-    """Keep-ratio gets landscape, portrait and square canvases; the other modes one square."""
-    return Canvases(max_long / short) if resize_mode == "keep_ratio" else Canvases()
 
 
 # --------------------------------------------------------------------------- back-end choice
@@ -158,7 +153,7 @@ def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, 
     records, left_out = _records_for(backend, dataset, data)
     schedule = EvalSchedule(
         len(records), data.eval_batch_size, rank=rank, world_size=world_size, size=data.img_size,
-        canvases=canvases_for(preprocess.resize, preprocess.short, preprocess.max_long),
+        canvases=preprocess.canvases(),
         aspects=_aspects(records), interp=INTERPS.index(preprocess.interp),
     )
     _, eval_cls = _loader_classes(backend)

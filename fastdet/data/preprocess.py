@@ -7,9 +7,17 @@ always fed the way its recipe trains and evaluates it. Three resize modes exist:
 - ``"stretch"`` (PP-YOLOE, PP-YOLO): every image to the (H, W) input, aspect not kept;
 - ``"letterbox"`` (YOLOX): scaled by ``r = min(H / h, W / w)`` and pasted at the
   top-left corner of an (H, W) canvas filled with ``pad_value``;
-- ``"keep_ratio"`` (FCOS): scaled by ``r = min(short / min(h, w), max_long / max(h, w))``
-  (the short side to ``short``, the long side at most ``max_long``), pasted at the
-  top-left of the (H, W) canvas it fits in.
+- ``"keep_ratio"`` (FCOS): scaled by ``r = min(S / min(h, w), S * max_long / short / max(h, w))``
+  on a canvas whose short side is ``S`` (the short side to ``S``, the long side at most
+  ``S * max_long / short``: at the recipe's ``S = 800``, 800 and 1333), never past the
+  canvas, pasted at its top-left.
+
+Which (H, W) canvas an image gets is :meth:`Preprocess.canvases` (the loader's
+``canvases_for``: one square ``S`` x ``S``, or keep-ratio's landscape ``(S, L)``, portrait
+``(L, S)`` and square ``(S, S)`` with ``L = ceil32(S * max_long / short)``). Evaluation
+gives a batch the canvas of its images' most common orientation; ``fastdet.detect`` /
+``fastdet.predict`` give each image the canvas of its own (:meth:`Preprocess.canvas`,
+:func:`by_canvas`), the one evaluation gives it in a batch of its orientation.
 
 In every mode a network-input pixel ``p`` maps back to the original image as
 ``p / scale`` with ``scale = (sx, sy)`` per image (top-left placement: no offset).
@@ -27,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
+from fastdet.data.schedule import HW, Canvases, canvases_for
 
 RESIZE_MODES = ("stretch", "letterbox", "keep_ratio")
 _TORCH_INTERP = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}
@@ -43,7 +52,9 @@ class Preprocess:
             pixels fed as float (YOLOX since 2021/08).
         interp: ``"nearest" | "linear" | "cubic"`` of the evaluation resize.
         short, max_long: keep_ratio's limits in px at the recipe's evaluation scale
-            (FCOS: 800 / 1333); for another input size they scale with it.
+            (FCOS: 800 / 1333); for another input size they scale with it: on a canvas
+            whose short side is ``S`` they are ``S`` and ``S * max_long / short`` (the
+            training Resize stage's rule, ``fastdet.data.augment.resize_scale``).
     """
 
     resize: str = "stretch"
@@ -67,12 +78,23 @@ class Preprocess:
         ch, cw = int(canvas_hw[0]), int(canvas_hw[1])
         if self.resize == "stretch":
             return cw / w, ch / h
-        if self.resize == "letterbox":
-            r = min(ch / h, cw / w)
-        else:
-            r = min(self.short / min(h, w), self.max_long / max(h, w))
-            r = min(r, ch / h, cw / w)  # never larger than the canvas
+        r = min(ch / h, cw / w)  # never larger than the canvas
+        if self.resize == "keep_ratio":
+            # The limits at this canvas's scale, in augment.resize_scale's order of operations
+            # (the training resize and the DALI evaluation compute the same float64 r).
+            short = min(ch, cw)
+            r = min(r, short / min(h, w), short * self.max_long / self.short / max(h, w))
         return r, r
+
+    def canvases(self) -> Canvases:
+        """The (H, W) canvases of this resize mode (``Canvases.buckets(S)``): the evaluation
+        loader's, and so detect's, predict's and the export's."""
+        return canvases_for(self.resize, self.short, self.max_long)
+
+    def canvas(self, h: int, w: int, size: int) -> HW:
+        """The canvas of an ``h`` x ``w`` image at input size ``size``: evaluation's for a
+        batch of images of its orientation (``Canvases.pick``)."""
+        return self.canvases().pick(size, np.array([w / h], np.float64))
 
     def resized_hw(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[int, int]:
         """The (height, width) the image content occupies on the canvas."""
@@ -126,3 +148,12 @@ def boxes_to_original(boxes: Tensor, scale_xy: Sequence[float] | Tensor, orig_hw
     out[:, 0::2] = out[:, 0::2].clamp(0, o_w)
     out[:, 1::2] = out[:, 1::2].clamp(0, o_h)
     return out
+
+
+def by_canvas(shapes: Sequence[Sequence[int]], preprocess: Preprocess, size: int) -> dict[HW, list[int]]:
+    """``{canvas (H, W): indices}`` of images of ``shapes`` (each ``(h, w, ...)``), each on its
+    own canvas (:meth:`Preprocess.canvas`), in first-seen order: one batch per canvas."""
+    groups: dict[HW, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(preprocess.canvas(int(shape[0]), int(shape[1]), size), []).append(i)
+    return groups

@@ -44,6 +44,9 @@ class LoaderError(RuntimeError):
     """A user-facing loader problem; the message is one line."""
 
 
+SQUARE_BAND = 1.1  # aspect w / h above it: landscape, below its inverse: portrait, else square
+
+
 def _ceil32(x: float) -> int:
     return int(math.ceil(x / 32.0) * 32)
 
@@ -75,9 +78,29 @@ class Canvases:
         b = self.buckets(size)
         if len(b) == 1 or len(aspects) == 0:
             return b[0]
-        votes = [int((aspects > 1.1).sum()), int((aspects < 1 / 1.1).sum())]
+        votes = [int((aspects > SQUARE_BAND).sum()), int((aspects < 1 / SQUARE_BAND).sum())]
         votes.append(len(aspects) - sum(votes))
         return b[int(np.argmax(votes))]  # ties: landscape, then portrait
+
+    def named(self, size: int) -> dict[str, HW]:
+        """``{orientation: (H, W)}`` of :meth:`buckets`: ``landscape``, ``portrait`` and
+        ``square`` (keep-ratio), or the one ``square``."""
+        b = self.buckets(size)
+        return {"square": b[0]} if len(b) == 1 else dict(zip(ORIENTATIONS, b))
+
+
+ORIENTATIONS = ("landscape", "portrait", "square")  # the order of Canvases.buckets
+# Which images each keep-ratio canvas is made for (Canvases.pick's vote), in words.
+ORIENTATION_OF = {"landscape": f"w / h > {SQUARE_BAND}", "portrait": f"w / h < 1 / {SQUARE_BAND}",
+                  "square": f"1 / {SQUARE_BAND} <= w / h <= {SQUARE_BAND}"}
+
+
+def canvases_for(resize_mode: str, short: int, max_long: int) -> Canvases:
+    """Keep-ratio gets landscape, portrait and square canvases; the other modes one square.
+
+    The one rule for both the training Resize stage and a family's evaluation
+    ``Preprocess`` (and so for ``fastdet.detect``, ``fastdet.predict`` and the export)."""
+    return Canvases(max_long / short) if resize_mode == "keep_ratio" else Canvases()
 
 
 @dataclass(frozen=True)

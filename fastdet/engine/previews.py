@@ -1,7 +1,8 @@
 """Predictions while training: the model's detections on a fixed set of val images.
 
 At every evaluation the trainer calls :func:`log_val_predictions` (rank 0): the same
-``NUM_IMAGES`` val images, preprocessed as evaluation does, go through ``model.predict``;
+``NUM_IMAGES`` val images, preprocessed as evaluation does (each on its orientation's
+canvas, as ``fastdet.detect``: one batch per canvas), go through ``model.predict``;
 each is drawn twice, side by side: its ground truth (class names) and the detections
 scoring above ``SCORE_THRESH`` (class and score, the same colour per class), each tile
 titled, and "no box scores above 0.30" written on a prediction tile without any box.
@@ -21,7 +22,7 @@ from torch import nn
 from torchvision.utils import make_grid
 
 from fastdet.data.augment import ImageDecodeError, decode_image
-from fastdet.data.preprocess import Preprocess, boxes_to_original
+from fastdet.data.preprocess import Preprocess, boxes_to_original, by_canvas
 from fastdet.visualize import draw_detections, draw_ground_truth, fit_tile, save_image, titled
 
 log = logging.getLogger("fastdet")
@@ -64,9 +65,13 @@ def log_val_predictions(model: nn.Module, records: Sequence[Any], preprocess: Pr
         return None
     model.eval()
     device = next(model.parameters()).device
-    inputs, scales = zip(*(preprocess(img, (img_size, img_size)) for img in imgs))
     kw = {**predict_kwargs, "score_thresh": max(SCORE_THRESH, predict_kwargs.get("score_thresh", 0.0))}
-    dets = model.predict(torch.stack(inputs).to(device), **kw)  # fp32: 8 images, not the hot path
+    dets: list[dict] = [{} for _ in imgs]
+    scales: list[tuple[float, float]] = [(1.0, 1.0)] * len(imgs)
+    for canvas, idx in by_canvas([img.shape for img in imgs], preprocess, img_size).items():
+        inputs, group_scales = zip(*(preprocess(imgs[i], canvas) for i in idx))
+        for i, d, s in zip(idx, model.predict(torch.stack(inputs).to(device), **kw), group_scales):
+            dets[i], scales[i] = d, s  # fp32: 8 images, not the hot path
     tiles = []
     for rec, img, det, s in zip(kept, imgs, dets, scales):
         gt = draw_ground_truth(img, torch.as_tensor(rec.boxes), torch.as_tensor(rec.labels), class_names)
