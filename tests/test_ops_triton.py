@@ -129,6 +129,22 @@ else:
         _assert_assign_equal(ops.atss_assign(*x.atss_args(), 9, x.pred_bboxes),
                              assigners.atss_assign(*x.atss_args(), 9, x.pred_bboxes), f"atss {case}")
 
+    def test_no_gt_slots_is_all_background():
+        """M = 0 on the Triton back end, and with topk over its 32 (the reference runs)."""
+        import dataclasses
+
+        x = assign_inputs(batch=2, max_boxes=3, num_classes=3, img_size=128, seed=5)
+        x = dataclasses.replace(x, gt_labels=x.gt_labels[:, :0], gt_bboxes=x.gt_bboxes[:, :0],
+                                pad_gt_mask=x.pad_gt_mask[:, :0])
+        B, A, C = x.pred_scores.shape
+        for topk in (9, 40):
+            for labels, boxes, scores in (ops.task_aligned_assign(*x.tal_args(), topk=topk),
+                                          ops.atss_assign(*x.atss_args(), topk, x.pred_bboxes)):
+                assert torch.equal(labels, torch.full((B, A), C)) and not boxes.any() and not scores.any()
+                assert boxes.shape == (B, A, 4) and scores.shape == (B, A, C)
+            gt, iou = ops.simota_assign(*x.simota_args(), topk=topk)
+            assert torch.equal(gt, torch.full((B, A), -1)) and torch.equal(iou, torch.zeros(B, A))
+
     def test_assign_ties_and_duplicates():
         x = assign_inputs(batch=1, max_boxes=4, num_classes=3, img_size=256, valid=[4], seed=4)
         x.pred_bboxes[0] = torch.tensor([60.0, 60.0, 140.0, 150.0])  # every metric ties

@@ -12,7 +12,8 @@ Shapes: B images, M padded ground-truth slots, A anchors over all levels, C clas
 Boxes are xyxy pixels. Background is ``bg_index`` (PP-YOLOE passes ``num_classes``).
 Both return ``(assigned_labels [B,A] int64, assigned_bboxes [B,A,4], assigned_scores
 [B,A,C])``; for anchors left as background the label is ``bg_index``, the scores row is
-zero and the box is that of GT slot 0 (unused by the loss, as in Paddle).
+zero and the box is that of GT slot 0 (unused by the loss, as in Paddle), a zero box when
+there is no slot (M = 0).
 """
 
 from __future__ import annotations
@@ -113,6 +114,14 @@ def _resolve_and_gather(
     return mask_positive, labels, bboxes
 
 
+def _all_background(B: int, A: int, C: int, bg_index: int, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """What the kernels return with no GT slot (M = 0): labels ``bg_index`` [B, A], zero boxes
+    [B, A, 4] and scores [B, A, C]. M is a shape, so the branch to this is taken while tracing."""
+    return (torch.full((B, A), bg_index, dtype=torch.int64, device=device),
+            torch.zeros(B, A, 4, dtype=dtype, device=device), torch.zeros(B, A, C, dtype=dtype, device=device))
+
+
 def _one_hot_without_bg(labels: Tensor, num_classes: int, bg_index: int, dtype: torch.dtype) -> Tensor:
     """``[B, A]`` labels in ``0..num_classes`` -> ``[B, A, num_classes]``; the bg column is dropped."""
     classes = torch.arange(num_classes + 1, device=labels.device)
@@ -160,6 +169,8 @@ def atss_assign(
     if sum(num_anchors_list) != A:
         raise ValueError(f"atss_assign: num_anchors_list sums to {sum(num_anchors_list)}, anchors has {A} rows")
     dtype = gt_bboxes.dtype
+    if M == 0:
+        return _all_background(B, A, num_classes, bg_index, dtype, gt_bboxes.device)
     pad_gt_mask = pad_gt_mask.to(dtype)
 
     ious = pairwise_iou(gt_bboxes, anchors[None].expand(B, -1, -1))  # [B, M, A]
@@ -228,6 +239,8 @@ def task_aligned_assign(
     """
     B, A, C = pred_scores.shape
     dtype = pred_scores.dtype
+    if gt_bboxes.shape[1] == 0:
+        return _all_background(B, A, C, bg_index, dtype, pred_scores.device)
     gt_bboxes = gt_bboxes.to(dtype)
     pad_gt_mask = pad_gt_mask.to(dtype)
 
