@@ -108,6 +108,15 @@ else:
         assert len(tema._cache) == 1  # built once, reused for every step
         assert ema[4].item() == 7
 
+    def test_ema_update_refuses_a_bad_decay_and_other_shapes():
+        for d in (1.5, float("nan")):
+            with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):
+                ops.ema_update_([torch.zeros(3)], [torch.ones(3)], d)
+        e = [torch.zeros(2, 3)]
+        with pytest.raises(ValueError, match=r"tensor 0 has shape \[2, 3\] in the EMA but \[3\] in the model"):
+            ops.ema_update_(e, [torch.ones(3)], 0.5)
+        assert not e[0].any()
+
     ASSIGN_CASES = {
         "random": dict(batch=2, max_boxes=5, num_classes=4, img_size=256, valid=[3, 2], seed=0),
         "no_gt_in_one_image": dict(batch=2, max_boxes=4, num_classes=3, img_size=256, valid=[0, 3], seed=2),

@@ -111,12 +111,13 @@ def ema_update_(ema_tensors: Sequence[Tensor], tensors: Sequence[Tensor], decay:
 
     One fused update over all tensors (a launch or two on CUDA). Pass ``decay`` as a
     0-d tensor on the tensors' device so the update can live in a CUDA graph and a
-    changing decay does not recompile a compiled step.
+    changing decay does not recompile a compiled step. A Python decay must lie in [0, 1]
+    (a tensor's value is not checked: reading it would sync); paired tensors must have one
+    shape (``ValueError``).
     """
     ema_tensors = list(ema_tensors)
     tensors = list(tensors)
-    if len(ema_tensors) != len(tensors):
-        raise ValueError(f"fastdet.ops.ema_update_: {len(ema_tensors)} EMA tensors but {len(tensors)} model tensors")
+    _reference.check_ema(ema_tensors, tensors, decay)  # every back end, before any tensor is written
     if not ema_tensors:
         return
     device = ema_tensors[0].device

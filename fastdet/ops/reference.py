@@ -72,9 +72,25 @@ def giou_loss(pred: Tensor, target: Tensor, eps: float = 1e-10) -> Tensor:
     return (1.0 - (iou - (enclose - union) / enclose)).to(out)
 
 
+def check_ema(ema_tensors: list[Tensor], tensors: list[Tensor], decay: Tensor | float) -> None:
+    """``ValueError`` in the kernels' words for lists of other lengths, a pair of other shapes
+    (``lerp_`` would broadcast a ``[3]`` model tensor into a ``[2, 3]`` EMA one) or a Python
+    decay outside [0, 1]. Metadata only: a tensor decay's value is not read (that would sync;
+    it is what the compiled step passes)."""
+    if len(ema_tensors) != len(tensors):
+        raise ValueError(f"fastdet.ops.ema_update_: {len(ema_tensors)} EMA tensors but {len(tensors)} model tensors")
+    for i, (e, t) in enumerate(zip(ema_tensors, tensors)):
+        if e.shape != t.shape:
+            raise ValueError(f"fastdet.ops.ema_update_: tensor {i} has shape {list(e.shape)} in the EMA but "
+                             f"{list(t.shape)} in the model")
+    if not isinstance(decay, Tensor) and not 0.0 <= float(decay) <= 1.0:  # NaN fails both comparisons
+        raise ValueError(f"fastdet.ops.ema_update_: decay must be in [0, 1], got {decay}")
+
+
 @torch.no_grad()
 def ema_update_(ema_tensors: list[Tensor], tensors: list[Tensor], decay: Tensor | float) -> None:
     """``ema = decay * ema + (1 - decay) * t`` for floating tensors, a copy for the rest."""
+    check_ema(ema_tensors, tensors, decay)
     for e, t in zip(ema_tensors, tensors):
         if e.is_floating_point():
             e.lerp_(t.to(e.dtype), 1.0 - decay)
