@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,16 +167,19 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
     return detector_from_checkpoint(ck, cfg, ckpt_path, ema=ema, fuse=fuse, device=device)
 
 
-def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preprocess, img_size: int
+def preprocess_images(images: Any, preprocess: Preprocess, img_size: int
                       ) -> tuple[Tensor, list[tuple[float, float]]]:
-    """RGB uint8 ``[H, W, 3]`` images → the network input ``[N, 3, S, S]`` f32 and each ``(sx, sy)``.
+    """Images → the network input ``[N, 3, S, S]`` f32 and each ``(sx, sy)``.
 
-    This is the input of ``det(images)``, ``det.predict`` and an exported ONNX model's
-    ``images``: the family's evaluation resize onto an ``img_size`` square canvas, then
-    its normalisation (``Preprocess``).
+    ``images`` as :func:`detect` takes them (:func:`as_rgb_images`: paths, PIL images,
+    arrays or tensors, uint8 or float 0..255, refused in one line otherwise). Every image
+    becomes RGB uint8 first, a float one rounded, so it gives the pixels of the same image
+    decoded from a file, as evaluation reads it. This is the input of ``det(images)``,
+    ``det.predict`` and an exported ONNX model's ``images``: the family's evaluation resize
+    onto an ``img_size`` square canvas, then its normalisation (``Preprocess``).
     """
     out, scales = [], []
-    for img in images:
+    for img in as_rgb_images(images):
         x, s = preprocess(img, (img_size, img_size))
         out.append(x)
         scales.append(s)
@@ -245,6 +248,9 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
             one entry per image.
         score_thresh: overrides the recipe's (``detector.info.predict_kwargs``).
         img_size: overrides the recipe's evaluation input size (a multiple of 32).
+
+    The batch takes the detector's device and dtype (a ``.half()`` or ``.bfloat16()``
+    detector works); boxes and scores come back float32 on the CPU.
     """
     info: DetectorInfo = detector.info
     if img_size is not None and (img_size < 32 or img_size % 32):
@@ -259,8 +265,8 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
     kw = dict(info.predict_kwargs)
     if score_thresh is not None:
         kw["score_thresh"] = score_thresh
-    device = next(detector.parameters()).device
-    dets = detector.predict(batch.to(device), **kw)
+    weight = next(detector.parameters())  # a half or bfloat16 detector takes its own dtype
+    dets = detector.predict(batch.to(weight.device, weight.dtype), **kw)
     out = []
     for det, img, s in zip(dets, images, scales):
         boxes = boxes_to_original(det["boxes"].float().cpu(), s, img.shape[:2])

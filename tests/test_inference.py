@@ -531,6 +531,27 @@ def test_detect_takes_a_path_a_pil_image_and_one_array(det, demo_small):
             detect(det, images, **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_detect_with_a_half_precision_detector(det, demo_small, dtype):
+    """The batch takes the detector's dtype (a bfloat16 detector raised "Input type (float) and
+    bias type (c10::BFloat16) should be the same"); detections come back float32, near the
+    float32 detector's."""
+    import copy
+
+    imgs = val_images(demo_small, 2)
+    low = copy.deepcopy(det).to(dtype)
+    got = detect(low, imgs, score_thresh=LOW_THRESH)
+    want = detect(det, imgs, score_thresh=LOW_THRESH)
+    assert len(got) == 2
+    for g, w, img in zip(got, want, imgs):
+        assert g["boxes"].dtype == torch.float32 and g["scores"].dtype == torch.float32
+        assert len(g["scores"]) > 0 and torch.isfinite(g["boxes"]).all()
+        # The best detection of each: the same box and score to the dtype's precision.
+        torch.testing.assert_close(g["scores"].max(), w["scores"].max(), rtol=0.05, atol=1e-5)
+        h, wd = img.shape[:2]
+        assert (g["boxes"][:, 0::2] <= wd).all() and (g["boxes"][:, 1::2] <= h).all()
+
+
 def test_onnx_file_describes_its_input_and_classes(det, onnx_files):
     import onnx
 
