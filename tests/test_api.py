@@ -1,5 +1,6 @@
-"""The Python API without a trained model: ``preprocess_images``'s inputs. The tests that
-need a checkpoint are in test_inference.py."""
+"""The Python API without a trained model: ``preprocess_images``'s inputs, the messages of
+``load_detector`` (Python keywords, CLI flags), ``build_model``'s ``num_classes`` and
+``dir(fastdet)``. The tests that need a checkpoint are in test_inference.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from fastdet.api import preprocess_images
-from fastdet.models import ARCHITECTURES
+import fastdet
+from fastdet.api import CheckpointError, load_detector, preprocess_images
+from fastdet.models import ARCHITECTURES, build_model
+from fastdet.registry import get_preset
 
 
 def _image(h: int = 45, w: int = 70) -> np.ndarray:
@@ -47,3 +50,74 @@ def test_preprocess_images_refuses_what_detect_refuses():
                       ([{"image": img}], r"images\[0\]: expected a path, a PIL image or an \[H, W, C\] array")):
         with pytest.raises(ValueError, match=says):
             preprocess_images(bad, pre, 64)
+
+
+def test_dir_lists_the_lazy_api():
+    names = dir(fastdet)
+    assert {"load_detector", "detect", "preprocess_images", "DetectorInfo", "CheckpointError"} <= set(names)
+    assert "__version__" in names and fastdet.load_detector is load_detector
+
+
+def test_build_model_takes_any_integral_num_classes():
+    for n in (np.int64(4), torch.tensor(3)):
+        head = build_model("yolox", "nano", n).head
+        assert type(head.num_classes) is int and head.num_classes == int(n)
+    for bad in (4.0, True, "4", 0, np.int64(-1)):
+        with pytest.raises(ValueError, match="num_classes must be a positive integer"):
+            build_model("yolox", "nano", bad)
+
+
+def test_load_detector_of_a_folder_names_the_checkpoints_in_it(tmp_path, capsys):
+    from fastdet.predict import main as predict_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(CheckpointError, match=r"run: a folder, not a checkpoint file$"):
+        load_detector(run)
+    (run / "best.pth").write_bytes(b"")
+    (run / "latest.pth").write_bytes(b"")
+    for kw in ({}, {"arch": "yolox"}):
+        with pytest.raises(CheckpointError, match=r"a folder, not a checkpoint file \(it holds best.pth and "
+                                                  r"latest.pth: pass .*run/best.pth\)"):
+            load_detector(run, **kw)
+    Image.fromarray(_image()).save(tmp_path / "a.jpg")
+    assert predict_main(["--ckpt", str(run), "--source", str(tmp_path / "a.jpg"), "--output-dir",
+                         str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a folder, not a checkpoint file (it holds best.pth" in err[0], err
+
+
+def _fastdet_checkpoint(tmp_path):
+    """A fastdet checkpoint's header (config and a model entry): the argument checks run before
+    any weight is read, so the weights need not be there."""
+    path = tmp_path / "yolox_nano.pth"
+    torch.save({"config": get_preset("yolox", "nano").to_dict(), "model": {}}, path)
+    return path
+
+
+def test_load_detector_names_its_keywords_and_the_cli_its_flags(tmp_path, capsys):
+    from fastdet.eval.__main__ import main as eval_main
+    from fastdet.predict import main as predict_main
+
+    ck = _fastdet_checkpoint(tmp_path)
+    for kw, says in (({"arch": "ppyoloe"}, "arch='ppyoloe'"), ({"arch": "yolox", "size": "s"}, "size='s'"),
+                     ({"source": "megvii"}, "source='megvii'")):
+        with pytest.raises(CheckpointError, match=f"a fastdet yolox-nano checkpoint, but {says} was given .*: drop it"):
+            load_detector(ck, **kw)
+    assert eval_main(["--ckpt", str(ck), "--arch", "ppyoloe"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "but --arch ppyoloe was given" in err[0], err
+
+    released = tmp_path / "yolox_s.pth"  # what Megvii publishes: {"model": state dict, ...}
+    torch.save({"model": {"backbone.weight": torch.zeros(2)}, "start_epoch": 300}, released)
+    with pytest.raises(CheckpointError, match=r"a plain state dict .*; an authors' released file is converted on "
+                                              r"load with arch= \(e.g. arch='yolox'\)\)$"):
+        load_detector(released)
+    assert eval_main(["--ckpt", str(released)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "converted on load with --arch (e.g. --arch yolox)" in err[0], err
+    Image.fromarray(_image()).save(tmp_path / "a.jpg")
+    assert predict_main(["--ckpt", str(released), "--source", str(tmp_path / "a.jpg"),
+                         "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m fastdet.convert FILE --arch ARCH" in err[0] and "arch=" not in err[0], err
