@@ -15,3 +15,8 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     raise AttributeError(f"module 'fastdet' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, so completion and ``dir(fastdet)`` list them."""
+    return sorted({*globals(), *_API})

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +40,26 @@ log = logging.getLogger("fastdet")
 
 class CheckpointError(ValueError):
     """The file is not a fastdet checkpoint; the message is one line naming it."""
+
+
+# How errors name load_detector's ``arch`` / ``size`` / ``source``: the keyword arguments
+# from Python, the flags from a command line (``fastdet.eval``'s). A command without them
+# (``fastdet.predict``, ``fastdet.export``) passes ``{}``, and a released file is pointed at
+# ``python -m fastdet.convert``.
+PYTHON_ARGS = MappingProxyType({"arch": "arch=", "size": "size=", "source": "source="})
+CLI_ARGS = MappingProxyType({"arch": "--arch", "size": "--size", "source": "--from"})
+
+
+def _given(names: Mapping[str, str], key: str, value: str) -> str:
+    """``arch='yolox'`` (a keyword) or ``--arch yolox`` (a flag)."""
+    name = names.get(key, key + "=")
+    return f"{name}{value!r}" if name.endswith("=") else f"{name} {value}"
+
+
+def _folder_error(path: Path) -> CheckpointError:
+    inside = [n for n in ("best.pth", "latest.pth") if (path / n).is_file()]
+    hint = f" (it holds {' and '.join(inside)}: pass {path / inside[0]})" if inside else ""
+    return CheckpointError(f"{path}: a folder, not a checkpoint file{hint}")
 
 
 @dataclass(frozen=True)
@@ -69,9 +90,12 @@ class DetectorInfo:
     checkpoint: str = ""
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
-    """The checkpoint dict and its config; :class:`CheckpointError` if it is not a fastdet one."""
+def read_checkpoint(path: str | Path, names: Mapping[str, str] = PYTHON_ARGS) -> tuple[dict[str, Any], Config]:
+    """The checkpoint dict and its config; :class:`CheckpointError` if it is not a fastdet one
+    (``names``: how the message names ``arch``, see :data:`PYTHON_ARGS`)."""
     path = Path(path)
+    if path.is_dir():
+        raise _folder_error(path)
     try:
         ck = load_checkpoint(path)
     except ValueError:
@@ -80,14 +104,19 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Config]:
     note = stale_conversion_note(ck, path) if isinstance(ck, dict) else None
     if note:
         log.warning(note)
-    return ck, _stored_config(ck, path)
+    return ck, _stored_config(ck, path, names)
 
 
-def _stored_config(ck: Any, path: Path) -> Config:
+def _stored_config(ck: Any, path: Path, names: Mapping[str, str] = PYTHON_ARGS) -> Config:
     """The config a fastdet checkpoint dict stores; :class:`CheckpointError` naming ``path`` otherwise."""
     if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict) or "model" not in ck:
+        if "arch" in names:
+            released = (f"an authors' released file is converted on load with {names['arch']} "
+                        f"(e.g. {_given(names, 'arch', 'yolox')})")
+        else:
+            released = "convert an authors' released file first: python -m fastdet.convert FILE --arch ARCH"
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
-                              "a plain state dict is not enough to rebuild the model)")
+                              f"a plain state dict is not enough to rebuild the model; {released})")
     model = ck["config"].get("model")
     if not isinstance(model, dict) or not model.get("arch") or not model.get("size"):
         # The defaults would build another model than the weights' (PP-YOLOE-s, 80 classes).
@@ -99,22 +128,26 @@ def _stored_config(ck: Any, path: Path) -> Config:
 
 
 def read_any_checkpoint(path: str | Path, arch: str | None = None, size: str | None = None,
-                        source: str | None = None) -> tuple[dict[str, Any], Config]:
+                        source: str | None = None, names: Mapping[str, str] = PYTHON_ARGS
+                        ) -> tuple[dict[str, Any], Config]:
     """``(checkpoint dict, config)`` of a fastdet checkpoint or, with ``arch``, of the authors'
-    released file converted on load (see :func:`load_detector`)."""
+    released file converted on load (see :func:`load_detector`). ``names``: how errors name
+    ``arch``, ``size`` and ``source`` (:data:`PYTHON_ARGS`, a CLI :data:`CLI_ARGS`)."""
+    if Path(path).is_dir():
+        raise _folder_error(Path(path))
     if arch is not None:
         ck, converted = load_any(path, arch, size, source)  # a fastdet one read (and warned about) once
-        cfg = registry.config_from_dict(ck["config"]) if converted else _stored_config(ck, Path(path))
+        cfg = registry.config_from_dict(ck["config"]) if converted else _stored_config(ck, Path(path), names)
         if converted:
             return ck, cfg
     else:
-        ck, cfg = read_checkpoint(path)
-    asked = [(flag, v, own) for flag, v, own in (("--arch", arch, cfg.model.arch), ("--size", size, cfg.model.size))
-             if v is not None and v != own] + ([("--from", source, "fastdet")] if source is not None else [])
-    if asked:  # a fastdet checkpoint says what it is: a flag that says otherwise is a mistake, not an order
-        flag, v, _ = asked[0]
-        raise CheckpointError(f"{path}: a fastdet {cfg.model.arch}-{cfg.model.size} checkpoint, but {flag} {v} "
-                              "was given (it is for the authors' released files): drop it")
+        ck, cfg = read_checkpoint(path, names)
+    asked = [(key, v) for key, v, own in (("arch", arch, cfg.model.arch), ("size", size, cfg.model.size))
+             if v is not None and v != own] + ([("source", source)] if source is not None else [])
+    if asked:  # a fastdet checkpoint says what it is: an argument that says otherwise is a mistake, not an order
+        key, v = asked[0]
+        raise CheckpointError(f"{path}: a fastdet {cfg.model.arch}-{cfg.model.size} checkpoint, but "
+                              f"{_given(names, key, v)} was given (it is for the authors' released files): drop it")
     return ck, cfg
 
 
@@ -150,7 +183,7 @@ def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, 
 
 def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
                   device: str | torch.device = "cpu", arch: str | None = None, size: str | None = None,
-                  source: str | None = None) -> Detector:
+                  source: str | None = None, *, arg_names: Mapping[str, str] = PYTHON_ARGS) -> Detector:
     """The detector of a fastdet checkpoint, in eval mode, with ``.info`` (:class:`DetectorInfo`).
 
     Args:
@@ -164,25 +197,35 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
             file (Megvii ``.pth``, Paddle ``.pdparams``, torchvision ``.pth``), converted on
             load as ``python -m fastdet.convert`` does (and logged); ``size`` is inferred
             from the shapes when None.
+        arg_names: how errors name ``arch``, ``size`` and ``source``: the keywords
+            (:data:`PYTHON_ARGS`); a command line passes its flags (:data:`CLI_ARGS`), or
+            ``{}`` when it has none.
     """
-    ck, cfg = read_any_checkpoint(ckpt_path, arch, size, source)
+    ck, cfg = read_any_checkpoint(ckpt_path, arch, size, source, arg_names)
     return detector_from_checkpoint(ck, cfg, ckpt_path, ema=ema, fuse=fuse, device=device)
 
 
-def preprocess_images(images: Sequence[np.ndarray | Tensor], preprocess: Preprocess, img_size: int,
+def preprocess_images(images: Any, preprocess: Preprocess, img_size: int,
                       canvas: Sequence[int] | None = None) -> tuple[Tensor, list[tuple[float, float]]]:
-    """RGB uint8 ``[H0, W0, 3]`` images → the network input ``[N, 3, H, W]`` f32 and each ``(sx, sy)``.
+    """Images → the network input ``[N, 3, H, W]`` f32 and each ``(sx, sy)``.
 
-    This is the input of ``det(images)``, ``det.predict`` and an exported ONNX model's
-    ``images``: the family's evaluation resize onto one canvas, then its normalisation
-    (``Preprocess``). The canvas is ``canvas`` (H, W) when given (an exported model's
-    ``input_size``), else the one the evaluation loader gives a batch of these images at
-    input size ``img_size``: ``img_size`` square, or for a keep-ratio family (FCOS) the
-    canvas of the images' most common orientation, an image of another orientation
-    scaled down to fit. :func:`detect` puts each image on its own orientation's canvas.
+    ``images`` as :func:`detect` takes them (:func:`as_rgb_images`: paths, PIL images,
+    arrays or tensors, uint8 or float 0..255, refused in one line otherwise). Every image
+    becomes RGB uint8 first, a float one rounded, so it gives the pixels of the same image
+    decoded from a file, as evaluation reads it. This is the input of ``det(images)``,
+    ``det.predict`` and an exported ONNX model's ``images``: the family's evaluation resize
+    onto one canvas, then its normalisation (``Preprocess``). The canvas is ``canvas``
+    (H, W) when given (an exported model's ``input_size``), else the one the evaluation
+    loader gives a batch of these images at input size ``img_size``: ``img_size`` square,
+    or for a keep-ratio family (FCOS) the canvas of the images' most common orientation, an
+    image of another orientation scaled down to fit. :func:`detect` puts each image on its
+    own orientation's canvas.
     """
     if canvas is not None and (len(canvas) != 2 or any(int(v) != v or v < 1 for v in canvas)):
         raise ValueError(f"canvas: expected (height, width) in px, got {tuple(canvas)}")
+    images = as_rgb_images(images)
+    if not images:
+        raise ValueError("preprocess_images: no images")
     if canvas is None:
         canvas = preprocess.canvases().pick(img_size, np.array([img.shape[1] / img.shape[0] for img in images]))
     out, scales = [], []
@@ -259,7 +302,8 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
     Each image is resized as evaluation resizes it, on the canvas evaluation gives its
     orientation (``Preprocess.canvas``: ``S`` x ``S``; keep-ratio, FCOS: ``(S, L)``
     landscape, ``(L, S)`` portrait or ``(S, S)``); images of different canvases run as
-    separate batches.
+    separate batches. The batch takes the detector's device and dtype (a ``.half()`` or
+    ``.bfloat16()`` detector works); boxes and scores come back float32 on the CPU.
     """
     info: DetectorInfo = detector.info
     if img_size is not None and (img_size < 32 or img_size % 32):
@@ -273,12 +317,12 @@ def detect(detector: Detector, images: Any, score_thresh: float | None = None,
     kw = dict(info.predict_kwargs)
     if score_thresh is not None:
         kw["score_thresh"] = score_thresh
-    device = next(detector.parameters()).device
+    weight = next(detector.parameters())  # a half or bfloat16 detector takes its own dtype
     out: list[dict[str, Tensor]] = [{} for _ in images]
     # One batch per canvas: each image on the canvas evaluation gives its orientation.
     for canvas, idx in by_canvas([img.shape for img in images], info.preprocess, size).items():
         batch, scales = preprocess_images([images[i] for i in idx], info.preprocess, size, canvas)
-        dets = detector.predict(batch.to(device), **kw)
+        dets = detector.predict(batch.to(weight.device, weight.dtype), **kw)
         for i, det, s in zip(idx, dets, scales):
             boxes = boxes_to_original(det["boxes"].float().cpu(), s, images[i].shape[:2])
             out[i] = {"boxes": boxes, "scores": det["scores"].float().cpu(), "labels": det["labels"].cpu()}

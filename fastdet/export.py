@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.score_thresh is not None and not args.nms:
             raise ValueError("--score-thresh is the threshold of the exported NMS: give --nms too (the dense "
                              "outputs keep every score, to threshold where they are read)")
-        if not Path(args.ckpt).is_file():
+        if not Path(args.ckpt).exists():  # a folder: load_detector names the checkpoints in it
             raise ValueError(f"--ckpt {args.ckpt}: no such file")
         if Path(args.output).is_dir():
             raise ValueError(f"--output {args.output} is a folder; name the file to write (e.g. {Path(args.output) / 'model.onnx'})")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             import onnxscript  # noqa: F401
         except ImportError as e:
             raise ValueError(f"--format onnx needs {e.name}: pip install 'fastdet[export]'") from None
-        det = load_detector(args.ckpt, ema=args.weights == "ema")
+        det = load_detector(args.ckpt, ema=args.weights == "ema", arg_names={})  # no --arch here
     except (ValueError, CheckpointError) as e:
         print(f"fastdet.export: error: {e}", file=sys.stderr)
         return 2

@@ -141,7 +141,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")
     if args.img_size is not None and (args.img_size < 32 or args.img_size % 32):
         raise ValueError(f"--img-size: expected a positive multiple of 32, got {args.img_size}")
-    if not Path(args.ckpt).is_file():
+    if not Path(args.ckpt).exists():  # a folder: load_detector names the checkpoints in it
         raise ValueError(f"--ckpt {args.ckpt}: no such file")
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.exist_ok:
             refuse_replacing(targets, f"--output-dir {out}", "--exist-ok")
         device = resolve_device(args.device)
-        det = load_detector(args.ckpt, ema=args.weights == "ema", device=device)
+        det = load_detector(args.ckpt, ema=args.weights == "ema", device=device, arg_names={})  # no --arch here
     except (ValueError, CheckpointError) as e:
         print(f"fastdet.predict: error: {e}", file=sys.stderr)
         return 2

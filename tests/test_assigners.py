@@ -11,13 +11,16 @@ sort decides: ties go to the lower anchor index, as in the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
 import pytest
 import torch
 
+import fastdet.ops as ops
 from fastdet.ops.assigners import atss_assign, task_aligned_assign
+from fastdet.ops.synthetic import assign_inputs
 
 STRIDES = (32, 16, 8)  # PP-YOLOE level order: coarsest first
 
@@ -330,6 +333,25 @@ def test_empty_image_is_all_background():
     ):
         assert out[0].shape == (2, A) and out[1].shape == (2, A, 4) and out[2].shape == (2, A, 4)
         assert (out[0] == 4).all() and (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("topk", [9, 40])  # 40: over the kernels' 32, the reference runs on every back end
+def test_no_gt_slots_is_all_background_on_every_backend(backend, topk):
+    """M = 0 (a batch without boxes, padded to no slot): every anchor background, as the
+    kernels return; the torch assigners raised in argmax over an empty dim."""
+    x = assign_inputs(batch=2, max_boxes=3, num_classes=3, img_size=128, seed=5)
+    x = dataclasses.replace(x, gt_labels=x.gt_labels[:, :0], gt_bboxes=x.gt_bboxes[:, :0],
+                            pad_gt_mask=x.pad_gt_mask[:, :0])
+    B, A, C = x.pred_scores.shape
+    with ops.use_backend(backend, "cpu"):
+        tal = ops.task_aligned_assign(*x.tal_args(), topk=topk)
+        atss = ops.atss_assign(*x.atss_args(), topk, x.pred_bboxes)
+        gt, iou = ops.simota_assign(*x.simota_args(), topk=topk)
+    for name, (labels, boxes, scores) in (("tal", tal), ("atss", atss)):
+        assert torch.equal(labels, torch.full((B, A), C)), name
+        assert torch.equal(boxes, torch.zeros(B, A, 4)) and torch.equal(scores, torch.zeros(B, A, C)), name
+    assert torch.equal(gt, torch.full((B, A), -1)) and torch.equal(iou, torch.zeros(B, A))
 
 
 def test_assigners_trace_without_graph_breaks():

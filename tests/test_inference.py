@@ -177,10 +177,11 @@ def test_not_a_checkpoint_is_one_line(tmp_path, tiny, det, caplog):
         with pytest.raises((CheckpointError, ValueError)) as e:
             load_detector(path, arch=other)
         assert "\n" not in str(e.value) and str(path) in str(e.value) and says in str(e.value), str(e.value)
-    # A fastdet checkpoint says what it is: --arch, --size or --from that say otherwise are refused.
+    # A fastdet checkpoint says what it is: arch=, size= or source= that say otherwise are refused.
     size = det.info.size
     for kw in ({"arch": other}, {"arch": tiny.arch, "size": "x"}, {"arch": tiny.arch, "source": "megvii"}):
-        with pytest.raises(CheckpointError, match=f"a fastdet {tiny.arch}-{size} checkpoint, but --"):
+        key = "arch" if kw["arch"] == other else next(iter(set(kw) - {"arch"}))
+        with pytest.raises(CheckpointError, match=f"a fastdet {tiny.arch}-{size} checkpoint, but {key}="):
             load_detector(tiny.ckpt, **kw)
     assert load_detector(tiny.ckpt, arch=tiny.arch, size=size).info.arch == tiny.arch
 
@@ -584,6 +585,27 @@ def test_detect_takes_a_path_a_pil_image_and_one_array(det, demo_small):
                              ([f], {"score_thresh": 2.0}, "score_thresh")):
         with pytest.raises(ValueError, match=says):
             detect(det, images, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_detect_with_a_half_precision_detector(det, demo_small, dtype):
+    """The batch takes the detector's dtype (a bfloat16 detector raised "Input type (float) and
+    bias type (c10::BFloat16) should be the same"); detections come back float32, near the
+    float32 detector's."""
+    import copy
+
+    imgs = val_images(demo_small, 2)
+    low = copy.deepcopy(det).to(dtype)
+    got = detect(low, imgs, score_thresh=LOW_THRESH)
+    want = detect(det, imgs, score_thresh=LOW_THRESH)
+    assert len(got) == 2
+    for g, w, img in zip(got, want, imgs):
+        assert g["boxes"].dtype == torch.float32 and g["scores"].dtype == torch.float32
+        assert len(g["scores"]) > 0 and torch.isfinite(g["boxes"]).all()
+        # The best detection of each: the same box and score to the dtype's precision.
+        torch.testing.assert_close(g["scores"].max(), w["scores"].max(), rtol=0.05, atol=1e-5)
+        h, wd = img.shape[:2]
+        assert (g["boxes"][:, 0::2] <= wd).all() and (g["boxes"][:, 1::2] <= h).all()
 
 
 def test_onnx_file_describes_its_input_and_classes(det, onnx_files):

@@ -60,6 +60,32 @@ def test_pairwise_matches_torchvision(F):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["box_iou", "generalized_box_iou"])
+def test_pairwise_public_api_is_differentiable_as_torchvision(F, op):
+    """The kernels have no backward: with a gradient wanted the public op must still give
+    torchvision's (it gave none on cpp, only the L1 term of a loss reached the boxes)."""
+    pred = torch.tensor([[2.0, 2.0, 8.0, 12.0]], requires_grad=True)
+    tgt = torch.tensor([[0.0, 0.0, 10.0, 10.0]])
+    tv = getattr(torchvision.ops, op)
+    want = torch.autograd.grad((1 - torch.diag(tv(pred, tgt))).sum(), pred)[0]
+    with ops.use_backend("cpp", "cpu"):
+        assert ops.backend_for(op, "cpu") == "cpp"
+        got = torch.autograd.grad((1 - torch.diag(getattr(ops, op)(pred, tgt))).sum(), pred)[0]
+        torch.testing.assert_close(got, want)
+        a = random_boxes(5, seed=23).double().requires_grad_()
+        b = random_boxes(2, 6, seed=24).double()[1].requires_grad_()
+        assert torch.autograd.gradcheck(getattr(ops, op), (a, b))
+        g = torch.rand(5, 6, dtype=torch.float64)
+        got = torch.autograd.grad(getattr(ops, op)(a, b), (a, b), g)
+        want = torch.autograd.grad(tv(a, b), (a, b), g)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+        with torch.no_grad():  # what training asks: the kernel's values, no graph
+            out = getattr(ops, op)(a, b)
+        assert out.grad_fn is None
+        torch.testing.assert_close(out, getattr(F, op)(a.detach(), b.detach(), 1e-9), rtol=0, atol=0)
+
+
 def test_edge_case_values(F):
     e = _edge_boxes()
     iou = F.box_iou(e, e, 1e-9)

@@ -166,6 +166,31 @@ def test_ema_update_api_accepts_float_decay():
         ops.ema_update_(e, s * 2, 0.5)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_ema_update_refuses_a_bad_decay_and_other_shapes_on_every_backend(backend):
+    """A Python decay outside [0, 1] (NaN too) and a pair of other shapes are one line before
+    any tensor is written: the torch back end broadcast a [3] model tensor into a [2, 3] EMA."""
+    from fastdet.ops import reference
+
+    with ops.use_backend(backend, "cpu"):
+        assert ops.backend_for("ema_update_", "cpu") == backend
+        for d in (1.5, -0.5, float("nan"), 2):
+            e = [torch.zeros(3)]
+            with pytest.raises(ValueError, match=r"ema_update_: decay must be in \[0, 1\], got"):
+                ops.ema_update_(e, [torch.ones(3)], d)
+            assert not e[0].any()
+        for d in (0.0, 1.0, torch.tensor(0.25)):  # a tensor's value is not read (it would sync)
+            e = [torch.zeros(3)]
+            ops.ema_update_(e, [torch.ones(3)], d)
+            torch.testing.assert_close(e[0], torch.full((3,), 1.0 - float(d)))
+        e = [torch.zeros(4), torch.zeros(2, 3)]
+        with pytest.raises(ValueError, match=r"tensor 1 has shape \[2, 3\] in the EMA but \[3\] in the model"):
+            ops.ema_update_(e, [torch.ones(4), torch.ones(3)], 0.5)
+        assert not any(t.any() for t in e)
+    with pytest.raises(ValueError, match=r"tensor 0 has shape \[2, 3\] in the EMA but \[3\] in the model"):
+        reference.ema_update_([torch.zeros(2, 3)], [torch.ones(3)], 0.5)
+
+
 def _layouts():
     """EMA / model tensor pairs: channels-last conv weights (dense, the fused kernels' flat
     order), a size-1 dim with an odd stride (the same layout), and a mismatch (contiguous

@@ -56,6 +56,24 @@ else:
         a, b = random_boxes(6, seed=5).double(), random_boxes(7, seed=6).double()
         torch.testing.assert_close(getattr(T, op)(a, b, 1e-9), getattr(reference, op)(a, b), rtol=1e-12, atol=1e-12)
 
+    @pytest.mark.parametrize("op", ["box_iou", "generalized_box_iou"])
+    def test_pairwise_public_api_is_differentiable_as_torchvision(op):
+        """The Triton kernels have no backward (it raised "no autograd formula"): with a
+        gradient wanted the public op gives torchvision's, without one the kernel runs."""
+        import torchvision
+
+        a = random_boxes(5, seed=11).double().requires_grad_()
+        b = random_boxes(6, seed=12).double().requires_grad_()
+        assert torch.autograd.gradcheck(getattr(ops, op), (a, b))
+        g = torch.rand(5, 6, dtype=torch.float64)
+        got = torch.autograd.grad(getattr(ops, op)(a, b), (a, b), g)
+        want = torch.autograd.grad(getattr(torchvision.ops, op)(a, b), (a, b), g)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+        with torch.no_grad():
+            out = getattr(ops, op)(a, b)
+        torch.testing.assert_close(out, getattr(T, op)(a.detach(), b.detach(), 1e-9), rtol=0, atol=0)
+
     def test_giou_loss_and_backward():
         e = _edge_boxes()
         for p, t in [(random_boxes(600, seed=7), random_boxes(600, seed=8)), (e, e.flip(0)), (e, e)]:
@@ -90,6 +108,15 @@ else:
         assert len(tema._cache) == 1  # built once, reused for every step
         assert ema[4].item() == 7
 
+    def test_ema_update_refuses_a_bad_decay_and_other_shapes():
+        for d in (1.5, float("nan")):
+            with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):
+                ops.ema_update_([torch.zeros(3)], [torch.ones(3)], d)
+        e = [torch.zeros(2, 3)]
+        with pytest.raises(ValueError, match=r"tensor 0 has shape \[2, 3\] in the EMA but \[3\] in the model"):
+            ops.ema_update_(e, [torch.ones(3)], 0.5)
+        assert not e[0].any()
+
     ASSIGN_CASES = {
         "random": dict(batch=2, max_boxes=5, num_classes=4, img_size=256, valid=[3, 2], seed=0),
         "no_gt_in_one_image": dict(batch=2, max_boxes=4, num_classes=3, img_size=256, valid=[0, 3], seed=2),
@@ -110,6 +137,22 @@ else:
                              f"tal {case}")
         _assert_assign_equal(ops.atss_assign(*x.atss_args(), 9, x.pred_bboxes),
                              assigners.atss_assign(*x.atss_args(), 9, x.pred_bboxes), f"atss {case}")
+
+    def test_no_gt_slots_is_all_background():
+        """M = 0 on the Triton back end, and with topk over its 32 (the reference runs)."""
+        import dataclasses
+
+        x = assign_inputs(batch=2, max_boxes=3, num_classes=3, img_size=128, seed=5)
+        x = dataclasses.replace(x, gt_labels=x.gt_labels[:, :0], gt_bboxes=x.gt_bboxes[:, :0],
+                                pad_gt_mask=x.pad_gt_mask[:, :0])
+        B, A, C = x.pred_scores.shape
+        for topk in (9, 40):
+            for labels, boxes, scores in (ops.task_aligned_assign(*x.tal_args(), topk=topk),
+                                          ops.atss_assign(*x.atss_args(), topk, x.pred_bboxes)):
+                assert torch.equal(labels, torch.full((B, A), C)) and not boxes.any() and not scores.any()
+                assert boxes.shape == (B, A, 4) and scores.shape == (B, A, C)
+            gt, iou = ops.simota_assign(*x.simota_args(), topk=topk)
+            assert torch.equal(gt, torch.full((B, A), -1)) and torch.equal(iou, torch.zeros(B, A))
 
     def test_assign_ties_and_duplicates():
         x = assign_inputs(batch=1, max_boxes=4, num_classes=3, img_size=256, valid=[4], seed=4)

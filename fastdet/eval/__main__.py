@@ -21,7 +21,7 @@ import torch
 
 from fastdet.config import ConfigError, apply_overrides
 from fastdet import registry
-from fastdet.api import detector_from_checkpoint, read_any_checkpoint
+from fastdet.api import CLI_ARGS, detector_from_checkpoint, read_any_checkpoint
 from fastdet.data.coco import DataError
 from fastdet.data.formats import load_split
 from fastdet.data.loader import build_eval_loader, resolve_backend
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.arch is None and (args.size or args.source):
             raise ValueError("--size and --from describe a released file: give --arch too")
-        ck, cfg = read_any_checkpoint(args.ckpt, args.arch, args.size, args.source)
+        ck, cfg = read_any_checkpoint(args.ckpt, args.arch, args.size, args.source, CLI_ARGS)
         over = {"run.device": args.device}
         for key, val in (("data.data", args.data), ("data.val_ann", args.val_ann),
                          ("data.val_images", args.val_images), ("data.img_size", args.img_size),

@@ -8,6 +8,7 @@ line in ``ARCHITECTURES``.
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
 from fastdet.models import fcos, ppyolo, ppyoloe, yolox
@@ -47,8 +48,13 @@ def build_model(arch: str, size: str, num_classes: int = 80, **family_options: A
     ``use_alpha``, ``width_mult``, ``depth_mult``).
     """
     fam = _family(arch, size)
-    if not isinstance(num_classes, int) or num_classes < 1:
+    try:  # any integral number (numpy's, a 0-d int tensor), not a float or a bool
+        n = operator.index(num_classes)
+    except TypeError:
+        n = 0
+    if isinstance(num_classes, bool) or n < 1:
         raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+    num_classes = n
     params = inspect.signature(fam.build).parameters
     accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(family_options) - set(accepted))

@@ -8,7 +8,8 @@ against). All kernels are torch custom ops with fake implementations, so a
 
 Boxes are xyxy. Shapes: ``box_iou`` / ``generalized_box_iou`` take ``[N,4] x [M,4] ->
 [N,M]`` or ``[B,N,4] x [B,M,4] -> [B,N,M]``; ``giou_loss`` is paired and elementwise,
-``[...,4] x [...,4] -> [...]``, with its backward.
+``[...,4] x [...,4] -> [...]``, with its backward. The pairwise IoUs are differentiable
+too: their kernels run without a gradient, the reference with one.
 """
 
 from __future__ import annotations
@@ -64,18 +65,27 @@ def _pairwise(op: str, a: Tensor, b: Tensor, eps: float) -> Tensor:
                          f"got {tuple(a.shape)} and {tuple(b.shape)}")
     dtype = torch.promote_types(a.dtype, b.dtype)
     backend = _backend(op, a)
-    if backend == "torch" or dtype not in _KERNEL_DTYPES:
+    # The kernels have no backward: when a gradient is wanted the reference runs, which is
+    # torchvision's formula and differentiates as it does. Training asks for IoUs under
+    # no_grad (the assigners), where the kernels serve. requires_grad and the grad mode are
+    # metadata: a constant to torch.compile, no sync.
+    wants_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if backend == "torch" or wants_grad or dtype not in _KERNEL_DTYPES:
         return getattr(_reference, op)(a, b, eps)
     return getattr(_ns(backend), op)(a.to(dtype), b.to(dtype), eps)
 
 
 def box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
-    """Pairwise IoU of xyxy boxes; 0 where the union is empty (``inter / max(union, eps)``)."""
+    """Pairwise IoU of xyxy boxes; 0 where the union is empty (``inter / max(union, eps)``).
+
+    Differentiable (as ``torchvision.ops.box_iou``): with a gradient wanted it runs the torch
+    reference, the kernels only without one."""
     return _pairwise("box_iou", a, b, eps)
 
 
 def generalized_box_iou(a: Tensor, b: Tensor, eps: float = 1e-9) -> Tensor:
-    """Pairwise generalized IoU (Rezatofighi et al. 2019) of xyxy boxes."""
+    """Pairwise generalized IoU (Rezatofighi et al. 2019) of xyxy boxes; differentiable as
+    :func:`box_iou` is."""
     return _pairwise("generalized_box_iou", a, b, eps)
 
 
@@ -101,12 +111,13 @@ def ema_update_(ema_tensors: Sequence[Tensor], tensors: Sequence[Tensor], decay:
 
     One fused update over all tensors (a launch or two on CUDA). Pass ``decay`` as a
     0-d tensor on the tensors' device so the update can live in a CUDA graph and a
-    changing decay does not recompile a compiled step.
+    changing decay does not recompile a compiled step. A Python decay must lie in [0, 1]
+    (a tensor's value is not checked: reading it would sync); paired tensors must have one
+    shape (``ValueError``).
     """
     ema_tensors = list(ema_tensors)
     tensors = list(tensors)
-    if len(ema_tensors) != len(tensors):
-        raise ValueError(f"fastdet.ops.ema_update_: {len(ema_tensors)} EMA tensors but {len(tensors)} model tensors")
+    _reference.check_ema(ema_tensors, tensors, decay)  # every back end, before any tensor is written
     if not ema_tensors:
         return
     device = ema_tensors[0].device

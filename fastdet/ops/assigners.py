@@ -12,7 +12,9 @@ Shapes: B images, M padded ground-truth slots, A anchors over all levels, C clas
 Boxes are xyxy pixels. Background is ``bg_index`` (PP-YOLOE passes ``num_classes``).
 Both return ``(assigned_labels [B,A] int64, assigned_bboxes [B,A,4], assigned_scores
 [B,A,C])``; for anchors left as background the label is ``bg_index``, the scores row is
-zero and the box is that of GT slot 0 (unused by the loss, as in Paddle).
+zero and the box is that of GT slot 0 (unused by the loss, as in Paddle), a zero box when
+there is no slot (M = 0). Half and bfloat16 inputs are computed in float32 (as the kernels
+do) and the boxes and scores returned in the input's dtype.
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ def _resolve_and_gather(
     return mask_positive, labels, bboxes
 
 
+def _all_background(B: int, A: int, C: int, bg_index: int, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """What the kernels return with no GT slot (M = 0): labels ``bg_index`` [B, A], zero boxes
+    [B, A, 4] and scores [B, A, C]. M is a shape, so the branch to this is taken while tracing."""
+    return (torch.full((B, A), bg_index, dtype=torch.int64, device=device),
+            torch.zeros(B, A, 4, dtype=dtype, device=device), torch.zeros(B, A, C, dtype=dtype, device=device))
+
+
 def _one_hot_without_bg(labels: Tensor, num_classes: int, bg_index: int, dtype: torch.dtype) -> Tensor:
     """``[B, A]`` labels in ``0..num_classes`` -> ``[B, A, num_classes]``; the bg column is dropped."""
     classes = torch.arange(num_classes + 1, device=labels.device)
@@ -159,7 +169,11 @@ def atss_assign(
     A = anchors.shape[0]
     if sum(num_anchors_list) != A:
         raise ValueError(f"atss_assign: num_anchors_list sums to {sum(num_anchors_list)}, anchors has {A} rows")
-    dtype = gt_bboxes.dtype
+    out_dtype = gt_bboxes.dtype
+    if M == 0:
+        return _all_background(B, A, num_classes, bg_index, out_dtype, gt_bboxes.device)
+    dtype = torch.promote_types(out_dtype, torch.float32)  # half boxes computed in float32, as the kernels do
+    gt_bboxes, anchors = gt_bboxes.to(dtype), anchors.to(dtype)
     pad_gt_mask = pad_gt_mask.to(dtype)
 
     ious = pairwise_iou(gt_bboxes, anchors[None].expand(B, -1, -1))  # [B, M, A]
@@ -193,7 +207,7 @@ def atss_assign(
     if pred_bboxes is not None:
         pred_ious = pairwise_iou(gt_bboxes, pred_bboxes.to(dtype)) * mask_positive  # [B, M, A]
         scores = scores * pred_ious.amax(dim=-2)[..., None]
-    return labels, bboxes, scores
+    return labels, bboxes.to(out_dtype), scores.to(out_dtype)
 
 
 @torch.no_grad()
@@ -227,7 +241,13 @@ def task_aligned_assign(
         bg_index: label of background anchors (PP-YOLOE: C).
     """
     B, A, C = pred_scores.shape
-    dtype = pred_scores.dtype
+    out_dtype = pred_scores.dtype
+    if gt_bboxes.shape[1] == 0:
+        return _all_background(B, A, C, bg_index, out_dtype, pred_scores.device)
+    # Half and bfloat16 in float32, as the kernels compute: IoU^6 and the areas of large boxes
+    # leave fp16's range, and the labels came out different.
+    dtype = torch.promote_types(out_dtype, torch.float32)
+    pred_scores, anchor_points = pred_scores.to(dtype), anchor_points.to(dtype)
     gt_bboxes = gt_bboxes.to(dtype)
     pad_gt_mask = pad_gt_mask.to(dtype)
 
@@ -248,4 +268,4 @@ def task_aligned_assign(
     max_metric = metrics.amax(dim=-1, keepdim=True)  # [B, M, 1]
     max_iou = (ious * mask_positive).amax(dim=-1, keepdim=True)
     norm = (metrics / (max_metric + eps) * max_iou).amax(dim=-2)  # [B, A]
-    return labels, bboxes, scores * norm[..., None]
+    return labels, bboxes.to(out_dtype), (scores * norm[..., None]).to(out_dtype)

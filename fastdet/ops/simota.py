@@ -90,6 +90,9 @@ def simota_assign(
     B, A, C = pred_scores.shape
     M = gt_boxes.shape[1]
     dtype = torch.float64 if pred_scores.dtype == torch.float64 else torch.float32
+    if M == 0:  # no GT slot: all background, as the kernels return (a shape: decided while tracing)
+        return (torch.full((B, A), -1, dtype=torch.int64, device=pred_scores.device),
+                torch.zeros(B, A, dtype=dtype, device=pred_scores.device))
     scores = pred_scores.to(dtype)
     preds = pred_boxes.to(dtype)
     gts = gt_boxes.to(dtype)
