@@ -53,16 +53,20 @@ def rewrite_coco(ann: Path, images_dir: Path, ckpt: str | Path, img_size: int, o
 
 def demo_with_own_truth(demo: Path, root: Path, ckpt: str | Path, img_size: int) -> Path:
     """A COCO-layout copy of ``demo`` at ``root`` (images linked, train boxes kept) whose val
-    boxes are ``ckpt``'s own EMA detections; returns ``root``."""
+    boxes are ``ckpt``'s own EMA detections, each label written as the demo's category of the
+    checkpoint's class name (a checkpoint trained on the demo's YOLO or VOC form has ids
+    0..3, the demo 1, 3, 7, 12); returns ``root``."""
     from fastdet.runtime.checkpoint import load_checkpoint
 
     (root / "annotations").mkdir(parents=True)
     for split in ("train", "val"):
         (root / f"{split}2017").symlink_to((demo / f"{split}2017").resolve(), target_is_directory=True)
     shutil.copy(demo / "annotations" / "instances_train2017.json", root / "annotations")
-    cat_ids = load_checkpoint(ckpt, mmap=True)["cat_ids"]
-    rewrite_coco(demo / "annotations" / "instances_val2017.json", demo / "val2017", ckpt, img_size,
-                 root / "annotations" / "instances_val2017.json", cat_ids=cat_ids)
+    val_ann = demo / "annotations" / "instances_val2017.json"
+    by_name = {c["name"]: c["id"] for c in json.loads(val_ann.read_text())["categories"]}
+    cat_ids = [by_name[n] for n in load_checkpoint(ckpt, mmap=True)["class_names"]]
+    rewrite_coco(val_ann, demo / "val2017", ckpt, img_size, root / "annotations" / "instances_val2017.json",
+                 cat_ids=cat_ids)
     return root
 
 
