@@ -102,3 +102,35 @@ def test_a_new_run_over_another_falls_back_on_none_of_its_checkpoints(tmp_path):
     assert steps() == (2, 1)
     checkpointer(resume=True).save_latest(0, 3, 0.0)
     assert steps() == (3, 2)
+
+
+def test_a_dangling_link_named_train_log_takes_the_directory(tmp_path):
+    """A ``train.log`` that is a link to nothing: the directory is taken (before, it looked
+    free, the exclusive create failed on the link, and the claim chose it again forever)."""
+    asked = tmp_path / "x"
+    asked.mkdir()
+    (asked / "train.log").symlink_to(tmp_path / "nowhere")
+    assert rundir.claim_run_dir(asked) == (tmp_path / "x2", True)
+
+
+def test_a_restart_finds_the_directory_its_launch_claimed(tmp_path, monkeypatch):
+    """Under torchrun the first start of a launch marks the directory it claims; a restart
+    of that launch (same agent, same rendezvous id) finds it among the asked directory and
+    its numbered siblings, another launch does not."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    asked = tmp_path / "exp"
+    asked.mkdir()
+    (asked / "latest.pth").write_bytes(b"another run")
+    (tmp_path / "exp2").mkdir()  # a run of another launch
+    (tmp_path / "exp2" / "train.log").write_text("another launch\n")
+    rundir.mark_launch(tmp_path / "exp2", "otherhost 1 job7")
+    (tmp_path / "expected").mkdir()  # not a numbered sibling
+    out, _ = rundir.claim_run_dir(asked)
+    rundir.mark_launch(out, rundir.launch_key())
+    assert out == tmp_path / "exp3"
+    assert rundir.launch_dir(asked, rundir.launch_key()) == out
+    assert rundir.launch_dir(tmp_path / "exp2", rundir.launch_key()) == out  # asked as a numbered name
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job8")
+    assert rundir.launch_dir(asked, rundir.launch_key()) is None
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert rundir.launch_key() is None and rundir.launch_dir(asked, None) is None

@@ -709,18 +709,23 @@ def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_
     """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 2 (before that step's
     checkpoint): torchrun restarts both workers with the same command line, they resume
     from step 1's latest.pth by themselves, and the run ends with the weights and losses
-    of an uninterrupted one."""
+    of an uninterrupted one. The --output-dir given holds another run of the same config
+    (the one-process run's), so the launch writes to ``two2``: the restart continues there
+    (before, it continued the other run, in its directory, from its last step)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     one, r = one_process
     assert r.returncode == 0, r.stderr
-    out = tmp_path / "two"
-    a = two_ranks(demo_small, out, "--ckpt-interval-steps", "1", port=free_port(),
+    asked, out = tmp_path / "two", tmp_path / "two2"
+    shutil.copytree(one, asked)
+    before = {f.name: f.read_bytes() for f in asked.iterdir() if f.is_file()}
+    a = two_ranks(demo_small, asked, "--ckpt-interval-steps", "1", port=free_port(),
                   launcher=("--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5"),
                   env={"FASTDET_FAULT": "1:2:KILL"})
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    assert "torchrun restart 1: continuing from" in a.stdout
+    assert f"torchrun restart 1: continuing from {out / 'latest.pth'}" in a.stdout
     assert "resumed from" in a.stdout and "after step 1 (0 epoch(s) done)" in a.stdout
+    assert {f.name: f.read_bytes() for f in asked.iterdir() if f.is_file()} == before
     assert_same_training(one, out)
 
 

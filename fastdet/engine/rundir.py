@@ -14,21 +14,25 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 from fastdet.runtime.logging import close_log_file
 
 # What a run leaves in its directory (fastdet.engine.trainer); any of them marks it taken.
 RUN_FILES = ("latest.pth", "best.pth", "metrics.jsonl", "eval.jsonl", "train.log", "config.yaml", "tb")
+# Which torchrun launch claimed the directory (:func:`launch_key`), for its restarts.
+LAUNCH_FILE = ".torchrun_launch"
 # What a start writes before its first step (engine.trainer, engine.metrics_log).
-START_FILES = {"train.log", "config.yaml", "model_summary.txt", "tb"}
+START_FILES = {"train.log", "config.yaml", "model_summary.txt", "tb", LAUNCH_FILE}
 
 
 def holds_run(path: Path) -> bool:
-    """Whether ``path`` holds any file a run writes (a file of that name takes it too)."""
-    if path.exists() and not path.is_dir():
+    """Whether ``path`` holds any file a run writes (a file of that name takes it too; a
+    link counts as its name, dangling or not)."""
+    if os.path.lexists(path) and not path.is_dir():
         return True
-    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+    return path.is_dir() and any(os.path.lexists(path / name) for name in RUN_FILES)
 
 
 def free_run_dir(path: Path) -> Path:
@@ -64,6 +68,35 @@ def claim_run_dir(path: Path) -> tuple[Path, bool]:
         return cand, made
 
 
+def launch_key() -> str | None:
+    """This torchrun launch: its agent (the workers' parent, the same process through every
+    restart) on this host, and the rendezvous id; None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id is None else f"{socket.gethostname()} {os.getppid()} {run_id}"
+
+
+def mark_launch(path: Path, key: str | None) -> None:
+    """Record in ``path`` that launch ``key`` claimed it (nothing outside torchrun)."""
+    if key is not None:
+        (path / LAUNCH_FILE).write_text(key + "\n")
+
+
+def launch_dir(path: Path, key: str | None) -> Path | None:
+    """The directory this torchrun launch claimed, ``path`` or a numbered sibling of it
+    (:func:`free_run_dir`'s names), for a restart: the same command line, which would
+    otherwise continue whatever run ``path`` holds. None if there is none (or no torchrun)."""
+    if key is None or not path.parent.is_dir():
+        return None
+    m = re.fullmatch(r"(.*?[^\d])(\d+)", path.name)
+    stem = m.group(1) if m else path.name
+    names = re.compile(re.escape(stem) + r"\d*")
+    for cand in sorted(p for p in path.parent.iterdir() if names.fullmatch(p.name)):
+        f = cand / LAUNCH_FILE
+        if f.is_file() and f.read_text().strip() == key:
+            return cand
+    return None
+
+
 def log_size(path: Path) -> int | None:
     """The size of ``path/train.log`` before a start writes to it (None: there is none)."""
     f = path / "train.log"
@@ -88,5 +121,6 @@ def forget_failed_start(path: Path, made: bool, is_main: bool, log_before: int |
     f = path / "train.log"
     if log_before is None:
         f.unlink(missing_ok=True)
+        (path / LAUNCH_FILE).unlink(missing_ok=True)
     elif f.is_file():
         os.truncate(f, log_before)

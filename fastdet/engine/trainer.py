@@ -36,7 +36,7 @@ from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
-from fastdet.engine.rundir import claim_run_dir, forget_failed_start, log_size
+from fastdet.engine.rundir import claim_run_dir, forget_failed_start, launch_dir, launch_key, log_size, mark_launch
 from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
 from fastdet.runtime.amp import backend_flags
@@ -117,11 +117,16 @@ class Trainer:
         # (_log_before; None: the log is this start's).
         out, self._made_out, self._log_before = asked, False, None
         if self.dist.is_main:
-            if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or restart_count() > 0:
-                self._made_out, self._log_before = not asked.exists(), log_size(asked)
-                asked.mkdir(parents=True, exist_ok=True)
+            # A torchrun restart continues where its launch's first start wrote (a numbered
+            # sibling when the asked directory held another run), not the asked directory.
+            launched = launch_dir(asked, launch_key()) if restart_count() > 0 else None
+            if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or launched is not None:
+                out = launched or asked
+                self._made_out, self._log_before = not out.exists(), log_size(out)
+                out.mkdir(parents=True, exist_ok=True)
             else:
                 out, self._made_out = claim_run_dir(asked)
+                mark_launch(out, launch_key())
         self.out = dist.broadcast_object(out)
         dist.barrier()
         setup_logging(self.out, self.dist.is_main)
