@@ -31,8 +31,9 @@ from fastdet.data.formats import train_num_classes
 from fastdet.data.loader import BACKENDS as LOADERS, train_sizes
 from fastdet.data.schedule import LoaderError
 from fastdet.engine.compile_workers import CompileError
-from fastdet.engine.faults import EXIT_PREEMPTED, Preempted
+from fastdet.engine.faults import EXIT_PREEMPTED, Preempted, config_mismatch
 from fastdet.engine.optim import OPTIMIZERS, SCHEDULES
+from fastdet.engine.rundir import holds_run
 from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
 from fastdet.models.detector import Detector
@@ -263,8 +264,28 @@ def resolve_resume(args: argparse.Namespace, overrides: dict[str, Any]) -> Confi
         cfg = apply_overrides(cfg, {key: value})
     if not overrides.get("run.output_dir") and not overrides.get("run.ckpt"):
         cfg = apply_overrides(cfg, {"run.output_dir": str(path.parent)})
+    check_resume_target(path, ck["config"], Path(cfg.run.output_dir).expanduser())
     # run.ckpt: the run's own fine-tuning source is not what it resumes from.
     return apply_overrides(cfg, {"run.resume": True, "run.exist_ok": False, "run.ckpt": overrides.get("run.ckpt")})
+
+
+def check_resume_target(path: Path, config: dict[str, Any], out: Path) -> None:
+    """``--resume --ckpt PATH --output-dir OUT``: OUT must be PATH's own directory, hold no
+    run, or hold this run (its latest.pth of the same config); resumed into another run's
+    directory, this run would cut that run's logs at its step and replace its checkpoints,
+    and keep its latest.pth as this run's fallback. A ConfigError line otherwise."""
+    if path.resolve().parent == out.resolve() or not holds_run(out):
+        return
+    theirs = out / "latest.pth"
+    try:
+        other = load_checkpoint(theirs, mmap=True).get("config") if theirs.is_file() else None
+    except (ValueError, FileNotFoundError):
+        other = None
+    if isinstance(other, dict) and not config_mismatch(other, config):
+        return
+    raise ConfigError(f"--resume: {out} holds another run than {path}'s; resumed there, this run would cut that "
+                      "run's logs and replace its checkpoints: give --output-dir a new or empty directory, or "
+                      f"{path.parent}")
 
 
 def check_config(cfg: Config) -> None:

@@ -184,6 +184,36 @@ def test_resume_rebuilds_the_run_from_its_checkpoint(first_run, tmp_path):
         "['project'], only in the set: none" in r.stderr, r.stderr
 
 
+def test_resume_from_a_checkpoint_into_another_runs_directory_is_refused(first_run, tmp_path, capsys):
+    """``--resume --ckpt A/latest.pth --output-dir B`` with B holding another run: one line,
+    B untouched (before, B's logs were cut at A's step, its checkpoints replaced and its
+    latest.pth kept as this run's fallback). B holding this run (a latest.pth of the same
+    config), an empty B, or A's own directory are where it may continue."""
+    from fastdet.config import ConfigError
+    from fastdet.runtime.checkpoint import save_checkpoint
+    from fastdet.train import check_resume_target
+    from fastdet.train import main as train_main
+
+    _, src = first_run
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(src, a)
+    shutil.copytree(src, b)
+    ck = load_checkpoint(b / "latest.pth")
+    ck["config"]["optim"]["base_lr"] *= 2  # another run's
+    save_checkpoint(b / "latest.pth", ck)
+    before = {f.name: f.read_bytes() for f in b.iterdir() if f.is_file()}
+    assert train_main(["--resume", "--ckpt", str(a / "latest.pth"), "--output-dir", str(b), "--max-steps", "3",
+                       "--device", "cpu", "--workers", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--resume: {b} holds another run than {a / 'latest.pth'}'s" in err[0], err
+    assert {f.name: f.read_bytes() for f in b.iterdir() if f.is_file()} == before
+    config = load_checkpoint(a / "latest.pth")["config"]
+    with pytest.raises(ConfigError):
+        check_resume_target(a / "latest.pth", config, b)
+    for ok in (a, src, tmp_path / "empty"):
+        check_resume_target(a / "latest.pth", config, ok)
+
+
 # --------------------------------------------------------------------------- 4, 10. custom data, sizes
 
 def print_config(*args: str) -> subprocess.CompletedProcess:
