@@ -521,6 +521,44 @@ def test_eval_schedule_counts():
     assert s.indices.tolist() == [] and s.steps == 1 and s.nonempty_steps == 0
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_eval_batches_hold_one_canvas(world, batch):
+    """Keep-ratio evaluation puts every image on the canvas of its own orientation, the one
+    fastdet.detect gives it (Preprocess.canvas): a batch never mixes orientations. Before,
+    a batch took its records' most common orientation's canvas and a minority image was
+    scaled down to fit it (a 480 x 640 portrait next to a landscape: 1.25 instead of 1.667
+    at 800). Every rank still runs the same number of batches and every record appears
+    once; a square family's batches are the strided shard's, in order, as before."""
+    pre = Preprocess(resize="keep_ratio", short=800, max_long=1333)
+    rng = np.random.default_rng(world * 10 + batch)
+    n, size = 23, 128
+    hw = rng.integers(100, 700, (n, 2))
+    aspects = hw[:, 1] / hw[:, 0]
+    scheds = [EvalSchedule(n, batch, rank=r, world_size=world, size=size, canvases=pre.canvases(), aspects=aspects)
+              for r in range(world)]
+    assert len({s.steps for s in scheds}) == 1
+    steps = scheds[0].steps
+    assert steps == max(s.nonempty_steps for s in scheds)
+    seen = []
+    for r, s in enumerate(scheds):
+        assert sorted(s.indices.tolist()) == list(range(r, n, world))
+        for k in range(steps):
+            plan = s.batch(k)
+            assert (len(plan.indices) > 0) == (k < s.nonempty_steps) and len(plan.indices) <= batch
+            for i in plan.indices.tolist():
+                assert plan.hw == pre.canvas(int(hw[i, 0]), int(hw[i, 1]), size), (i, hw[i], plan.hw)
+            seen += plan.indices.tolist()
+    assert sorted(seen) == list(range(n))
+    assert len({pre.canvas(int(h), int(w), size) for h, w in hw}) == 3  # the set mixes all three
+    for r in range(world):  # one canvas: the strided shard in order, as before
+        sq = EvalSchedule(n, batch, rank=r, world_size=world, size=size, aspects=aspects)
+        shard = list(range(r, n, world))
+        assert sq.steps == -(-(-(-n // world)) // batch)
+        assert [sq.batch(k).indices.tolist() for k in range(sq.steps)] == \
+            [shard[k * batch:(k + 1) * batch] for k in range(sq.steps)]
+
+
 def test_train_sizes_follow_config():
     assert train_sizes(make_cfg("torch", Path(".")).data) == SIZES
     assert train_sizes(make_cfg("torch", Path("."), multiscale=False, img_size=320).data) == (320,)

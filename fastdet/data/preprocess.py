@@ -15,9 +15,9 @@ always fed the way its recipe trains and evaluates it. Three resize modes exist:
 Which (H, W) canvas an image gets is :meth:`Preprocess.canvases` (the loader's
 ``canvases_for``: one square ``S`` x ``S``, or keep-ratio's landscape ``(S, L)``, portrait
 ``(L, S)`` and square ``(S, S)`` with ``L = ceil32(S * max_long / short)``). Evaluation
-gives a batch the canvas of its images' most common orientation; ``fastdet.detect`` /
-``fastdet.predict`` give each image the canvas of its own (:meth:`Preprocess.canvas`,
-:func:`by_canvas`), the one evaluation gives it in a batch of its orientation.
+(``EvalSchedule``: batches of one canvas), ``fastdet.detect`` and ``fastdet.predict``
+(:func:`by_canvas`) give each image the canvas of its own orientation
+(:meth:`Preprocess.canvas`).
 
 In every mode a network-input pixel ``p`` maps back to the original image as
 ``p / scale`` with ``scale = (sx, sy)`` per image (top-left placement: no offset).
@@ -92,8 +92,8 @@ class Preprocess:
         return canvases_for(self.resize, self.short, self.max_long)
 
     def canvas(self, h: int, w: int, size: int) -> HW:
-        """The canvas of an ``h`` x ``w`` image at input size ``size``: evaluation's for a
-        batch of images of its orientation (``Canvases.pick``)."""
+        """The canvas of an ``h`` x ``w`` image at input size ``size``: its orientation's,
+        the one evaluation gives it (``EvalSchedule`` groups batches by ``Canvases.own``)."""
         return self.canvases().pick(size, np.array([w / h], np.float64))
 
     def resized_hw(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[int, int]:
