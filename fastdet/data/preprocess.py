@@ -26,6 +26,7 @@ Batches carry it as ``scale_factors [B, 2]`` (x, y); :func:`boxes_to_original` a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -97,12 +98,14 @@ class Preprocess:
         return self.canvases().pick(size, np.array([w / h], np.float64))
 
     def resized_hw(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[int, int]:
-        """The (height, width) the image content occupies on the canvas."""
+        """The (height, width) the image content occupies on the canvas: ``floor(h r + 0.5)``,
+        halves up as the DALI evaluation resize rounds (``pipelines/stages.py``), not
+        Python's ``round`` (half to even: a 341 x 256 image at 128 gave 170 px, DALI 171)."""
         sx, sy = self.scale(h, w, canvas_hw)
         if self.resize == "stretch":
             return int(canvas_hw[0]), int(canvas_hw[1])
-        return (max(1, min(int(canvas_hw[0]), int(round(h * sy)))),
-                max(1, min(int(canvas_hw[1]), int(round(w * sx)))))
+        return (max(1, min(int(canvas_hw[0]), math.floor(h * sy + 0.5))),
+                max(1, min(int(canvas_hw[1]), math.floor(w * sx + 0.5))))
 
     def normalize_(self, x: Tensor) -> Tensor:
         """float [..., 3, H, W] on 0..255 → the network's input values (in place)."""
