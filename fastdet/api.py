@@ -215,11 +215,11 @@ def preprocess_images(images: Any, preprocess: Preprocess, img_size: int,
     decoded from a file, as evaluation reads it. This is the input of ``det(images)``,
     ``det.predict`` and an exported ONNX model's ``images``: the family's evaluation resize
     onto one canvas, then its normalisation (``Preprocess``). The canvas is ``canvas``
-    (H, W) when given (an exported model's ``input_size``), else the one the evaluation
-    loader gives a batch of these images at input size ``img_size``: ``img_size`` square,
-    or for a keep-ratio family (FCOS) the canvas of the images' most common orientation, an
-    image of another orientation scaled down to fit. :func:`detect` puts each image on its
-    own orientation's canvas.
+    (H, W) when given (an exported model's ``input_size``), else at input size ``img_size``:
+    ``img_size`` square, or for a keep-ratio family (FCOS) the canvas of the images' most
+    common orientation (``Canvases.pick``), an image of another orientation scaled down to
+    fit. Images of one orientation get the evaluation loader's batch of them; evaluation
+    and :func:`detect` put each image on its own orientation's canvas.
     """
     if canvas is not None and (len(canvas) != 2 or any(int(v) != v or v < 1 for v in canvas)):
         raise ValueError(f"canvas: expected (height, width) in px, got {tuple(canvas)}")

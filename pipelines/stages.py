@@ -159,8 +159,8 @@ def resize(images, size, interp, st: S.Resize, evaluation: bool = False):
     to the image entering the resize into input px. stretch: the canvas; letterbox and
     keep_ratio: ``r · (w, h)`` with ``r`` as ``fastdet.data.augment.resize_scale``, the
     content ``floor(r · (h, w))`` pasted top-left on the canvas filled with ``pad_value``.
-    ``evaluation``: ``Preprocess.__call__``'s rounding instead (content ``round(r · (h, w))``,
-    boxes scaled by the content's true factor), as the torch evaluation loader.
+    ``evaluation``: ``Preprocess.__call__``'s rounding instead (content ``floor(r · (h, w) + 0.5)``,
+    halves up, boxes scaled by the content's true factor), as the torch evaluation loader.
     """
     interp_type = fn.cast(interp, dtype=types.INTERP_TYPE) if st.interp == "random" else _DALI_INTERP[st.interp]
     kw = dict(interp_type=interp_type, antialias=False, dtype=types.UINT8)

@@ -521,6 +521,44 @@ def test_eval_schedule_counts():
     assert s.indices.tolist() == [] and s.steps == 1 and s.nonempty_steps == 0
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_eval_batches_hold_one_canvas(world, batch):
+    """Keep-ratio evaluation puts every image on the canvas of its own orientation, the one
+    fastdet.detect gives it (Preprocess.canvas): a batch never mixes orientations. Before,
+    a batch took its records' most common orientation's canvas and a minority image was
+    scaled down to fit it (a 480 x 640 portrait next to a landscape: 1.25 instead of 1.667
+    at 800). Every rank still runs the same number of batches and every record appears
+    once; a square family's batches are the strided shard's, in order, as before."""
+    pre = Preprocess(resize="keep_ratio", short=800, max_long=1333)
+    rng = np.random.default_rng(world * 10 + batch)
+    n, size = 23, 128
+    hw = rng.integers(100, 700, (n, 2))
+    aspects = hw[:, 1] / hw[:, 0]
+    scheds = [EvalSchedule(n, batch, rank=r, world_size=world, size=size, canvases=pre.canvases(), aspects=aspects)
+              for r in range(world)]
+    assert len({s.steps for s in scheds}) == 1
+    steps = scheds[0].steps
+    assert steps == max(s.nonempty_steps for s in scheds)
+    seen = []
+    for r, s in enumerate(scheds):
+        assert sorted(s.indices.tolist()) == list(range(r, n, world))
+        for k in range(steps):
+            plan = s.batch(k)
+            assert (len(plan.indices) > 0) == (k < s.nonempty_steps) and len(plan.indices) <= batch
+            for i in plan.indices.tolist():
+                assert plan.hw == pre.canvas(int(hw[i, 0]), int(hw[i, 1]), size), (i, hw[i], plan.hw)
+            seen += plan.indices.tolist()
+    assert sorted(seen) == list(range(n))
+    assert len({pre.canvas(int(h), int(w), size) for h, w in hw}) == 3  # the set mixes all three
+    for r in range(world):  # one canvas: the strided shard in order, as before
+        sq = EvalSchedule(n, batch, rank=r, world_size=world, size=size, aspects=aspects)
+        shard = list(range(r, n, world))
+        assert sq.steps == -(-(-(-n // world)) // batch)
+        assert [sq.batch(k).indices.tolist() for k in range(sq.steps)] == \
+            [shard[k * batch:(k + 1) * batch] for k in range(sq.steps)]
+
+
 def test_train_sizes_follow_config():
     assert train_sizes(make_cfg("torch", Path(".")).data) == SIZES
     assert train_sizes(make_cfg("torch", Path("."), multiscale=False, img_size=320).data) == (320,)
@@ -537,3 +575,33 @@ def test_measure_loader_counts_what_it_times(backend, demo_train, tmp_path):
     r = mod.measure_loader(make_cfg("auto", tmp_path), demo_train, backend, "cpu", n_batches=4, warmup=1, windows=2)
     assert r["backend"] == backend and r["images"] == 4 * 4 and len(r["windows"]) == 2
     assert r["images_per_s"] > 0 and r["batches_per_epoch"] == len(demo_train.records) // 4
+
+
+@pytest.mark.parametrize("interp", ["linear", "cubic"])
+def test_backends_round_half_sizes_alike(interp, tmp_path):
+    """A keep-ratio content size of exactly .5 px rounds up on both back ends. A 341 x 256
+    image at 128 (r = 0.5) is 170.5 px wide: the torch evaluation loader gave 170
+    (Python's round, half to even), DALI 171 (floor(x + 0.5)); 16 of 9,600 size / S
+    combinations differed so. Both now place 171 px of content and report sx = 171 / 341."""
+    recs = []
+    for i, (w, h) in enumerate(((341, 256), (256, 341))):
+        f = tmp_path / f"{i}.png"
+        Image.fromarray(np.full((h, w, 3), 255, np.uint8)).save(f)
+        recs.append(ImageRecord(i + 1, str(f), w, h, np.array([[0.0, 0.0, w, h]], np.float32), np.zeros(1, np.int64)))
+    pre = Preprocess(resize="keep_ratio", pad_value=0.0, mean=None, std=None, interp=interp, short=800,
+                     max_long=1333)
+    ds = SimpleNamespace(records=recs, ann_file="x.json")
+    got = {}
+    for backend in BACKENDS:
+        cfg = make_cfg(backend, tmp_path, eval_batch_size=2, img_size=128)
+        for b in collect(build_eval_loader(cfg.data, ds, preprocess=pre, rank=0, world_size=1, device="cpu")):
+            for j, i in enumerate(b["image_ids"].tolist()):
+                got[backend, i] = (b["images"][j], b["scale_factors"][j], b["gt_boxes"][j][0])
+    for i, r in enumerate(recs, 1):
+        (xd, sd, bd), (xt, st, bt) = got["dali", i], got["torch", i]
+        assert xd.shape == xt.shape == ((3, 128, 224) if i == 1 else (3, 224, 128))
+        content = [int(v) for v in ((xt > 127).any(0).nonzero().max(0).values + 1).tolist()]  # (h, w) extent
+        assert content == [int(v) for v in ((xd > 127).any(0).nonzero().max(0).values + 1).tolist()]
+        assert content == ([128, 171] if i == 1 else [171, 128])
+        assert sd.tolist() == st.tolist() == pytest.approx([content[1] / r.width, content[0] / r.height])
+        assert torch.equal(bd, bt)

@@ -88,9 +88,9 @@ def test_keep_ratio_limits_scale_with_the_canvas_as_the_training_resize(hw, imag
     (_, _), (r, _) = resize_scale(S.Resize("keep_ratio", short=800, max_long=1333, interp="linear"), h, w, hw)
     assert p.scale(h, w, hw) == (r, r)
     _, (sx, sy) = p(np.zeros((h, w, 3), np.uint8), hw)
-    assert (sx, sy) == (round(w * r) / w, round(h * r) / h)
+    assert (sx, sy) == (np.floor(w * r + 0.5) / w, np.floor(h * r + 0.5) / h)
     if (h, w, hw) == (200, 352, (128, 224)):
-        assert round(w * r) == 213  # 128 * 1333 / 800 = 213.3
+        assert np.floor(w * r + 0.5) == 213  # 128 * 1333 / 800 = 213.3
 
 
 # --------------------------------------------------------------------------- detect feeds what evaluation feeds
@@ -147,28 +147,45 @@ def _eval_batches(records, preprocess, img_size, batch_size):
 def test_detect_feeds_each_image_as_evaluation_does(arch, oriented):
     """For every family, the tensor fastdet.detect gives the model for an image is the one
     the evaluation loader gives it (same canvas, same pixels), for landscape, portrait and
-    square images in one call, and each image's boxes come back by its own scale. FCOS
+    square images in one call, and each image's boxes come back by its own scale; at batch
+    size 1, the recipe's eval batch size (FCOS: 2) and the whole mixed list. FCOS
     (keep-ratio) used to get a square S x S canvas here, its images 25-40 % smaller than
-    evaluated."""
+    evaluated; and its evaluation batches used to put a minority-orientation image on the
+    batch's canvas, scaled down to fit (at eval batch size 2: the portrait image of the
+    first pair on the landscape canvas)."""
     from fastdet.api import detect, preprocess_images
+    from fastdet.config import DataConfig
 
-    pre, size = ARCHITECTURES[arch].preprocess, 128
+    fam = ARCHITECTURES[arch]
+    pre, size = fam.preprocess, 128
     det = _Recorder(pre, size)
     out = detect(det, [r.file for r in oriented])
     fed = [x for batch in det.inputs for x in batch]
     assert len(fed) == len(oriented)
-    for r, o, want in zip(oriented, out, _eval_batches(oriented, pre, size, 1)):
-        assert want["image_ids"].tolist() == [r.image_id]
-        x = want["images"][0]
-        assert sum(f.shape == x.shape and torch.equal(f, x) for f in fed) == 1, (arch, r.width, r.height)
-        sx, sy = want["scale_factors"][0].tolist()
-        x0, y0, x1, y1 = _Recorder.BOX
-        expect = torch.tensor([[x0 / sx, y0 / sy, min(x1 / sx, r.width), min(y1 / sy, r.height)]])
-        torch.testing.assert_close(o["boxes"], expect)
+    recipe_batch = fam.recipe.base.get("data.eval_batch_size", DataConfig().eval_batch_size)
+    for batch_size in sorted({1, recipe_batch, len(oriented)}):
+        by_id = {}
+        for b in _eval_batches(oriented, pre, size, batch_size):
+            for j, i in enumerate(b["image_ids"].tolist()):
+                by_id[i] = (b["images"][j], b["scale_factors"][j])
+        assert sorted(by_id) == [r.image_id for r in oriented]
+        for r, o in zip(oriented, out):
+            x, scale = by_id[r.image_id]
+            assert sum(f.shape == x.shape and torch.equal(f, x) for f in fed) == 1, \
+                (arch, batch_size, r.width, r.height)
+            sx, sy = scale.tolist()
+            x0, y0, x1, y1 = _Recorder.BOX
+            expect = torch.tensor([[x0 / sx, y0 / sy, min(x1 / sx, r.width), min(y1 / sy, r.height)]])
+            torch.testing.assert_close(o["boxes"], expect)
     shapes = {tuple(f.shape[-2:]) for f in fed}
     assert shapes == ({(128, 224), (224, 128), (128, 128)} if pre.resize == "keep_ratio" else {(128, 128)})
-    # preprocess_images of a list is the evaluation loader's batch of the same images.
-    (batch,) = _eval_batches(oriented, pre, size, len(oriented))
-    x, scales = preprocess_images([np.asarray(Image.open(r.file).convert("RGB")) for r in oriented], pre, size)
+    # preprocess_images of a list of one orientation is the evaluation loader's batch of it.
+    group = [r for r in oriented if r.width > 1.1 * r.height]
+    assert len(group) == 2
+    (batch,) = _eval_batches(group, pre, size, len(group))
+    x, scales = preprocess_images([np.asarray(Image.open(r.file).convert("RGB")) for r in group], pre, size)
     assert torch.equal(x, batch["images"])
     torch.testing.assert_close(torch.tensor(scales, dtype=torch.float32), batch["scale_factors"])
+    # Of a mixed list: one canvas, its most common orientation's (landscape here).
+    x, _ = preprocess_images([np.asarray(Image.open(r.file).convert("RGB")) for r in oriented], pre, size)
+    assert tuple(x.shape[-2:]) == ((128, 224) if pre.resize == "keep_ratio" else (128, 128))

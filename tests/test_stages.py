@@ -399,16 +399,21 @@ def test_eval_maps_back_to_the_original(backend, mode, rects):
     ds = SimpleNamespace(records=rects, ann_file="x.json")
     ld = build_eval_loader(data, ds, preprocess=pre, rank=0, world_size=1, device="cpu")
     by_id = {r.image_id: r for r in rects}
+    canvases = set()
     for b in ld:
         assert tuple(b["images"].shape[-2:]) in ld.sizes
         for j, i in enumerate(b["image_ids"].tolist()):
             r = by_id[i]
+            # Each image on its own orientation's canvas, as fastdet.detect feeds it.
+            assert tuple(b["images"].shape[-2:]) == pre.canvas(r.height, r.width, 128), (r.width, r.height)
+            canvases.add(tuple(b["images"].shape[-2:]))
             x, (sx, sy) = pre(np.asarray(Image.open(r.file).convert("RGB")), tuple(b["images"].shape[-2:]))
             assert b["scale_factors"][j].tolist() == pytest.approx([sx, sy], abs=1e-6)
             diff = (b["images"][j] - x).abs()
             assert diff.mean() < 0.5 and diff.max() <= (1.0 if backend == "torch" else 40.0)
             back = boxes_to_original(b["gt_boxes"][j][b["gt_mask"][j]], b["scale_factors"][j], b["orig_sizes"][j])
             np.testing.assert_allclose(back.numpy(), r.boxes, atol=1e-3)
+    assert len(canvases) == (3 if mode == "keep_ratio" else 1)
 
 
 # --------------------------------------------------------------------------- on a GPU

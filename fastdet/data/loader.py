@@ -143,8 +143,8 @@ def build_eval_loader(data, dataset: Any, *, preprocess: Preprocess, rank: int, 
     """The evaluation loader: every record of ``dataset`` exactly once over all ranks.
 
     Images are fed as ``preprocess`` says (the family's resize mode, fill, normalisation
-    and interpolation) at ``data.img_size`` (keep-ratio: on the canvas of the batch's
-    orientation); batches carry ``image_ids``, ``orig_sizes`` and ``scale_factors`` to map
+    and interpolation) at ``data.img_size`` (keep-ratio: each image on the canvas of its
+    own orientation, a batch holding one orientation); batches carry ``image_ids``, ``orig_sizes`` and ``scale_factors`` to map
     predictions back (``fastdet.data.preprocess.boxes_to_original``). Every rank yields
     ``len(loader)`` batches; the last may be smaller, or empty on a rank with fewer records.
     """

@@ -15,9 +15,9 @@ always fed the way its recipe trains and evaluates it. Three resize modes exist:
 Which (H, W) canvas an image gets is :meth:`Preprocess.canvases` (the loader's
 ``canvases_for``: one square ``S`` x ``S``, or keep-ratio's landscape ``(S, L)``, portrait
 ``(L, S)`` and square ``(S, S)`` with ``L = ceil32(S * max_long / short)``). Evaluation
-gives a batch the canvas of its images' most common orientation; ``fastdet.detect`` /
-``fastdet.predict`` give each image the canvas of its own (:meth:`Preprocess.canvas`,
-:func:`by_canvas`), the one evaluation gives it in a batch of its orientation.
+(``EvalSchedule``: batches of one canvas), ``fastdet.detect`` and ``fastdet.predict``
+(:func:`by_canvas`) give each image the canvas of its own orientation
+(:meth:`Preprocess.canvas`).
 
 In every mode a network-input pixel ``p`` maps back to the original image as
 ``p / scale`` with ``scale = (sx, sy)`` per image (top-left placement: no offset).
@@ -26,6 +26,7 @@ Batches carry it as ``scale_factors [B, 2]`` (x, y); :func:`boxes_to_original` a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -92,17 +93,19 @@ class Preprocess:
         return canvases_for(self.resize, self.short, self.max_long)
 
     def canvas(self, h: int, w: int, size: int) -> HW:
-        """The canvas of an ``h`` x ``w`` image at input size ``size``: evaluation's for a
-        batch of images of its orientation (``Canvases.pick``)."""
+        """The canvas of an ``h`` x ``w`` image at input size ``size``: its orientation's,
+        the one evaluation gives it (``EvalSchedule`` groups batches by ``Canvases.own``)."""
         return self.canvases().pick(size, np.array([w / h], np.float64))
 
     def resized_hw(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[int, int]:
-        """The (height, width) the image content occupies on the canvas."""
+        """The (height, width) the image content occupies on the canvas: ``floor(h r + 0.5)``,
+        halves up as the DALI evaluation resize rounds (``pipelines/stages.py``), not
+        Python's ``round`` (half to even: a 341 x 256 image at 128 gave 170 px, DALI 171)."""
         sx, sy = self.scale(h, w, canvas_hw)
         if self.resize == "stretch":
             return int(canvas_hw[0]), int(canvas_hw[1])
-        return (max(1, min(int(canvas_hw[0]), int(round(h * sy)))),
-                max(1, min(int(canvas_hw[1]), int(round(w * sx)))))
+        return (max(1, min(int(canvas_hw[0]), math.floor(h * sy + 0.5))),
+                max(1, min(int(canvas_hw[1]), math.floor(w * sx + 0.5))))
 
     def normalize_(self, x: Tensor) -> Tensor:
         """float [..., 3, H, W] on 0..255 → the network's input values (in place)."""

@@ -17,9 +17,13 @@ same samples:
   do the same work per step. The batch's (H, W) canvas is that size's bucket
   (:class:`Canvases`). Records a sample draws besides its own (mosaic, mixup) come
   from :meth:`TrainSchedule.partners`, keyed by (seed, epoch, step, slot, rank).
-- :class:`EvalSchedule`: rank ``r`` takes records ``r, r + W, r + 2W, ...`` in order;
-  every rank runs ``ceil(ceil(N / W) / B)`` batches, the last ones smaller or even
-  empty on short ranks. Over all ranks every record appears exactly once.
+- :class:`EvalSchedule`: rank ``r`` takes records ``r, r + W, r + 2W, ...``, grouped by
+  the canvas each one's aspect gives it on its own (:meth:`Canvases.own`; one group for a
+  square family), in file order within a group, each group cut into batches of ``B``
+  (the last of a group smaller), so every image is evaluated on its own orientation's
+  canvas, as ``fastdet.detect`` feeds it. Every rank runs the same number of batches,
+  the most any rank needs (one canvas: ``ceil(ceil(N / W) / B)``), a shorter rank's last
+  ones empty. Over all ranks every record appears exactly once.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ class Canvases:
     with ``L = ceil32(S * long_ratio)`` (FCOS: ``long_ratio = 1333 / 800``), so every
     image fits at the recipe's scale in the canvas of its orientation. A batch takes
     the canvas of its records' most common orientation (aspect w/h above 1.1:
-    landscape, below 1/1.1: portrait, else square); an image of the other orientation
-    is scaled down to fit and padded, the price of a bounded set of compiled shapes.
+    landscape, below 1/1.1: portrait, else square); in a training batch an image of the
+    other orientation is scaled down to fit and padded, the price of a bounded set of
+    compiled shapes. Evaluation batches hold one orientation (:meth:`own`), so there
+    every image gets the canvas of its own.
     """
 
     long_ratio: float = 1.0
@@ -73,13 +79,21 @@ class Canvases:
         L = _ceil32(s * self.long_ratio)
         return ((s, L), (L, s), (s, s))
 
+    def own(self, aspects: np.ndarray) -> np.ndarray:
+        """[n] int64: each record's own bucket (an index into :meth:`buckets`) from its
+        ``aspects`` (w / h) [n]: what :meth:`pick` gives a batch of that record alone."""
+        a = np.asarray(aspects, np.float64)
+        if self.long_ratio <= 1.0:
+            return np.zeros(len(a), np.int64)
+        # ORIENTATIONS order: 0 landscape, 1 portrait, 2 square.
+        return np.where(a > SQUARE_BAND, 0, np.where(a < 1 / SQUARE_BAND, 1, 2)).astype(np.int64)
+
     def pick(self, size: int, aspects: np.ndarray) -> HW:
         """The canvas for a batch whose records have ``aspects`` (w / h) [b]."""
         b = self.buckets(size)
         if len(b) == 1 or len(aspects) == 0:
             return b[0]
-        votes = [int((aspects > SQUARE_BAND).sum()), int((aspects < 1 / SQUARE_BAND).sum())]
-        votes.append(len(aspects) - sum(votes))
+        votes = np.bincount(self.own(aspects), minlength=len(b))
         return b[int(np.argmax(votes))]  # ties: landscape, then portrait
 
     def named(self, size: int) -> dict[str, HW]:
@@ -232,7 +246,18 @@ class TrainSchedule:
 
 
 class EvalSchedule:
-    """Strided shards, in order; every rank runs the same number of batches."""
+    """Strided shards grouped by canvas; every rank runs the same number of batches.
+
+    Rank ``r``'s records ``r, r + W, ...`` are grouped by their own canvas
+    (:meth:`Canvases.own`, in :meth:`Canvases.buckets` order; file order within a group)
+    and each group is cut into batches of ``batch_size``, so a batch never mixes
+    orientations and every image is evaluated on the canvas ``Preprocess.canvas`` gives
+    it. ``nonempty_steps``: this rank's batches; ``steps``: the most any rank has (the
+    aspects of every record are known on every rank), the rest of this rank's empty.
+
+    Attributes:
+        indices: [n] int64 this rank's records in batch order.
+    """
 
     def __init__(self, num_records: int, batch_size: int, *, rank: int, world_size: int, size: int,
                  canvases: Canvases = Canvases(), aspects: Optional[np.ndarray] = None,
@@ -246,17 +271,32 @@ class EvalSchedule:
         self.interp = int(interp)
         self.canvases = canvases
         self.aspects = np.ones(num_records) if aspects is None else np.asarray(aspects, np.float64)
-        self.indices = np.arange(rank, num_records, world_size, dtype=np.int64)
-        longest = math.ceil(num_records / world_size)
-        self.steps = math.ceil(longest / batch_size)
-        # Batches of this rank that hold at least one record (the rest are empty).
-        self.nonempty_steps = math.ceil(len(self.indices) / batch_size)
+        if len(self.aspects) != num_records:
+            raise LoaderError(f"EvalSchedule: {len(self.aspects)} aspects for {num_records} records")
+        buckets = canvases.buckets(self.size)
+        own = canvases.own(self.aspects)  # [N] bucket of each record
+        shard = np.arange(rank, num_records, world_size, dtype=np.int64)
+        shard = shard[np.argsort(own[shard], kind="stable")]  # grouped by bucket, file order within
+        self.indices = shard
+        self._plans: list[tuple[np.ndarray, HW]] = []
+        for k, hw in enumerate(buckets):
+            group = shard[own[shard] == k]
+            self._plans += [(group[i : i + batch_size], hw) for i in range(0, len(group), batch_size)]
+        # Batches of this rank that hold records (the rest of ``steps`` are empty).
+        self.nonempty_steps = len(self._plans)
+        self.steps = max(
+            (int(np.ceil(np.bincount(own[q::world_size], minlength=len(buckets)) / batch_size).sum())
+             for q in range(world_size)),
+            default=0,
+        )
 
     @property
     def sizes(self) -> tuple[HW, ...]:
         return self.canvases.buckets(self.size)
 
     def batch(self, step: int) -> BatchPlan:
-        b = self.batch_size
-        idx = self.indices[step * b : (step + 1) * b]
-        return BatchPlan(idx, self.canvases.pick(self.size, self.aspects[idx]), self.interp, 0, step)
+        """Batch ``step``: its records, all of one canvas; from ``nonempty_steps`` on, empty."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} outside 0..{self.steps - 1}")
+        idx, hw = self._plans[step] if step < self.nonempty_steps else (self.indices[:0], self.sizes[0])
+        return BatchPlan(idx, hw, self.interp, 0, step)
