@@ -31,7 +31,7 @@ from fastdet.config import Config, ConfigError
 from fastdet.convert import load_any, stale_conversion_note
 from fastdet.data.augment import ImageDecodeError, decode_image, rgb_of
 from fastdet.data.preprocess import Preprocess, boxes_to_original, by_canvas
-from fastdet.runtime.checkpoint import load_checkpoint, select_weights
+from fastdet.runtime.checkpoint import UnsafeWeightsError, load_checkpoint, select_weights, weight_file_format
 from fastdet.models import ARCHITECTURES, Detector
 
 
@@ -98,7 +98,12 @@ def read_checkpoint(path: str | Path, names: Mapping[str, str] = PYTHON_ARGS) ->
         raise _folder_error(path)
     try:
         ck = load_checkpoint(path)
+    except UnsafeWeightsError as e:  # code to unpickle: its own line says so
+        raise CheckpointError(str(e)) from None
     except ValueError:
+        if _format_or_none(path) == "paddle":
+            raise CheckpointError(f"{path}: not a fastdet checkpoint (a pickle, as Paddle's .pdparams are; "
+                                  f"{_released_hint(names)})") from None
         raise CheckpointError(f"{path}: not a fastdet checkpoint (torch.load with weights_only "
                               "cannot read it: a corrupt file or another format)") from None
     note = stale_conversion_note(ck, path) if isinstance(ck, dict) else None
@@ -107,16 +112,27 @@ def read_checkpoint(path: str | Path, names: Mapping[str, str] = PYTHON_ARGS) ->
     return ck, _stored_config(ck, path, names)
 
 
+def _format_or_none(path: Path) -> str | None:
+    """:func:`weight_file_format`, None for a file that is neither format."""
+    try:
+        return weight_file_format(path)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def _released_hint(names: Mapping[str, str]) -> str:
+    """How an authors' released file is read, in the caller's words (``names``)."""
+    if "arch" in names:
+        return (f"an authors' released file is converted on load with {names['arch']} "
+                f"(e.g. {_given(names, 'arch', 'yolox')})")
+    return "convert an authors' released file first: python -m fastdet.convert FILE --arch ARCH"
+
+
 def _stored_config(ck: Any, path: Path, names: Mapping[str, str] = PYTHON_ARGS) -> Config:
     """The config a fastdet checkpoint dict stores; :class:`CheckpointError` naming ``path`` otherwise."""
     if not isinstance(ck, dict) or not isinstance(ck.get("config"), dict) or "model" not in ck:
-        if "arch" in names:
-            released = (f"an authors' released file is converted on load with {names['arch']} "
-                        f"(e.g. {_given(names, 'arch', 'yolox')})")
-        else:
-            released = "convert an authors' released file first: python -m fastdet.convert FILE --arch ARCH"
         raise CheckpointError(f"{path}: not a fastdet checkpoint (no 'config' and 'model' entries; "
-                              f"a plain state dict is not enough to rebuild the model; {released})")
+                              f"a plain state dict is not enough to rebuild the model; {_released_hint(names)})")
     model = ck["config"].get("model")
     if not isinstance(model, dict) or not model.get("arch") or not model.get("size"):
         # The defaults would build another model than the weights' (PP-YOLOE-s, 80 classes).

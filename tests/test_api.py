@@ -121,3 +121,29 @@ def test_load_detector_names_its_keywords_and_the_cli_its_flags(tmp_path, capsys
                          "--output-dir", str(tmp_path / "out"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "python -m fastdet.convert FILE --arch ARCH" in err[0] and "arch=" not in err[0], err
+
+
+def test_a_paddle_file_or_an_unsafe_one_says_what_it_is(tmp_path, capsys):
+    """An authors' .pdparams (a pickle) given where a fastdet checkpoint is read says it is
+    one and how it loads (arch= / --arch), and a torch file that needs code to unpickle says
+    it was refused for that; before, both were "a corrupt file or another format"."""
+    import argparse
+    import pickle
+
+    import numpy as np
+
+    from fastdet.eval.__main__ import main as eval_main
+
+    pd = tmp_path / "ppyoloe_crn_s_300e_coco.pdparams"
+    with open(pd, "wb") as f:
+        pickle.dump({"conv.w": np.zeros(3, np.float32)}, f, protocol=2)
+    with pytest.raises(CheckpointError, match=r"a pickle, as Paddle's \.pdparams are; an authors' released file is "
+                                              r"converted on load with arch="):
+        load_detector(pd)
+    assert eval_main(["--ckpt", str(pd)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "converted on load with --arch" in err[0], err
+    unsafe = tmp_path / "unsafe.pth"
+    torch.save({"model": argparse.Namespace(a=1)}, unsafe)
+    with pytest.raises(CheckpointError, match="refused: it holds Python objects other than tensors"):
+        load_detector(unsafe)
