@@ -244,13 +244,6 @@ def one_process(demo_small, tmp_path_factory):
 COMPILE = ["--compile", "--set", "compile.backend=aot_eager", "--set", "compile.warmup=blocking"]
 
 
-@pytest.fixture(scope="module")
-def one_process_compiled(demo_small, tmp_path_factory):
-    """``SAME_RUN`` in one process with ``--compile``."""
-    out = tmp_path_factory.mktemp("one_compiled")
-    return out, run(train_cmd(demo_small, out, *SAME_RUN, *COMPILE), timeout=1200)
-
-
 # What the fault tests launch in place of -m fastdet.train: the same command with the
 # fault of $FASTDET_FAULT injected through the trainer's hooks.
 FAULT_LAUNCH = Path(__file__).resolve().parent / "fault_launch.py"
@@ -307,20 +300,29 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     assert_same_training(one, tmp_path / "two")
 
 
-def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path, one_process_compiled):
-    """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
-    own forward cannot be traced with fullgraph=True), SyncBatchNorm is traced into the
-    graph (fullgraph: no break), and 2 ranks x batch 2 train as 1 process x batch 4."""
+@pytest.fixture(scope="module")
+def two_ranks_compiled(demo_small, tmp_path_factory):
+    """``SAME_RUN`` under torchrun (2 ranks) with ``--compile`` -> (output dir, completed process)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    one, r = one_process_compiled
+    out = tmp_path_factory.mktemp("two_compiled")
+    return out, two_ranks(demo_small, out, *COMPILE, port=free_port())
+
+
+def test_compiled_ddp_two_ranks_match_one_process(one_process, two_ranks_compiled):
+    """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
+    own forward cannot be traced with fullgraph=True), SyncBatchNorm is traced into the
+    graph (fullgraph: no break), and 2 compiled ranks x batch 2 train as 1 process x batch 4.
+    The one process is the eager run: aot_eager runs the traced graphs op by op, with
+    eager's rounding, so the compiled ranks must land on its weights and losses."""
+    one, r = one_process
     assert r.returncode == 0, r.stdout + r.stderr
-    two = two_ranks(demo_small, tmp_path / "two", *COMPILE, port=free_port())
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in two.stdout
-    assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
-    assert "recompiled" not in two.stdout + two.stderr
-    assert_same_training(one, tmp_path / "two")
+    two, c = two_ranks_compiled
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
+    assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in c.stdout
+    assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in c.stdout
+    assert "recompiled" not in c.stdout + c.stderr
+    assert_same_training(one, two)
 
 
 @pytest.mark.parametrize("backend, said", [("auto", "faster-coco-eval on"), ("pycocotools", "pycocotools on")])
@@ -357,11 +359,12 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
     assert preflight.preflight_images(1, torch.device("cpu")) == 1
 
 
-def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_process_compiled):
+def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, two_ranks_compiled):
     """Warm-up batches do not leak into the logged losses: the first logged loss of a
-    --compile run (after its warm-up on a synthetic batch) is the eager run's first loss,
-    up to the rounding of inductor's fused kernels."""
-    (eager, re), (compiled, rc) = one_process, one_process_compiled
+    --compile run (after its warm-up on a synthetic batch; here the 2-rank run, whose
+    logged loss is the mean over the ranks) is the eager run's first loss, up to the
+    rounding of inductor's fused kernels."""
+    (eager, re), (compiled, rc) = one_process, two_ranks_compiled
     assert re.returncode == 0 and rc.returncode == 0, re.stderr[-2000:] + rc.stderr[-2000:]
     first_e, first_c = metrics(eager)[0], metrics(compiled)[0]
     assert first_e["step"] == first_c["step"] == 1
