@@ -592,20 +592,21 @@ def test_corrupt_training_image_is_a_counted_skip(demo_small, tmp_path):
     assert "1 corrupt" in r.stdout and victim.name in r.stdout
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(demo_small, tmp_path):
-    good = run(train_cmd(demo_small, tmp_path, "--max-steps", "1"))
-    assert good.returncode == 0
-    before = load_checkpoint(tmp_path / "latest.pth")
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(eager_run, demo_small, tmp_path):
+    done, _ = eager_run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    before = load_checkpoint(out / "latest.pth")
     # A resumed run keeps its stored config (a differing --lr is refused): the diverging LR goes
     # there (finite: a NaN one is refused before the run starts).
-    poisoned = load_checkpoint(tmp_path / "latest.pth")
+    poisoned = load_checkpoint(out / "latest.pth")
     poisoned["config"]["optim"]["base_lr"] = 1e30
-    torch.save(poisoned, tmp_path / "latest.pth")
-    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "4", "--resume"))
+    torch.save(poisoned, out / "latest.pth")
+    r = run(train_cmd(demo_small, out, "--max-steps", "6", "--resume"))
     assert r.returncode == 1
     assert "non-finite loss" in r.stderr
-    after = load_checkpoint(tmp_path / "latest.pth")
-    assert after["step"] == before["step"] == 1
+    after = load_checkpoint(out / "latest.pth")
+    assert after["step"] == before["step"] == 3
     assert all(torch.isfinite(v).all() for v in after["model"].values() if v.is_floating_point())
 
 
