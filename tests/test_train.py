@@ -6,6 +6,7 @@ Each run is a subprocess (as a user runs it), at 64-96 px with a handful of step
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -42,13 +43,15 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def main_in_process(argv: list[str], capsys, caplog) -> tuple[int, str]:
-    """``python -m fastdet.train *argv`` as its main() in this process, for commands that
-    fail before any work (a process start costs seconds): (exit code, stderr). An exception
-    main() lets out fails the test itself (where the process would print a traceback), and
-    what that process would also print on stderr goes there too: warnings, as Python shows
-    them by default, and log records of WARNING and above (logging's last resort)."""
-    from fastdet.train import main
+def main_in_process(argv: list[str], capsys, caplog, command: str = "fastdet.train") -> tuple[int, str, str]:
+    """``python -m COMMAND *argv`` as its main() in this process, for commands that fail
+    or stop before much work (a process start costs seconds): (exit code, stdout, stderr).
+    An exception main() lets out fails the test itself (where the process would print a
+    traceback), and what that process would also print on stderr goes there too: warnings,
+    as Python shows them by default, and log records of WARNING and above (logging's last
+    resort)."""
+    module = importlib.import_module(command)
+    main = module.main if hasattr(module, "main") else importlib.import_module(command + ".__main__").main
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -58,9 +61,11 @@ def main_in_process(argv: list[str], capsys, caplog) -> tuple[int, str]:
             code = main(argv)
         except SystemExit as e:  # argparse's usage errors
             code = e.code
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
-    return code, err + "".join(f"{r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+    err += "".join(f"{r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+    caplog.clear()  # the next call's records only
+    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +121,19 @@ def test_step_gaps_count_steps_not_the_time_between_epochs(monkeypatch):
     assert (g.longest, g.longest_step) == (30.0, 4) and g.take_interval() == 30.0
 
 
-def test_eval_cli_on_the_checkpoint(eager_run, demo_small):
+def test_eval_cli_on_the_checkpoint(eager_run, demo_small, capsys, caplog):
+    """In this process (python -m fastdet.eval is test_families_cli's and test_formats's)."""
     out, r = eager_run
-    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "best.pth"),
-              "--data", str(demo_small), "--device", "cpu"])
-    assert ev.returncode == 0, ev.stderr
-    ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
+    code, said, err = main_in_process(["--ckpt", str(out / "best.pth"), "--data", str(demo_small), "--device", "cpu"],
+                                      capsys, caplog, "fastdet.eval")
+    assert code == 0, err
+    ap_line = next(l for l in said.splitlines() if l.startswith("COCO AP"))
     trained = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
 
 
-def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path):
+def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path, capsys,
+                                                                        caplog):
     """A val JPEG cut short (its header reads, its pixels do not) is a counted, named skip:
     the evaluation scores the other images and says so; before, the eval loader left it out
     and the evaluation then failed with "the eval loader dropped images" (a run, after its
@@ -136,12 +143,12 @@ def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_ru
     shutil.copytree(demo_small, data)
     bad = sorted((data / "val2017").glob("*.jpg"))[5]
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 3])
-    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "best.pth"), "--data", str(data),
-              "--device", "cpu"])
-    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    said = ev.stdout + ev.stderr
+    code, stdout, stderr = main_in_process(["--ckpt", str(out / "best.pth"), "--data", str(data), "--device", "cpu"],
+                                           capsys, caplog, "fastdet.eval")
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    said = stdout + stderr
     assert bad.name in said and "1 of 8 val images do not decode and are left out of this evaluation" in said
-    assert any(line.startswith("COCO AP") for line in ev.stdout.splitlines())
+    assert any(line.startswith("COCO AP") for line in stdout.splitlines())
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -405,7 +412,7 @@ def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, two_r
     (["--set", "optim.learning_rate=0.1"], "unknown config field 'optim.learning_rate'"),
 ])
 def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, capsys, caplog, extra, message):
-    code, err = main_in_process(train_cmd(demo_small, tmp_path, *extra)[3:], capsys, caplog)
+    code, _, err = main_in_process(train_cmd(demo_small, tmp_path, *extra)[3:], capsys, caplog)
     assert code != 0
     assert message in err, err
 
@@ -445,7 +452,7 @@ def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, capsy
     extra = [str(files.get(a, a)) for a in extra]
     message = message.replace("TMP/", f"{tmp_path}/")
     out = tmp_path / "out"
-    code, err = main_in_process(train_cmd(demo_small, out, *extra)[3:], capsys, caplog)
+    code, _, err = main_in_process(train_cmd(demo_small, out, *extra)[3:], capsys, caplog)
     assert code == 2, err
     assert message in err, err
     assert len(err.strip().splitlines()) == 1, err
