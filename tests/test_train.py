@@ -495,17 +495,20 @@ def test_values_a_run_meets_late_are_refused_before_it_starts(demo_small, tmp_pa
 
 
 def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a_runs_weights(demo_small,
-                                                                                             tmp_path):
+                                                                                             tmp_path, capsys,
+                                                                                             caplog):
     """A run that fails before its first step (a missing annotation file, found once the
     data is read) removes the folder it made, so the corrected command is not sent to
     ``out2``; ``--resume auto`` into a folder with another run's best.pth and no latest.pth
-    is refused instead of writing over it."""
+    is refused instead of writing over it. The commands run main() in this process
+    (main_in_process)."""
     from fastdet.config import Config
     from fastdet.engine.checkpointer import auto_resume
 
     out = tmp_path / "out"
-    r = run(train_cmd(demo_small, out, "--set", f"data.train_ann={tmp_path / 'nowhere.json'}"))
-    assert r.returncode == 1 and "not found" in r.stderr and not out.exists(), r.stdout + r.stderr
+    argv = train_cmd(demo_small, out, "--set", f"data.train_ann={tmp_path / 'nowhere.json'}")[3:]
+    code, said, err = main_in_process(argv, capsys, caplog)
+    assert code == 1 and "not found" in err and not out.exists(), said + err
     done = tmp_path / "done"
     done.mkdir()
     (done / "best.pth").write_bytes(b"a finished run's weights")
@@ -516,15 +519,15 @@ def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a
     assert (done / "best.pth").read_bytes() == b"a finished run's weights"
     # Through the command: refused, and the folder is left as it was (its train.log too).
     (done / "train.log").write_text("the other run's log\n")
-    r = run(train_cmd(demo_small, done, "--resume", "auto"))
-    assert r.returncode == 1 and "but no latest.pth to continue from" in r.stderr, r.stdout + r.stderr
+    code, said, err = main_in_process(train_cmd(demo_small, done, "--resume", "auto")[3:], capsys, caplog)
+    assert code == 1 and "but no latest.pth to continue from" in err, said + err
     assert sorted(p.name for p in done.iterdir()) == ["best.pth", "train.log"]
     assert (done / "train.log").read_text() == "the other run's log\n"
     fresh = tmp_path / "fresh"  # a folder of no log: a refused start leaves none in it
     fresh.mkdir()
     (fresh / "best.pth").write_bytes(b"weights")
-    r = run(train_cmd(demo_small, fresh, "--resume", "auto"))
-    assert r.returncode == 1 and sorted(p.name for p in fresh.iterdir()) == ["best.pth"], r.stderr
+    code, _, err = main_in_process(train_cmd(demo_small, fresh, "--resume", "auto")[3:], capsys, caplog)
+    assert code == 1 and sorted(p.name for p in fresh.iterdir()) == ["best.pth"], err
 
 
 def test_a_failed_check_before_the_first_step_leaves_no_folder(demo_small, tmp_path, monkeypatch):
