@@ -177,19 +177,31 @@ def test_eval_cli_without_the_loader_it_asks_for_is_one_line(eager_run, demo_sma
     assert "--loader dali: nvidia-dali is not installed (test)" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
-    # 24 train images (23 with objects) / batch 4 = 5 steps per epoch; stop mid-epoch 0 and
-    # resume across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a
-    # user resumes a recipe with phases (YOLOX's no-aug epochs, PP-YOLOE's assigner).
-    full, part = tmp_path / "full", tmp_path / "part"
-    phases = ("--set", "family.static_assigner_epoch=1")
+# 24 train images (23 with objects) / batch 4 = 5 steps per epoch; a run stopped mid-epoch 0
+# resumes across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a user
+# resumes a recipe with phases (YOLOX's no-aug epochs, PP-YOLOE's assigner).
+PHASES = ("--set", "family.static_assigner_epoch=1")
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(demo_small, tmp_path_factory):
+    """A run of ``PHASES`` stopped after step 4 and resumed to step 8, both launched with
+    ``--resume auto`` (what torchrun's restarts do; the first finds no checkpoint and starts
+    the run) -> (its folder, the two completed processes)."""
+    part = tmp_path_factory.mktemp("resume") / "part"
+    b1 = run(train_cmd(demo_small, part, "--max-steps", "4", "--resume", "auto", *PHASES))
+    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume", "auto", *PHASES))
+    return part, b1, b2
+
+
+def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path, stopped_and_resumed):
+    full = tmp_path / "full"
     # The uninterrupted run also evaluates at the end of epoch 1 (evaluation leaves the
     # training's random streams alone): its line names the epoch its last step is in.
-    a = run(train_cmd(demo_small, full, "--max-steps", "8", *phases, "--set", "run.eval_interval=1"))
+    a = run(train_cmd(demo_small, full, "--max-steps", "8", *PHASES, "--set", "run.eval_interval=1"))
     assert a.returncode == 0, a.stderr
-    b1 = run(train_cmd(demo_small, part, "--max-steps", "4", *phases))
+    part, b1, b2 = stopped_and_resumed
     assert b1.returncode == 0, b1.stderr
-    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume", *phases))
     assert b2.returncode == 0, b2.stderr
     assert "resumed from" in b2.stdout
     ma, mb = metrics(full), metrics(part)
@@ -851,20 +863,23 @@ def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
     assert_same_training(one, out)
 
 
-def test_resume_auto_starts_continues_and_refuses_another_runs_checkpoint(demo_small, tmp_path):
+def test_resume_auto_starts_continues_and_refuses_another_runs_checkpoint(demo_small, tmp_path, capsys, caplog,
+                                                                          stopped_and_resumed):
     """--resume auto: an empty directory starts the run, a second call continues it (the
-    metrics go on), a call with another config is refused in one line, before any data
-    is read, and leaves the checkpoint alone."""
+    metrics go on; test_resume_matches_an_uninterrupted_run: exactly), a call with another
+    config is refused in one line, before any data is read (main() in this process), and
+    leaves the checkpoint alone."""
+    part, a, b = stopped_and_resumed
     out = tmp_path / "run"
-    a = run(train_cmd(demo_small, out, "--max-steps", "1", "--resume", "auto"))
+    shutil.copytree(part, out)  # the refusal below must leave it as it was
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
     assert "--resume auto: no checkpoint in" in a.stdout
-    b = run(train_cmd(demo_small, out, "--max-steps", "2", "--resume", "auto"))
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
     assert "--resume auto: continuing from" in b.stdout
-    assert [m["step"] for m in metrics(out)] == [1, 2]
+    assert [m["step"] for m in metrics(out)] == list(range(1, 9))
     before = (out / "latest.pth").read_bytes()
-    c = run(train_cmd(demo_small, out, "--max-steps", "3", "--resume", "auto", "--lr", "0.5"))
-    assert c.returncode == 1
-    assert "is another run's (optim.base_lr: 0.04 in the checkpoint, 0.5 now)" in c.stderr, c.stderr
+    argv = train_cmd(demo_small, out, "--max-steps", "10", "--resume", "auto", "--lr", "0.5", *PHASES)[3:]
+    code, _, err = main_in_process(argv, capsys, caplog)
+    assert code == 1
+    assert "is another run's (optim.base_lr: 0.04 in the checkpoint, 0.5 now)" in err, err
     assert (out / "latest.pth").read_bytes() == before
