@@ -249,14 +249,13 @@ def test_background_compile_switches_and_resumes_exactly_across_the_switch(demo_
         torch.testing.assert_close(wb["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_compile_cli_rejects_bad_input_before_any_work(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
-                        "--num-classes", "0"], capture_output=True, text=True, env=ENV, timeout=300)
-    assert r.returncode == 2 and "--num-classes must be at least 1" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "fastdet.compile", "--arch", "ppyoloe", "--size", "s",
-                        "--data", str(tmp_path / "missing")], capture_output=True, text=True, env=ENV,
-                       timeout=300)
-    assert r.returncode == 2 and str(tmp_path / "missing") in r.stderr
+def test_compile_cli_rejects_bad_input_before_any_work(compile_cli, tmp_path, capsys):
+    main, made = compile_cli
+    assert main(["--arch", "ppyoloe", "--size", "s", "--num-classes", "0"]) == 2
+    assert "--num-classes must be at least 1" in capsys.readouterr().err
+    assert main(["--arch", "ppyoloe", "--size", "s", "--data", str(tmp_path / "missing")]) == 2
+    assert str(tmp_path / "missing") in capsys.readouterr().err
+    assert made == []
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import main_in_process
 from ports import free_port
 
 from fastdet.runtime.checkpoint import load_checkpoint
@@ -93,7 +94,7 @@ def test_step_gaps_count_steps_not_the_time_between_epochs(monkeypatch):
     assert (g.longest, g.longest_step) == (30.0, 4) and g.take_interval() == 30.0
 
 
-def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys):
+def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys, caplog):
     """The eval CLI scores best.pth as the trainer scored it, with an AP far from 0. Three
     steps put out one box everywhere (AP 0 on the demo's boxes, as any weights would): a
     copy of the run gets head predictors of distinct boxes (tests/own_truth.py), other ones
@@ -120,10 +121,11 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys):
     assert r.returncode == 0 and "evaluating it now" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     trained = json.loads((rerun / "eval.jsonl").read_text().splitlines()[-1])
     assert trained["step"] == 3 and trained["AP"] > 0.5, trained
-    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(rerun / "best.pth"),
-              "--data", str(data), "--device", "cpu"])
-    assert ev.returncode == 0, ev.stderr
-    ap_line = next(l for l in ev.stdout.splitlines() if l.startswith("COCO AP"))
+    # In this process (python -m fastdet.eval is test_families_cli's and test_formats's).
+    code, said, err = main_in_process(["--ckpt", str(rerun / "best.pth"), "--data", str(data), "--device", "cpu"],
+                                      capsys, caplog, "fastdet.eval")
+    assert code == 0, err
+    ap_line = next(l for l in said.splitlines() if l.startswith("COCO AP"))
     assert float(ap_line.split()[2]) == pytest.approx(trained["AP"], abs=1e-4)
 
     def ap(path, *extra: str) -> float:
@@ -135,7 +137,8 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys):
     assert plain == ap(tmp_path / "plain.pth") and plain < trained["AP"] - 0.2
 
 
-def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path):
+def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path, capsys,
+                                                                        caplog):
     """A val JPEG cut short (its header reads, its pixels do not) is a counted, named skip:
     the evaluation scores the other images and says so; before, the eval loader left it out
     and the evaluation then failed with "the eval loader dropped images" (a run, after its
@@ -145,12 +148,12 @@ def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_ru
     shutil.copytree(demo_small, data)
     bad = sorted((data / "val2017").glob("*.jpg"))[5]
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 3])
-    ev = run([sys.executable, "-m", "fastdet.eval", "--ckpt", str(out / "best.pth"), "--data", str(data),
-              "--device", "cpu"])
-    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    said = ev.stdout + ev.stderr
+    code, stdout, stderr = main_in_process(["--ckpt", str(out / "best.pth"), "--data", str(data), "--device", "cpu"],
+                                           capsys, caplog, "fastdet.eval")
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    said = stdout + stderr
     assert bad.name in said and "1 of 8 val images do not decode and are left out of this evaluation" in said
-    assert any(line.startswith("COCO AP") for line in ev.stdout.splitlines())
+    assert any(line.startswith("COCO AP") for line in stdout.splitlines())
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -179,19 +182,31 @@ def test_eval_cli_without_the_loader_it_asks_for_is_one_line(eager_run, demo_sma
     assert "--loader dali: nvidia-dali is not installed (test)" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path):
-    # 24 train images (23 with objects) / batch 4 = 5 steps per epoch; stop mid-epoch 0 and
-    # resume across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a
-    # user resumes a recipe with phases (YOLOX's no-aug epochs, PP-YOLOE's assigner).
-    full, part = tmp_path / "full", tmp_path / "part"
-    phases = ("--set", "family.static_assigner_epoch=1")
+# 24 train images (23 with objects) / batch 4 = 5 steps per epoch; a run stopped mid-epoch 0
+# resumes across the phase switch at epoch 1 (ATSS -> task-aligned assignment), as a user
+# resumes a recipe with phases (YOLOX's no-aug epochs, PP-YOLOE's assigner).
+PHASES = ("--set", "family.static_assigner_epoch=1")
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(demo_small, tmp_path_factory):
+    """A run of ``PHASES`` stopped after step 4 and resumed to step 8, both launched with
+    ``--resume auto`` (what torchrun's restarts do; the first finds no checkpoint and starts
+    the run) -> (its folder, the two completed processes)."""
+    part = tmp_path_factory.mktemp("resume") / "part"
+    b1 = run(train_cmd(demo_small, part, "--max-steps", "4", "--resume", "auto", *PHASES))
+    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume", "auto", *PHASES))
+    return part, b1, b2
+
+
+def test_resume_matches_an_uninterrupted_run(demo_small, tmp_path, stopped_and_resumed):
+    full = tmp_path / "full"
     # The uninterrupted run also evaluates at the end of epoch 1 (evaluation leaves the
     # training's random streams alone): its line names the epoch its last step is in.
-    a = run(train_cmd(demo_small, full, "--max-steps", "8", *phases, "--set", "run.eval_interval=1"))
+    a = run(train_cmd(demo_small, full, "--max-steps", "8", *PHASES, "--set", "run.eval_interval=1"))
     assert a.returncode == 0, a.stderr
-    b1 = run(train_cmd(demo_small, part, "--max-steps", "4", *phases))
+    part, b1, b2 = stopped_and_resumed
     assert b1.returncode == 0, b1.stderr
-    b2 = run(train_cmd(demo_small, part, "--max-steps", "8", "--resume", *phases))
     assert b2.returncode == 0, b2.stderr
     assert "resumed from" in b2.stdout
     ma, mb = metrics(full), metrics(part)
@@ -276,13 +291,6 @@ def one_process(demo_small, tmp_path_factory):
 COMPILE = ["--compile", "--set", "compile.backend=aot_eager", "--set", "compile.warmup=blocking"]
 
 
-@pytest.fixture(scope="module")
-def one_process_compiled(demo_small, tmp_path_factory):
-    """``SAME_RUN`` in one process with ``--compile``."""
-    out = tmp_path_factory.mktemp("one_compiled")
-    return out, run(train_cmd(demo_small, out, *SAME_RUN, *COMPILE), timeout=1200)
-
-
 # What the fault tests launch in place of -m fastdet.train: the same command with the
 # fault of $FASTDET_FAULT injected through the trainer's hooks.
 FAULT_LAUNCH = Path(__file__).resolve().parent / "fault_launch.py"
@@ -339,20 +347,29 @@ def test_ddp_two_ranks_match_one_process(demo_small, tmp_path, one_process):
     assert_same_training(one, tmp_path / "two")
 
 
-def test_compiled_ddp_two_ranks_match_one_compiled_process(demo_small, tmp_path, one_process_compiled):
-    """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
-    own forward cannot be traced with fullgraph=True), SyncBatchNorm is traced into the
-    graph (fullgraph: no break), and 2 ranks x batch 2 train as 1 process x batch 4."""
+@pytest.fixture(scope="module")
+def two_ranks_compiled(demo_small, tmp_path_factory):
+    """``SAME_RUN`` under torchrun (2 ranks) with ``--compile`` -> (output dir, completed process)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    one, r = one_process_compiled
+    out = tmp_path_factory.mktemp("two_compiled")
+    return out, two_ranks(demo_small, out, *COMPILE, port=free_port())
+
+
+def test_compiled_ddp_two_ranks_match_one_process(one_process, two_ranks_compiled):
+    """``torchrun --nproc_per_node 2 ... --compile``: DDP wraps the compiled module (DDP's
+    own forward cannot be traced with fullgraph=True), SyncBatchNorm is traced into the
+    graph (fullgraph: no break), and 2 compiled ranks x batch 2 train as 1 process x batch 4.
+    The one process is the eager run: aot_eager runs the traced graphs op by op, with
+    eager's rounding, so the compiled ranks must land on its weights and losses."""
+    one, r = one_process
     assert r.returncode == 0, r.stdout + r.stderr
-    two = two_ranks(demo_small, tmp_path / "two", *COMPILE, port=free_port())
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in two.stdout
-    assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in two.stdout
-    assert "recompiled" not in two.stdout + two.stderr
-    assert_same_training(one, tmp_path / "two")
+    two, c = two_ranks_compiled
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
+    assert "warm-up: 1 size bucket(s) x 1 loss variant(s) compiled" in c.stdout
+    assert "SyncBatchNorm: BatchNorm statistics over the 2 ranks" in c.stdout
+    assert "recompiled" not in c.stdout + c.stderr
+    assert_same_training(one, two)
 
 
 @pytest.mark.parametrize("backend, said", [("auto", "faster-coco-eval on"), ("pycocotools", "pycocotools on")])
@@ -389,11 +406,12 @@ def test_the_check_before_training_evaluates_two_val_images_per_rank_on_the_cpu(
     assert preflight.preflight_images(1, torch.device("cpu")) == 1
 
 
-def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_process_compiled):
+def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, two_ranks_compiled):
     """Warm-up batches do not leak into the logged losses: the first logged loss of a
-    --compile run (after its warm-up on a synthetic batch) is the eager run's first loss,
-    up to the rounding of inductor's fused kernels."""
-    (eager, re), (compiled, rc) = one_process, one_process_compiled
+    --compile run (after its warm-up on a synthetic batch; here the 2-rank run, whose
+    logged loss is the mean over the ranks) is the eager run's first loss, up to the
+    rounding of inductor's fused kernels."""
+    (eager, re), (compiled, rc) = one_process, two_ranks_compiled
     assert re.returncode == 0 and rc.returncode == 0, re.stderr[-2000:] + rc.stderr[-2000:]
     first_e, first_c = metrics(eager)[0], metrics(compiled)[0]
     assert first_e["step"] == first_c["step"] == 1
@@ -410,11 +428,10 @@ def test_first_logged_loss_of_a_compiled_run_is_the_eager_one(one_process, one_p
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--set", "optim.learning_rate=0.1"], "unknown config field 'optim.learning_rate'"),
 ])
-def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, message):
-    r = run(train_cmd(demo_small, tmp_path, *extra))
-    assert r.returncode != 0
-    assert message in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, capsys, caplog, extra, message):
+    code, _, err = main_in_process(train_cmd(demo_small, tmp_path, *extra)[3:], capsys, caplog)
+    assert code != 0
+    assert message in err, err
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -435,11 +452,12 @@ def test_bad_command_lines_give_one_clear_line(demo_small, tmp_path, extra, mess
     # --ckpt's weights were loaded over the backbone file's, silently.
     (["--backbone-weights", "STATE_DICT", "--ckpt", "STATE_DICT"], "--ckpt's weights include a backbone"),
 ])
-def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra, message):
+def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, capsys, caplog, extra, message):
     """Each fails at once (no output directory, no data read), in one line naming the flag;
     before, these failed an epoch in, at evaluation, or trained 0 steps and exited 0 (or,
     for the weight files, failed after the model was built, with a traceback or a --from
-    flag fastdet.train does not have)."""
+    flag fastdet.train does not have). In this process (main_in_process): test_missing_
+    dataset_is_named runs such a failure through ``python -m fastdet.train``."""
     bad = tmp_path / "weights.pth"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is an image, not weights" * 8)
     torch.save({"w": torch.zeros(3)}, tmp_path / "sd.pth")
@@ -451,11 +469,11 @@ def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, extra
     extra = [str(files.get(a, a)) for a in extra]
     message = message.replace("TMP/", f"{tmp_path}/")
     out = tmp_path / "out"
-    r = run(train_cmd(demo_small, out, *extra))
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert message in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "weights_only" not in r.stderr
+    code, _, err = main_in_process(train_cmd(demo_small, out, *extra)[3:], capsys, caplog)
+    assert code == 2, err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "weights_only" not in err
     assert not out.exists(), "the run started before the error"
 
 
@@ -494,17 +512,20 @@ def test_values_a_run_meets_late_are_refused_before_it_starts(demo_small, tmp_pa
 
 
 def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a_runs_weights(demo_small,
-                                                                                             tmp_path):
+                                                                                             tmp_path, capsys,
+                                                                                             caplog):
     """A run that fails before its first step (a missing annotation file, found once the
     data is read) removes the folder it made, so the corrected command is not sent to
     ``out2``; ``--resume auto`` into a folder with another run's best.pth and no latest.pth
-    is refused instead of writing over it."""
+    is refused instead of writing over it. The commands run main() in this process
+    (main_in_process)."""
     from fastdet.config import Config
     from fastdet.engine.checkpointer import auto_resume
 
     out = tmp_path / "out"
-    r = run(train_cmd(demo_small, out, "--set", f"data.train_ann={tmp_path / 'nowhere.json'}"))
-    assert r.returncode == 1 and "not found" in r.stderr and not out.exists(), r.stdout + r.stderr
+    argv = train_cmd(demo_small, out, "--set", f"data.train_ann={tmp_path / 'nowhere.json'}")[3:]
+    code, said, err = main_in_process(argv, capsys, caplog)
+    assert code == 1 and "not found" in err and not out.exists(), said + err
     done = tmp_path / "done"
     done.mkdir()
     (done / "best.pth").write_bytes(b"a finished run's weights")
@@ -515,15 +536,15 @@ def test_a_start_that_fails_on_its_data_leaves_no_folder_and_resume_auto_keeps_a
     assert (done / "best.pth").read_bytes() == b"a finished run's weights"
     # Through the command: refused, and the folder is left as it was (its train.log too).
     (done / "train.log").write_text("the other run's log\n")
-    r = run(train_cmd(demo_small, done, "--resume", "auto"))
-    assert r.returncode == 1 and "but no latest.pth to continue from" in r.stderr, r.stdout + r.stderr
+    code, said, err = main_in_process(train_cmd(demo_small, done, "--resume", "auto")[3:], capsys, caplog)
+    assert code == 1 and "but no latest.pth to continue from" in err, said + err
     assert sorted(p.name for p in done.iterdir()) == ["best.pth", "train.log"]
     assert (done / "train.log").read_text() == "the other run's log\n"
     fresh = tmp_path / "fresh"  # a folder of no log: a refused start leaves none in it
     fresh.mkdir()
     (fresh / "best.pth").write_bytes(b"weights")
-    r = run(train_cmd(demo_small, fresh, "--resume", "auto"))
-    assert r.returncode == 1 and sorted(p.name for p in fresh.iterdir()) == ["best.pth"], r.stderr
+    code, _, err = main_in_process(train_cmd(demo_small, fresh, "--resume", "auto")[3:], capsys, caplog)
+    assert code == 1 and sorted(p.name for p in fresh.iterdir()) == ["best.pth"], err
 
 
 def test_a_failed_check_before_the_first_step_leaves_no_folder(demo_small, tmp_path, monkeypatch):
@@ -621,20 +642,21 @@ def test_corrupt_training_image_is_a_counted_skip(demo_small, tmp_path):
     assert "1 corrupt" in r.stdout and victim.name in r.stdout
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(demo_small, tmp_path):
-    good = run(train_cmd(demo_small, tmp_path, "--max-steps", "1"))
-    assert good.returncode == 0
-    before = load_checkpoint(tmp_path / "latest.pth")
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(eager_run, demo_small, tmp_path):
+    done, _ = eager_run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    before = load_checkpoint(out / "latest.pth")
     # A resumed run keeps its stored config (a differing --lr is refused): the diverging LR goes
     # there (finite: a NaN one is refused before the run starts).
-    poisoned = load_checkpoint(tmp_path / "latest.pth")
+    poisoned = load_checkpoint(out / "latest.pth")
     poisoned["config"]["optim"]["base_lr"] = 1e30
-    torch.save(poisoned, tmp_path / "latest.pth")
-    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "4", "--resume"))
+    torch.save(poisoned, out / "latest.pth")
+    r = run(train_cmd(demo_small, out, "--max-steps", "6", "--resume"))
     assert r.returncode == 1
     assert "non-finite loss" in r.stderr
-    after = load_checkpoint(tmp_path / "latest.pth")
-    assert after["step"] == before["step"] == 1
+    after = load_checkpoint(out / "latest.pth")
+    assert after["step"] == before["step"] == 3
     assert all(torch.isfinite(v).all() for v in after["model"].values() if v.is_floating_point())
 
 
@@ -675,6 +697,45 @@ def test_sync_debug_covers_the_loader_call(monkeypatch):
     it = loader()
     assert [trainer._next_batch(it) for _ in range(3)] == [{"step": 0}, {"step": 1}, None]
     assert seen == ["error", "error"] and mode == ["default"]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_train_releases_its_loaders_workers_when_it_returns(monkeypatch, fails):
+    """train() closes both loaders, after a finished run or a failed one: persistent
+    DataLoader workers left to interpreter exit held every run with --workers > 0 about 10 s
+    after its last line (DataLoader joins each for 5 s once the queues are gone)."""
+    from types import SimpleNamespace
+
+    from fastdet.engine import trainer as T
+
+    closed = []
+
+    class Loader:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+
+    class Stub:
+        def __init__(self, cfg, hooks):
+            self.train_loader, self.val_loader = Loader("train"), Loader("val")
+            self.compilation = SimpleNamespace(close=lambda: None)
+            self.control = SimpleNamespace(uninstall=lambda: None)
+
+        def train(self):
+            if fails:
+                raise T.TrainingError("planted")
+            return {"AP": 0.5}
+
+    monkeypatch.setattr(T, "Trainer", Stub)
+    monkeypatch.setattr(T.dist, "shutdown", lambda: None)
+    if fails:
+        with pytest.raises(T.TrainingError, match="planted"):
+            T.train(None)
+    else:
+        assert T.train(None) == {"AP": 0.5}
+    assert sorted(closed) == ["train", "val"]
 
 
 # --------------------------------------------------------------------------- faults
@@ -812,20 +873,23 @@ def test_two_nodes_train_as_one_node(demo_small, tmp_path, one_process):
     assert_same_training(one, out)
 
 
-def test_resume_auto_starts_continues_and_refuses_another_runs_checkpoint(demo_small, tmp_path):
+def test_resume_auto_starts_continues_and_refuses_another_runs_checkpoint(demo_small, tmp_path, capsys, caplog,
+                                                                          stopped_and_resumed):
     """--resume auto: an empty directory starts the run, a second call continues it (the
-    metrics go on), a call with another config is refused in one line, before any data
-    is read, and leaves the checkpoint alone."""
+    metrics go on; test_resume_matches_an_uninterrupted_run: exactly), a call with another
+    config is refused in one line, before any data is read (main() in this process), and
+    leaves the checkpoint alone."""
+    part, a, b = stopped_and_resumed
     out = tmp_path / "run"
-    a = run(train_cmd(demo_small, out, "--max-steps", "1", "--resume", "auto"))
+    shutil.copytree(part, out)  # the refusal below must leave it as it was
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
     assert "--resume auto: no checkpoint in" in a.stdout
-    b = run(train_cmd(demo_small, out, "--max-steps", "2", "--resume", "auto"))
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
     assert "--resume auto: continuing from" in b.stdout
-    assert [m["step"] for m in metrics(out)] == [1, 2]
+    assert [m["step"] for m in metrics(out)] == list(range(1, 9))
     before = (out / "latest.pth").read_bytes()
-    c = run(train_cmd(demo_small, out, "--max-steps", "3", "--resume", "auto", "--lr", "0.5"))
-    assert c.returncode == 1
-    assert "is another run's (optim.base_lr: 0.04 in the checkpoint, 0.5 now)" in c.stderr, c.stderr
+    argv = train_cmd(demo_small, out, "--max-steps", "10", "--resume", "auto", "--lr", "0.5", *PHASES)[3:]
+    code, _, err = main_in_process(argv, capsys, caplog)
+    assert code == 1
+    assert "is another run's (optim.base_lr: 0.04 in the checkpoint, 0.5 now)" in err, err
     assert (out / "latest.pth").read_bytes() == before

@@ -1,7 +1,9 @@
 """What a user does next after the README (issue 26): nothing they do loses their work.
 
 CLI behaviour is tested through the command line in a subprocess, at 64 px with a few
-steps on the small demo set.
+steps on the small demo set; a command that fails or stops before training runs its
+main() in the test's process (``main_in_process``: exit code, stdout, stderr as the
+process would give them, without a process start of seconds).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import main_in_process  # tests/ is on sys.path (rootdir conftest)
 
 from fastdet.runtime.checkpoint import load_checkpoint
 
@@ -63,25 +66,28 @@ def test_the_same_command_twice_starts_a_numbered_run_and_keeps_the_first(demo_s
     assert load_checkpoint(second / "latest.pth")["config"]["run"]["output_dir"] == str(Path("runs") / "ppyoloe_s2")
 
 
-def test_exist_ok_writes_into_the_directory(demo_small, tmp_path):
+def test_exist_ok_writes_into_the_directory(demo_small, first_run, tmp_path):
     """--exist-ok: the new run writes into the folder of another, and what it logs is its
     own. Before, TensorBoard drew both runs' curves interleaved (the old event file was read
     with the new). Its checkpoints' fallback: tests/test_rundir.py."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert run(train_cmd(demo_small, tmp_path, "--max-steps", "3")).returncode == 0
-    r = run(train_cmd(demo_small, tmp_path, "--max-steps", "2", "--exist-ok"))
+    _, src = first_run
+    out = tmp_path / "run"
+    shutil.copytree(src, out)  # a finished 2-step run
+    old_events = len(list((out / "tb").iterdir()))
+    r = run(train_cmd(demo_small, out, "--max-steps", "1", "--exist-ok"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert load_checkpoint(tmp_path / "latest.pth")["step"] == 2
-    assert not (tmp_path.parent / (tmp_path.name + "2")).exists()
-    assert steps(tmp_path / "metrics.jsonl") == [1, 2]
-    events = EventAccumulator(str(tmp_path / "tb"))
+    assert load_checkpoint(out / "latest.pth")["step"] == 1  # the new run's, over the other's
+    assert not (tmp_path / "run2").exists()
+    assert steps(out / "metrics.jsonl") == [1]
+    events = EventAccumulator(str(out / "tb"))
     events.Reload()
-    assert len(list((tmp_path / "tb").iterdir())) == 2  # the old run's file stays; TensorBoard skips its events
-    assert [e.step for e in events.Scalars("train/total_loss")] == [1, 2]
+    assert len(list((out / "tb").iterdir())) == old_events + 1  # the old run's files stay; TensorBoard skips them
+    assert [e.step for e in events.Scalars("train/total_loss")] == [1]
 
 
-def test_predict_never_writes_over_a_source_image(demo_small, tmp_path):
+def test_predict_never_writes_over_a_source_image(demo_small, tmp_path, capsys, caplog):
     imgs = tmp_path / "imgs"
     imgs.mkdir()
     src = sorted((demo_small / "val2017").glob("*.jpg"))[0]
@@ -89,10 +95,10 @@ def test_predict_never_writes_over_a_source_image(demo_small, tmp_path):
     before = (imgs / "a.jpg").read_bytes()
     ckpt = tmp_path / "w.pth"
     ckpt.write_bytes(b"checked after the source")  # the refusal comes before the checkpoint is read
-    r = run([sys.executable, "-m", "fastdet.predict", "--ckpt", str(ckpt), "--source", str(imgs / "a.jpg"),
-             "--output-dir", str(imgs), "--device", "cpu"])
-    assert r.returncode == 2
-    assert "is the folder of the source images" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    code, _, err = main_in_process(["--ckpt", str(ckpt), "--source", str(imgs / "a.jpg"), "--output-dir", str(imgs),
+                                    "--device", "cpu"], capsys, caplog, "fastdet.predict")
+    assert code == 2
+    assert "is the folder of the source images" in err and len(err.strip().splitlines()) == 1, err
     assert (imgs / "a.jpg").read_bytes() == before
 
 
@@ -141,7 +147,7 @@ def test_an_evaluation_problem_fails_before_the_first_step_in_one_line(demo_smal
 
 # --------------------------------------------------------------------------- 3, 9. resume
 
-def test_resume_rebuilds_the_run_from_its_checkpoint(first_run, tmp_path):
+def test_resume_rebuilds_the_run_from_its_checkpoint(first_run, tmp_path, capsys, caplog):
     """No --arch, --data or --img-size: the run's own config (64 px, the demo_small set).
     A checkpoint older than the logs (a run killed after it) truncates metrics.jsonl and
     TensorBoard to its step; a finished run says so; a changed recipe flag is named."""
@@ -165,12 +171,13 @@ def test_resume_rebuilds_the_run_from_its_checkpoint(first_run, tmp_path):
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/total_loss")] == [1, 2, 3, 4]
-    r = run(resume + ["--max-steps", "4"])
-    assert r.returncode == 0 and "finished at step 4 of 4" in r.stdout, r.stdout + r.stderr
-    r = run(resume + ["--img-size", "96"])
-    assert r.returncode == 2
-    assert "--resume: --img-size 96 differs from the run's data.img_size 64" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    # Nothing to train, and two refusals: in this process.
+    code, said, err = main_in_process(resume[3:] + ["--max-steps", "4"], capsys, caplog)
+    assert code == 0 and "finished at step 4 of 4" in said, said + err
+    code, _, err = main_in_process(resume[3:] + ["--img-size", "96"], capsys, caplog)
+    assert code == 2
+    assert "--resume: --img-size 96 differs from the run's data.img_size 64" in err, err
+    assert len(err.strip().splitlines()) == 1
     # The set's classes changed under the run (here: the run's record of them): one line, not
     # a state-dict size mismatch.
     from fastdet.runtime.checkpoint import save_checkpoint
@@ -178,10 +185,10 @@ def test_resume_rebuilds_the_run_from_its_checkpoint(first_run, tmp_path):
     ck = load_checkpoint(out / "latest.pth")
     ck["class_names"] = [*ck["class_names"], "project"]
     save_checkpoint(out / "latest.pth", ck)
-    r = run(resume + ["--max-steps", "5"])
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "trained 5 classes, the set has 4 now (only in the run: " \
-        "['project'], only in the set: none" in r.stderr, r.stderr
+    code, _, err = main_in_process(resume[3:] + ["--max-steps", "5"], capsys, caplog)
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and "trained 5 classes, the set has 4 now (only in the run: " \
+        "['project'], only in the set: none" in err, err
 
 
 def test_resume_from_a_checkpoint_into_another_runs_directory_is_refused(first_run, tmp_path, capsys):
@@ -216,30 +223,27 @@ def test_resume_from_a_checkpoint_into_another_runs_directory_is_refused(first_r
 
 # --------------------------------------------------------------------------- 4, 10. custom data, sizes
 
-def print_config(*args: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "fastdet.train", "--print-config", *args])
-
-
-def test_custom_data_uses_the_preset_and_needs_all_four_paths(demo_paths):
+def test_custom_data_uses_the_preset_and_needs_all_four_paths(demo_paths, capsys, caplog):
     import yaml
 
     paths = ["--train-ann", str(demo_paths.train_ann), "--train-images", str(demo_paths.train_images),
              "--val-ann", str(demo_paths.val_ann), "--val-images", str(demo_paths.val_images)]
-    r = print_config(*paths, "--img-size", "320")
-    assert r.returncode == 0, r.stderr
-    cfg = yaml.safe_load(r.stdout)
+    code, out, err = main_in_process(["--print-config", *paths, "--img-size", "320"], capsys, caplog)
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
     assert cfg["optim"]["optimizer"] == "sgd" and cfg["optim"]["epochs"] == 300  # PP-YOLOE-s, not the demo's
     assert cfg["data"]["img_size"] == 320
     assert cfg["data"]["train_sizes"] == list(range(160, 385, 32))  # 320..768 around 640, halved
     assert cfg["model"]["num_classes"] == 4
-    r = print_config(*paths[:4], *paths[6:])
-    assert r.returncode == 2
-    assert "--val-ann missing" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    code, _, err = main_in_process(["--print-config", *paths[:4], *paths[6:]], capsys, caplog)
+    assert code == 2
+    assert "--val-ann missing" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_help_names_every_family_size_and_the_data_flags():
-    r = run([sys.executable, "-m", "fastdet.train", "--help"])
-    text = " ".join(r.stdout.split())
+def test_help_names_every_family_size_and_the_data_flags(capsys, caplog):
+    code, out, _ = main_in_process(["--help"], capsys, caplog)
+    assert code == 0
+    text = " ".join(out.split())
     assert "yolox: nano, tiny, s, m, l, x" in text and "fcos: r50" in text
     assert "COCO instances file of the training set" in text
 
@@ -265,18 +269,20 @@ def test_best_checkpoint_holds_no_optimizer_state(first_run):
     assert (src / "best.pth").stat().st_size < (src / "latest.pth").stat().st_size
 
 
-def test_a_batch_larger_than_the_set_is_one_line_naming_the_flag_once(demo_small, tmp_path):
-    r = run(train_cmd(demo_small, tmp_path / "out", "--batch-size", "64"))
-    assert r.returncode == 1
-    assert "lower --batch-size" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "lower --batch-size" not in r.stdout  # once, not also as a log line
+def test_a_batch_larger_than_the_set_is_one_line_naming_the_flag_once(demo_small, tmp_path, capsys, caplog):
+    code, out, err = main_in_process(train_cmd(demo_small, tmp_path / "out", "--batch-size", "64")[3:], capsys,
+                                     caplog)
+    assert code == 1
+    assert "lower --batch-size" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "lower --batch-size" not in out  # once, not also as a log line
 
 
-def test_a_folder_given_as_the_annotation_file_is_named_as_such(demo_small, tmp_path):
-    r = run(train_cmd(demo_small, tmp_path / "out", "--train-ann", str(demo_small / "annotations")))
-    assert r.returncode == 1
-    assert "is a directory; expected the COCO annotation JSON file" in r.stderr, r.stderr
+def test_a_folder_given_as_the_annotation_file_is_named_as_such(demo_small, tmp_path, capsys, caplog):
+    code, _, err = main_in_process(train_cmd(demo_small, tmp_path / "out", "--train-ann",
+                                             str(demo_small / "annotations"))[3:], capsys, caplog)
+    assert code == 1
+    assert "is a directory; expected the COCO annotation JSON file" in err, err
 
 
 # --------------------------------------------------------------------------- 13. fastdet.detect's inputs

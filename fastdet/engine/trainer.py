@@ -414,6 +414,10 @@ def train(cfg: Config, hooks: Sequence[Hook] = ()) -> dict[str, float]:
     try:
         return trainer.train()
     finally:
+        # Persistent loader workers left to interpreter exit wait out DataLoader's 5 s join
+        # each (the queues' feeder threads are gone by then): released here, while alive.
+        trainer.train_loader.close()
+        trainer.val_loader.close()
         trainer.compilation.close()
         trainer.control.uninstall()
         dist.shutdown()
