@@ -90,3 +90,18 @@ def distinct_predictors_(weights: dict, arch: str, seed: int) -> dict:
         elif arch == "yolox" and name.startswith("head.obj_preds.") and name.endswith("bias"):
             t.fill_(4.0)
     return weights
+
+
+def redraw_run_predictors(run: Path, arch: str) -> dict:
+    """The run in folder ``run`` with :func:`distinct_predictors_` in its ``latest.pth``
+    (the EMA drawn with seed 0, the plain weights with seed 1: other boxes) and its
+    ``eval.jsonl`` emptied, so that resumed, it evaluates its last step again; returns the
+    checkpoint written."""
+    from fastdet.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    ck = load_checkpoint(run / "latest.pth")
+    distinct_predictors_(ck["ema"]["module"], arch, seed=0)
+    distinct_predictors_(ck["model"], arch, seed=1)
+    save_checkpoint(run / "latest.pth", ck)
+    (run / "eval.jsonl").write_text("")
+    return ck

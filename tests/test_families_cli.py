@@ -119,9 +119,7 @@ def test_eval_cli_gives_the_trainers_ap(arch, demo_small, compiled_run, tmp_path
     evaluates them. (FCOS and PP-YOLO, ``make test-all`` only: tests/own_truth.py draws no
     predictors for their heads yet, so theirs is the run's AP on the demo's boxes, 0 after
     two steps: it checks that the CLI scores them, not what it scores.)"""
-    from own_truth import demo_with_own_truth, distinct_predictors_
-
-    from fastdet.runtime.checkpoint import save_checkpoint
+    from own_truth import demo_with_own_truth, redraw_run_predictors
 
     out, r = compiled_run(arch, SMALLEST[arch], _dali_or_torch())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -129,11 +127,7 @@ def test_eval_cli_gives_the_trainers_ap(arch, demo_small, compiled_run, tmp_path
     if arch in ("yolox", "ppyoloe"):
         rerun = tmp_path / "run"
         shutil.copytree(out, rerun)
-        ck = load_checkpoint(rerun / "latest.pth")
-        distinct_predictors_(ck["ema"]["module"], arch, seed=0)
-        distinct_predictors_(ck["model"], arch, seed=1)
-        save_checkpoint(rerun / "latest.pth", ck)
-        (rerun / "eval.jsonl").write_text("")
+        redraw_run_predictors(rerun, arch)
         out, data = rerun, demo_with_own_truth(demo_small, tmp_path / "own", rerun / "latest.pth", img_size=64)
         rr = run([sys.executable, "-m", "fastdet.train", "--resume", "--output-dir", str(out), "--data", str(data),
                   "--device", "cpu"])

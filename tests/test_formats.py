@@ -328,9 +328,7 @@ def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root,
     (tests/own_truth.py), the val boxes become its EMA's own detections, written in the
     three forms; the copy, resumed on the form trained on with its last step's evaluation
     dropped, evaluates them."""
-    from own_truth import demo_with_own_truth, distinct_predictors_
-
-    from fastdet.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from own_truth import demo_with_own_truth, redraw_run_predictors
 
     if loader == "dali":
         pytest.importorskip("nvidia.dali")
@@ -346,11 +344,7 @@ def test_training_and_eval_cli_on_yolo_and_voc(fmt, loader, yolo_yaml, voc_root,
     assert f"loader {loader}" in r.stdout and "COCO AP" in r.stdout
     assert "per-class AP at step 2" in r.stdout and (out / "confusion_matrix.png").is_file()
 
-    ck = load_checkpoint(out / "latest.pth")
-    distinct_predictors_(ck["ema"]["module"], "ppyoloe", seed=0)
-    distinct_predictors_(ck["model"], "ppyoloe", seed=1)
-    save_checkpoint(out / "latest.pth", ck)
-    (out / "eval.jsonl").write_text("")
+    redraw_run_predictors(out, "ppyoloe")
     own = demo_with_own_truth(demo_small, tmp_path / "own", out / "latest.pth", img_size=64)
     forms = {"coco": own, "yolo": make_yolo(own, tmp_path / "own_yolo"), "voc": make_voc(own, tmp_path / "own_voc")}
     rr = subprocess.run([sys.executable, "-m", "fastdet.train", "--resume", "--output-dir", str(out),

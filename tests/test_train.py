@@ -102,7 +102,7 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys, cap
     detections; the copy, resumed at its last step with that step's evaluation dropped,
     evaluates it. The CLI must print that AP, and ``--weights model`` the plain weights'
     (as a file holding only them is scored)."""
-    from own_truth import demo_with_own_truth, distinct_predictors_
+    from own_truth import demo_with_own_truth, redraw_run_predictors
 
     from fastdet.eval.__main__ import main as eval_main
     from fastdet.runtime.checkpoint import save_checkpoint
@@ -110,11 +110,7 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys, cap
     out, _ = eager_run
     rerun = tmp_path / "run"
     shutil.copytree(out, rerun)
-    ck = load_checkpoint(rerun / "latest.pth")
-    distinct_predictors_(ck["ema"]["module"], "ppyoloe", seed=0)
-    distinct_predictors_(ck["model"], "ppyoloe", seed=1)
-    save_checkpoint(rerun / "latest.pth", ck)
-    (rerun / "eval.jsonl").write_text("")
+    ck = redraw_run_predictors(rerun, "ppyoloe")
     data = demo_with_own_truth(demo_small, tmp_path / "own", rerun / "latest.pth", img_size=64)
     r = run([sys.executable, "-m", "fastdet.train", "--resume", "--output-dir", str(rerun), "--data", str(data),
              "--device", "cpu", "--workers", "0"])
