@@ -103,6 +103,24 @@ def log_size(path: Path) -> int | None:
     return f.stat().st_size if f.is_file() else None
 
 
+def choose_run_dir(asked: Path, keep: bool, restarted: bool) -> tuple[Path, bool, int | None]:
+    """Where this start writes (rank 0): ``asked`` as it is when ``keep`` (``--resume``,
+    ``--exist-ok``, ``--resume auto``), the directory this torchrun launch claimed when
+    ``restarted`` (a numbered sibling when ``asked`` held another run), else a free one
+    claimed (:func:`claim_run_dir`, marked with the launch). Returns the directory, whether
+    this start made it, and its ``train.log`` size before (:func:`log_size`; None: the log
+    is this start's), which a failed start gives back (:func:`forget_failed_start`)."""
+    launched = launch_dir(asked, launch_key()) if restarted else None
+    if keep or launched is not None:
+        out = launched or asked
+        made, before = not out.exists(), log_size(out)
+        out.mkdir(parents=True, exist_ok=True)
+        return out, made, before
+    out, made = claim_run_dir(asked)
+    mark_launch(out, launch_key())
+    return out, made, None
+
+
 def forget_failed_start(path: Path, made: bool, is_main: bool, log_before: int | None) -> None:
     """A start that fails before its first step (a data file missing, a bad --ckpt, the
     check before training, a refused --resume auto) leaves no trace: a directory this start

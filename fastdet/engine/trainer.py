@@ -36,7 +36,7 @@ from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
 from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images
-from fastdet.engine.rundir import claim_run_dir, forget_failed_start, launch_dir, launch_key, log_size, mark_launch
+from fastdet.engine.rundir import choose_run_dir, forget_failed_start
 from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
 from fastdet.runtime.amp import backend_flags
@@ -112,21 +112,11 @@ class Trainer:
         asked = output_dir(cfg)
         if asked.exists() and not asked.is_dir():
             raise ValueError(f"--output-dir {asked} is a file, not a folder")
-        # Rank 0 chooses (another rank could see the directory rank 0 just made as taken). A
-        # failed start gives a folder it did not make its train.log back as it was
-        # (_log_before; None: the log is this start's).
+        # Rank 0 chooses (another rank could see the directory rank 0 just made as taken).
         out, self._made_out, self._log_before = asked, False, None
         if self.dist.is_main:
-            # A torchrun restart continues where its launch's first start wrote (a numbered
-            # sibling when the asked directory held another run), not the asked directory.
-            launched = launch_dir(asked, launch_key()) if restart_count() > 0 else None
-            if cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume or launched is not None:
-                out = launched or asked
-                self._made_out, self._log_before = not out.exists(), log_size(out)
-                out.mkdir(parents=True, exist_ok=True)
-            else:
-                out, self._made_out = claim_run_dir(asked)
-                mark_launch(out, launch_key())
+            keep = cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume
+            out, self._made_out, self._log_before = choose_run_dir(asked, keep, restarted=restart_count() > 0)
         self.out = dist.broadcast_object(out)
         dist.barrier()
         setup_logging(self.out, self.dist.is_main)

@@ -126,7 +126,7 @@ def ema_update_(ema_tensors: Sequence[Tensor], tensors: Sequence[Tensor], decay:
     backend = _backend("ema_update_", ema_tensors[0])
     with torch.no_grad():  # no autograd graph: model parameters may require grad
         if backend == "torch":
-            _reference.ema_update_(ema_tensors, tensors, decay)
+            _reference.ema_lerp_(ema_tensors, tensors, decay)  # checked above
         else:
             _ns(backend).ema_update_(ema_tensors, tensors, decay)
 

@@ -91,6 +91,12 @@ def check_ema(ema_tensors: list[Tensor], tensors: list[Tensor], decay: Tensor | 
 def ema_update_(ema_tensors: list[Tensor], tensors: list[Tensor], decay: Tensor | float) -> None:
     """``ema = decay * ema + (1 - decay) * t`` for floating tensors, a copy for the rest."""
     check_ema(ema_tensors, tensors, decay)
+    ema_lerp_(ema_tensors, tensors, decay)
+
+
+def ema_lerp_(ema_tensors: list[Tensor], tensors: list[Tensor], decay: Tensor | float) -> None:
+    """:func:`ema_update_` of lists :func:`check_ema` has passed (``fastdet.ops.ema_update_``
+    checks once, for every back end)."""
     for e, t in zip(ema_tensors, tensors):
         if e.is_floating_point():
             e.lerp_(t.to(e.dtype), 1.0 - decay)
