@@ -226,8 +226,8 @@ def resize_note(p: Preprocess, hw: HW, canvas: str, others: tuple[str, ...]) -> 
     """What a consumer does to put an ``h`` x ``w`` image on the ``hw`` canvas as ``p`` does
     (``Preprocess.__call__``), with this canvas's numbers, and which images it is for."""
     H, W = hw
-    placed = ("resized to floor(h * r + 0.5) x floor(w * r + 0.5) (halves up), pasted top-left, the rest "
-              "pad_value; sx = floor(w * r + 0.5) / w, sy = floor(h * r + 0.5) / h")
+    placed = ("resized to floor(h * r) x floor(w * r), pasted top-left, the rest pad_value; "
+              + ("sx = sy = r" if p.box_scale == "ratio" else "sx = floor(w * r) / w, sy = floor(h * r) / h"))
     if p.resize == "stretch":
         return f"each side scaled to the {H}x{W} canvas (aspect ratio not kept): sx = {W} / w, sy = {H} / h"
     if p.resize == "letterbox":

@@ -107,7 +107,6 @@ class _DaliLoader(Loader):
             source,
             device=self._pixels,
             stage_list=stage_list,
-            evaluation=isinstance(self, EvalLoader),
             max_boxes=self.max_boxes,
             channels_last=self.channels_last,
             source_prefetch=_SOURCE_PREFETCH + self.py_workers,
@@ -217,7 +216,8 @@ class DaliEvalLoader(_DaliLoader, EvalLoader):
         super().__init__(data, records, schedule, **kw)
         p = self.preprocess
         # Preprocess.__call__ as a stage list; DALI's cubic kernel differs slightly from torch's.
-        self.stages = (S.Resize(p.resize, pad_value=p.pad_value, interp=p.interp, short=p.short, max_long=p.max_long),
+        self.stages = (S.Resize(p.resize, pad_value=p.pad_value, interp=p.interp, short=p.short, max_long=p.max_long,
+                                box_scale=p.box_scale),
                        S.Normalize(p.mean, p.std))
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:

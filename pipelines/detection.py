@@ -52,11 +52,11 @@ def unused_outputs(stage_list: tuple) -> tuple[str, ...]:
 
 @pipeline_def
 def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int, channels_last: bool,
-                       source_prefetch: int, evaluation: bool = False):
+                       source_prefetch: int):
     """Build-time args: ``device`` "gpu" | "cpu" (pipeline ``device_id=None``), ``stage_list``
     (``fastdet.data.stages``, validated), ``max_boxes`` (M), ``channels_last`` (HWC images),
-    ``source_prefetch`` (batches the source's worker processes run ahead, see :func:`read`),
-    ``evaluation`` (the resize rounds as ``Preprocess.__call__``). Pipeline kwargs
+    ``source_prefetch`` (batches the source's worker processes run ahead, see :func:`read`).
+    Pipeline kwargs
     ``py_num_workers`` and ``py_start_method`` set the source's workers."""
     s = read(source, source_prefetch)
     images = stages.decode(s["encoded"], device)
@@ -94,7 +94,7 @@ def detection_pipeline(source, *, device: str, stage_list: tuple, max_boxes: int
                     images = fn.flip(images, horizontal=coin)  # before the canvas padding
         elif isinstance(st, S.Resize):
             hw_in = fn.cast(images.shape(), dtype=types.FLOAT)
-            images, box_scale = stages.resize(images, s["size"], s.get("interp"), st, evaluation)
+            images, box_scale = stages.resize(images, s["size"], s.get("interp"), st)
             scale_factors = box_scale / fn.stack(hw_in[1], hw_in[0])
         elif isinstance(st, S.Normalize):
             images = stages.normalize(images, mirror, channels_last, st)

@@ -152,15 +152,15 @@ def flip(boxes, prob: float):
     return fn.bb_flip(boxes, ltrb=True, horizontal=coin), coin
 
 
-def resize(images, size, interp, st: S.Resize, evaluation: bool = False):
+def resize(images, size, interp, st: S.Resize):
     """To the batch's canvas ``size`` (float32 [2] (H, W) per sample), no antialiasing (cv2-like).
 
     Returns ``(images, box_scale)``: ``box_scale`` float32 [2] (x, y) turns boxes relative
     to the image entering the resize into input px. stretch: the canvas; letterbox and
-    keep_ratio: ``r · (w, h)`` with ``r`` as ``fastdet.data.augment.resize_scale``, the
-    content ``floor(r · (h, w))`` pasted top-left on the canvas filled with ``pad_value``.
-    ``evaluation``: ``Preprocess.__call__``'s rounding instead (content ``floor(r · (h, w) + 0.5)``,
-    halves up, boxes scaled by the content's true factor), as the torch evaluation loader.
+    keep_ratio: with ``r`` as ``fastdet.data.augment.resize_scale``, the content
+    ``floor(r · (h, w))`` pasted top-left on the canvas filled with ``pad_value`` (the torch
+    back end's and ``Preprocess.__call__``'s rounding), and ``r · (w, h)``, or with
+    ``st.box_scale == "content"`` the content's extent ``(cw, ch)`` (its true factor).
     """
     interp_type = fn.cast(interp, dtype=types.INTERP_TYPE) if st.interp == "random" else _DALI_INTERP[st.interp]
     kw = dict(interp_type=interp_type, antialias=False, dtype=types.UINT8)
@@ -177,14 +177,14 @@ def resize(images, size, interp, st: S.Resize, evaluation: bool = False):
         short = dmath.min(H, W)
         r = dmath.min(r, dmath.min(short / dmath.min(h, w), short * float(st.max_long) / float(st.short)
                                    / dmath.max(h, w)))
-    rnd = 0.5 if evaluation else 0.0
-    ch = fn.cast(dmath.clamp(dmath.floor(h * r + rnd), 1.0, H), dtype=types.FLOAT)
-    cw = fn.cast(dmath.clamp(dmath.floor(w * r + rnd), 1.0, W), dtype=types.FLOAT)
+    ch = fn.cast(dmath.clamp(dmath.floor(h * r), 1.0, H), dtype=types.FLOAT)
+    cw = fn.cast(dmath.clamp(dmath.floor(w * r), 1.0, W), dtype=types.FLOAT)
     content = fn.resize(images, size=fn.stack(ch, cw), **kw)
     zero = fn.cast(H * 0.0, dtype=types.INT32)
     canvas = fn.slice(content, fn.stack(zero, zero), fn.cast(fn.stack(W, H), dtype=types.INT32), axis_names="WH",
                       out_of_bounds_policy="pad", fill_values=[float(st.pad_value)] * 3)
-    return canvas, fn.cast(fn.stack(cw, ch) if evaluation else fn.stack(w * r, h * r), dtype=types.FLOAT)
+    return canvas, fn.cast(fn.stack(cw, ch) if st.box_scale == "content" else fn.stack(w * r, h * r),
+                           dtype=types.FLOAT)
 
 
 _DALI_INTERP = {"nearest": types.INTERP_NN, "linear": types.INTERP_LINEAR, "cubic": types.INTERP_CUBIC}

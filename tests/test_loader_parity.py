@@ -577,19 +577,21 @@ def test_measure_loader_counts_what_it_times(backend, demo_train, tmp_path):
     assert r["images_per_s"] > 0 and r["batches_per_epoch"] == len(demo_train.records) // 4
 
 
+@pytest.mark.parametrize("box_scale", ["ratio", "content"])
 @pytest.mark.parametrize("interp", ["linear", "cubic"])
-def test_backends_round_half_sizes_alike(interp, tmp_path):
-    """A keep-ratio content size of exactly .5 px rounds up on both back ends. A 341 x 256
-    image at 128 (r = 0.5) is 170.5 px wide: the torch evaluation loader gave 170
-    (Python's round, half to even), DALI 171 (floor(x + 0.5)); 16 of 9,600 size / S
-    combinations differed so. Both now place 171 px of content and report sx = 171 / 341."""
+def test_backends_floor_sizes_alike(interp, box_scale, tmp_path):
+    """A keep-ratio content size of exactly .5 px floors on both back ends, as the authors'
+    resizes (torchvision's FCOS transform; YOLOX's ``int(w * r)``). A 341 x 256 image at
+    128 (r = 0.5) is 170.5 px wide: the torch evaluation loader once gave 170 (Python's
+    round), DALI 171 (halves up), then both 171; both now place 170 px of content and
+    report sx = 170 / 341 (``box_scale="content"``) or r = 0.5 (``"ratio"``)."""
     recs = []
     for i, (w, h) in enumerate(((341, 256), (256, 341))):
         f = tmp_path / f"{i}.png"
         Image.fromarray(np.full((h, w, 3), 255, np.uint8)).save(f)
         recs.append(ImageRecord(i + 1, str(f), w, h, np.array([[0.0, 0.0, w, h]], np.float32), np.zeros(1, np.int64)))
     pre = Preprocess(resize="keep_ratio", pad_value=0.0, mean=None, std=None, interp=interp, short=800,
-                     max_long=1333)
+                     max_long=1333, box_scale=box_scale)
     ds = SimpleNamespace(records=recs, ann_file="x.json")
     got = {}
     for backend in BACKENDS:
@@ -602,6 +604,7 @@ def test_backends_round_half_sizes_alike(interp, tmp_path):
         assert xd.shape == xt.shape == ((3, 128, 224) if i == 1 else (3, 224, 128))
         content = [int(v) for v in ((xt > 127).any(0).nonzero().max(0).values + 1).tolist()]  # (h, w) extent
         assert content == [int(v) for v in ((xd > 127).any(0).nonzero().max(0).values + 1).tolist()]
-        assert content == ([128, 171] if i == 1 else [171, 128])
-        assert sd.tolist() == st.tolist() == pytest.approx([content[1] / r.width, content[0] / r.height])
-        assert torch.equal(bd, bt)
+        assert content == ([128, 170] if i == 1 else [170, 128])
+        want = [content[1] / r.width, content[0] / r.height] if box_scale == "content" else [0.5, 0.5]
+        assert sd.tolist() == pytest.approx(want, rel=1e-6) and st.tolist() == pytest.approx(want, rel=1e-6)
+        torch.testing.assert_close(bd, bt)

@@ -1,5 +1,7 @@
 """The evaluation-time preprocessing of each resize mode, and the way boxes map back."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -88,9 +90,98 @@ def test_keep_ratio_limits_scale_with_the_canvas_as_the_training_resize(hw, imag
     (_, _), (r, _) = resize_scale(S.Resize("keep_ratio", short=800, max_long=1333, interp="linear"), h, w, hw)
     assert p.scale(h, w, hw) == (r, r)
     _, (sx, sy) = p(np.zeros((h, w, 3), np.uint8), hw)
-    assert (sx, sy) == (np.floor(w * r + 0.5) / w, np.floor(h * r + 0.5) / h)
+    assert (sx, sy) == (np.floor(w * r) / w, np.floor(h * r) / h)
     if (h, w, hw) == (200, 352, (128, 224)):
-        assert np.floor(w * r + 0.5) == 213  # 128 * 1333 / 800 = 213.3
+        assert np.floor(w * r) == 213  # 128 * 1333 / 800 = 213.3
+
+
+# --------------------------------------------------------------------------- the authors' resize
+
+def _half_up_cases(pre, size, n, fits=lambda h, w, canvas: True):
+    """``n`` (h, w) whose content size at ``size`` floors to another value than halves up
+    (``h r`` or ``w r`` with a fraction of .5 or more), spread over the grid, of those ``fits``."""
+    cases = []
+    for h in range(97, 1000, 37):
+        for w in range(61, 1000, 53):
+            canvas = pre.canvas(h, w, size)
+            r = pre.scale(h, w, canvas)[0]
+            if fits(h, w, canvas) and (math.floor(h * r + 0.5) != math.floor(h * r)
+                                       or math.floor(w * r + 0.5) != math.floor(w * r)):
+                cases.append((h, w))
+    assert len(cases) >= n
+    return cases[:: len(cases) // n][:n]
+
+
+def _megvii_preproc():
+    """``yolox.data.data_augment.preproc``, the file loaded alone: the ``yolox.data`` package
+    imports its evaluators, which need ``tabulate`` (not installed); the file needs only cv2,
+    numpy and ``yolox.utils``."""
+    import importlib.util
+    from pathlib import Path
+
+    from test_convert import authors_module  # tests/ is on sys.path (rootdir conftest)
+
+    root = Path(authors_module("yolox.utils").__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("megvii_data_augment", root / "data" / "data_augment.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.preproc
+
+
+@pytest.mark.parametrize("size", [128, 416, 640])
+def test_yolox_letterbox_is_megvii_preproc(size):
+    """YOLOX's evaluation input is Megvii's ``yolox.data.data_augment.preproc``: content
+    ``int(w r) x int(h r)`` on a 114 canvas (a 167 x 134 image at 128 was 103 px tall,
+    halves up, where preproc gives 102; a 644 x 97 image 128 px wide, where preproc's
+    ``int(644 * (128 / 644))`` is 127), and boxes map back divided by ``r``, as its
+    COCOEvaluator does (not by the content's true factor ``int(w r) / w``)."""
+    preproc = _megvii_preproc()
+    pre = ARCHITECTURES["yolox"].preprocess
+    cases = _half_up_cases(pre, size, 12) + [(134, 167), (97, 644), (256, 341), (341, 256)]
+    for h, w in cases:
+        img = np.full((h, w, 3), 255, np.uint8)  # any resize keeps it 255: the extent is exact
+        ref, r = preproc(img, (size, size))
+        x, (sx, sy) = pre(img, pre.canvas(h, w, size))
+        assert torch.equal(x, torch.from_numpy(ref)), (h, w)
+        assert (sx, sy) == (r, r)
+        # Megvii's evaluator: bboxes /= min(size / h, size / w)
+        boxes = torch.tensor([[0.0, 0.0, w * r, h * r], [3.0, 5.0, 0.5 * w * r, 0.75 * h * r]])
+        torch.testing.assert_close(boxes_to_original(boxes, (sx, sy), (h, w)), boxes / r)
+
+
+@pytest.mark.parametrize("size", [128, 800])
+def test_fcos_keep_ratio_is_torchvisions_transform(size):
+    """FCOS's evaluation input size is torchvision's ``GeneralizedRCNNTransform`` (min_size
+    S, max_size S * 1333 / 800): ``interpolate(scale_factor=r, recompute_scale_factor=True)``
+    floors ``h r`` and ``w r`` (halves used to round up), and its ``postprocess`` maps boxes
+    back by the ratio of the original to the resized size (``resize_boxes``), not by ``r``.
+    Of the images whose torchvision size fits their canvas: a near-square image (w / h within
+    the square band) gets the S x S canvas and is scaled to fit it (fastdet's buckets)."""
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    pre = ARCHITECTURES["fcos"].preprocess
+    max_size = size * pre.max_long / pre.short
+    ref = GeneralizedRCNNTransform(min_size=size, max_size=max_size,
+                                   image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0]).eval()
+
+    def fits(h, w, canvas):  # torchvision's r (_resize_image_and_masks) within the canvas
+        return min(size / min(h, w), max_size / max(h, w)) <= min(canvas[0] / h, canvas[1] / w)
+
+    cases = _half_up_cases(pre, size, 8 if size == 800 else 16, fits) + [(256, 341), (341, 256)]
+    for h, w in cases:
+        img = np.full((h, w, 3), 255, np.uint8)
+        with torch.no_grad():
+            images, _ = ref([torch.from_numpy(img).permute(2, 0, 1).float()])
+        rh, rw = images.image_sizes[0]
+        canvas = pre.canvas(h, w, size)
+        x, (sx, sy) = pre(img, canvas)
+        assert pre.resized_hw(h, w, canvas) == (rh, rw), (h, w, size)
+        white = pre.normalize_(torch.full((3, 1, 1), 255.0))  # a resized 255 stays 255
+        content = (x == white).all(0)  # [H, W] where the image is: its top-left (rh, rw)
+        assert content[:rh, :rw].all() and int(content.sum()) == rh * rw, (h, w, size)
+        boxes = torch.tensor([[0.0, 0.0, rw, rh], [3.0, 5.0, 0.5 * rw, 0.75 * rh]])
+        want = ref.postprocess([{"boxes": boxes.clone()}], [(rh, rw)], [(h, w)])[0]["boxes"]
+        torch.testing.assert_close(boxes_to_original(boxes, (sx, sy), (h, w)), want)
 
 
 # --------------------------------------------------------------------------- detect feeds what evaluation feeds

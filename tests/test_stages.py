@@ -391,9 +391,13 @@ def test_keep_ratio_canvases(backend, rects):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["letterbox", "keep_ratio"])
-def test_eval_maps_back_to_the_original(backend, mode, rects):
-    pre = Preprocess(resize=mode, pad_value=114.0, mean=None, std=None, interp="linear", short=128, max_long=200)
+@pytest.mark.parametrize("mode, box_scale", [("letterbox", "ratio"), ("letterbox", "content"),
+                                             ("keep_ratio", "content"), ("keep_ratio", "ratio")])
+def test_eval_maps_back_to_the_original(backend, mode, box_scale, rects):
+    """Both evaluation loaders place ``Preprocess.__call__``'s content (floored) and report its
+    scale (``box_scale``: YOLOX's ``r`` or torchvision's content factor); ground truth maps back."""
+    pre = Preprocess(resize=mode, pad_value=114.0, mean=None, std=None, interp="linear", short=128, max_long=200,
+                     box_scale=box_scale)
     data = DataConfig(loader=backend, eval_batch_size=3, img_size=128, max_boxes=8, num_workers=1,
                       check_images="decode")
     ds = SimpleNamespace(records=rects, ann_file="x.json")

@@ -509,8 +509,9 @@ def resize_scale(st: S.Resize, h: int, w: int, hw: tuple[int, int]) -> tuple[tup
     """``((content h, w), (sx, sy))`` of the Resize stage for an ``h`` x ``w`` image on the ``hw`` canvas.
 
     stretch: the whole canvas; letterbox: ``r = min(H / h, W / w)``, content ``int(h r), int(w r)``
-    and boxes scaled by ``r`` (YOLOX ``preproc``); keep_ratio: the same ratio further capped
-    by the recipe's short / long side at this canvas's scale (FCOS Resize keep_ratio).
+    (YOLOX ``preproc``); keep_ratio: the same ratio further capped by the recipe's short / long
+    side at this canvas's scale (FCOS Resize keep_ratio). Boxes scale by ``(r, r)``, or with
+    ``st.box_scale == "content"`` by the content's true factor ``(int(w r) / w, int(h r) / h)``.
     """
     H, W = hw
     if st.mode == "stretch":
@@ -519,7 +520,8 @@ def resize_scale(st: S.Resize, h: int, w: int, hw: tuple[int, int]) -> tuple[tup
     if st.mode == "keep_ratio":
         short = min(H, W)
         r = min(r, short / min(h, w), short * st.max_long / st.short / max(h, w))
-    return (max(1, min(H, int(h * r))), max(1, min(W, int(w * r)))), (r, r)
+    ch, cw = max(1, min(H, int(h * r))), max(1, min(W, int(w * r)))
+    return (ch, cw), ((cw / w, ch / h) if st.box_scale == "content" else (r, r))
 
 
 def _resize(w: Work, st: S.Resize, hw: tuple[int, int], interp: int) -> Result:

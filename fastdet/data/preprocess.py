@@ -19,9 +19,18 @@ Which (H, W) canvas an image gets is :meth:`Preprocess.canvases` (the loader's
 (:func:`by_canvas`) give each image the canvas of its own orientation
 (:meth:`Preprocess.canvas`).
 
+Letterbox and keep_ratio place ``floor(h r)`` x ``floor(w r)`` px of content, as the authors
+(YOLOX ``preproc``: ``int(h * r)``; torchvision's ``GeneralizedRCNNTransform``: ``interpolate``
+with ``scale_factor=r, recompute_scale_factor=True``, ``floor(h * r)``) and the training
+Resize stage (``fastdet.data.augment.resize_scale``).
+
 In every mode a network-input pixel ``p`` maps back to the original image as
 ``p / scale`` with ``scale = (sx, sy)`` per image (top-left placement: no offset).
 Batches carry it as ``scale_factors [B, 2]`` (x, y); :func:`boxes_to_original` applies it.
+Letterbox and keep_ratio take it from ``box_scale``, the family's author's map-back:
+``"ratio"``: ``(r, r)`` (YOLOX's evaluator divides boxes by ``r``); ``"content"``: the placed
+content's true factor ``(floor(w r) / w, floor(h r) / h)`` (torchvision's ``resize_boxes``
+by the ratio of the original to the resized size).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from torch import Tensor
 
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.schedule import HW, Canvases, canvases_for
+from fastdet.data.stages import BOX_SCALES
 
 RESIZE_MODES = ("stretch", "letterbox", "keep_ratio")
 _TORCH_INTERP = {"nearest": "nearest-exact", "linear": "bilinear", "cubic": "bicubic"}
@@ -56,6 +66,9 @@ class Preprocess:
             (FCOS: 800 / 1333); for another input size they scale with it: on a canvas
             whose short side is ``S`` they are ``S`` and ``S * max_long / short`` (the
             training Resize stage's rule, ``fastdet.data.augment.resize_scale``).
+        box_scale: one of ``BOX_SCALES``, the ``(sx, sy)`` that letterbox and keep_ratio report
+            (stretch: the canvas over the image either way): ``"ratio"`` the resize factor
+            ``r`` (YOLOX), ``"content"`` the placed content's true factor (torchvision FCOS).
     """
 
     resize: str = "stretch"
@@ -65,17 +78,21 @@ class Preprocess:
     interp: str = "cubic"
     short: int = 800
     max_long: int = 1333
+    box_scale: str = "content"
 
     def __post_init__(self) -> None:
         if self.resize not in RESIZE_MODES:
             raise ValueError(f"Preprocess.resize: expected one of {', '.join(RESIZE_MODES)}, got {self.resize!r}")
+        if self.box_scale not in BOX_SCALES:
+            raise ValueError(f"Preprocess.box_scale: expected one of {', '.join(BOX_SCALES)}, got {self.box_scale!r}")
         if self.interp not in _TORCH_INTERP:
             raise ValueError(f"Preprocess.interp: expected nearest, linear or cubic, got {self.interp!r}")
         if (self.mean is None) != (self.std is None):
             raise ValueError("Preprocess: mean and std are both set or both None")
 
     def scale(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[float, float]:
-        """``(sx, sy)``: input px per original px for an ``h`` x ``w`` image on ``canvas_hw``."""
+        """``(sx, sy)``: the resize factors for an ``h`` x ``w`` image on ``canvas_hw`` (letterbox
+        and keep_ratio: ``(r, r)``; the map-back is :meth:`__call__`'s, per ``box_scale``)."""
         ch, cw = int(canvas_hw[0]), int(canvas_hw[1])
         if self.resize == "stretch":
             return cw / w, ch / h
@@ -98,14 +115,15 @@ class Preprocess:
         return self.canvases().pick(size, np.array([w / h], np.float64))
 
     def resized_hw(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[int, int]:
-        """The (height, width) the image content occupies on the canvas: ``floor(h r + 0.5)``,
-        halves up as the DALI evaluation resize rounds (``pipelines/stages.py``), not
-        Python's ``round`` (half to even: a 341 x 256 image at 128 gave 170 px, DALI 171)."""
+        """The (height, width) the image content occupies on the canvas: ``floor(h r)``,
+        ``floor(w r)``, as YOLOX's ``preproc`` (``int(h * r)``), torchvision's FCOS transform
+        (``recompute_scale_factor=True``), the training resize and the DALI evaluation resize
+        (``pipelines/stages.py``) compute it, in float64."""
         sx, sy = self.scale(h, w, canvas_hw)
         if self.resize == "stretch":
             return int(canvas_hw[0]), int(canvas_hw[1])
-        return (max(1, min(int(canvas_hw[0]), math.floor(h * sy + 0.5))),
-                max(1, min(int(canvas_hw[1]), math.floor(w * sx + 0.5))))
+        return (max(1, min(int(canvas_hw[0]), math.floor(h * sy))),
+                max(1, min(int(canvas_hw[1]), math.floor(w * sx))))
 
     def normalize_(self, x: Tensor) -> Tensor:
         """float [..., 3, H, W] on 0..255 → the network's input values (in place)."""
@@ -133,7 +151,7 @@ class Preprocess:
         out = torch.full((3, ch, cw), float(self.pad_value), dtype=torch.float32)
         out[:, :rh, :rw] = src[0].float()
         sx, sy = self.scale(h, w, canvas_hw)
-        if self.resize != "stretch":  # the pasted extent is rounded: report the true factor
+        if self.resize != "stretch" and self.box_scale == "content":  # the floored extent's true factor
             sx, sy = rw / w, rh / h
         return self.normalize_(out), (sx, sy)
 

@@ -126,11 +126,18 @@ class HSV:
     prob: float = 1.0
 
 
+# How letterbox / keep_ratio scale the boxes (Resize.box_scale, Preprocess.box_scale): by the
+# resize factor r (YOLOX), or by the placed content's true factor floor(w r) / w (torchvision).
+BOX_SCALES = ("ratio", "content")
+
+
 @dataclass(frozen=True)
 class Resize:
     """To the batch's input (S_h, S_w): ``mode`` is ``"stretch"``, ``"letterbox"`` (top-left,
     ``pad_value``) or ``"keep_ratio"`` (short side ``short``, long side ≤ ``max_long``, scaled
-    with S, pasted top-left into the bucket canvas). ``interp``: ``"random"`` draws one per
+    with S, pasted top-left into the bucket canvas); letterbox and keep_ratio place
+    ``floor(r · (h, w))`` px of content and scale boxes per ``box_scale`` (``BOX_SCALES``:
+    by ``r``, or by that content's true factor). ``interp``: ``"random"`` draws one per
     batch from nearest/linear/cubic (PP-YOLOE BatchRandomResize), else that one."""
 
     mode: str = "stretch"
@@ -138,10 +145,13 @@ class Resize:
     interp: str = "random"
     short: int = 800
     max_long: int = 1333
+    box_scale: str = "ratio"
 
     def __post_init__(self) -> None:
         if self.mode not in ("stretch", "letterbox", "keep_ratio"):
             raise ValueError(f"Resize.mode: expected stretch, letterbox or keep_ratio, got {self.mode!r}")
+        if self.box_scale not in BOX_SCALES:
+            raise ValueError(f"Resize.box_scale: expected one of {', '.join(BOX_SCALES)}, got {self.box_scale!r}")
         if self.interp not in ("random", "nearest", "linear", "cubic"):
             raise ValueError(f"Resize.interp: expected random, nearest, linear or cubic, got {self.interp!r}")
 

@@ -575,12 +575,14 @@ def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return out, int(out["head.cls_logits.weight"].shape[0])
 
 
-# Paddle fcos_reader.yml: Resize [800, 1333] keep_ratio, interp 1 (linear); ImageNet mean/std.
+# Paddle fcos_reader.yml: Resize [800, 1333] keep_ratio, interp 1 (linear); ImageNet mean/std. The content
+# size and map-back are torchvision's GeneralizedRCNNTransform's: floor(h * r) (interpolate with
+# recompute_scale_factor) and boxes by the resized size's true ratio to the original (resize_boxes).
 FAMILY = ArchFamily(
     build=build_fcos,
     sizes=tuple(SIZES),
     config_fields=("from_scratch", "decode", "box_loss"),
-    preprocess=Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear"),
+    preprocess=Preprocess(resize="keep_ratio", short=800, max_long=1333, interp="linear", box_scale="content"),
     recipe=RECIPE,
     # torchvision's FCOS evaluates with its constructor's defaults: score 0.2, top 1000
     # candidates, NMS 0.6, 100 detections.

@@ -506,6 +506,8 @@ FAMILY = ArchFamily(
     build=build_yolox,
     weight_sources={"megvii": WeightSource(from_megvii)},
     sizes=tuple(SIZES),
-    preprocess=Preprocess(resize="letterbox", pad_value=114.0, mean=None, std=None, interp="linear"),
+    # Megvii preproc: content int(h * r) x int(w * r) on a 114 canvas; its evaluator divides boxes by r.
+    preprocess=Preprocess(resize="letterbox", pad_value=114.0, mean=None, std=None, interp="linear",
+                          box_scale="ratio"),
     recipe=RECIPE,
 )
