@@ -28,6 +28,7 @@ After loading, this module registers the fake (meta) implementation of every op,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import logging
@@ -247,21 +248,55 @@ def build(variant: str | None = None, verbose: bool = False) -> Path:
         _say(f"fastdet.ops: building the {variant} extension in {out} (once per machine and source "
              f"version; {'a few minutes' if variant == 'cuda' else 'about a minute'} on 2 cores)")
     try:
-        cpp_extension.load(
-            name=f"fastdet_ext_{variant}",
-            sources=sources,
-            extra_cflags=list(CFLAGS),
-            extra_include_paths=[str(staged)],
-            build_directory=str(out),
-            is_python_module=False,
-            verbose=verbose,
-            **kwargs,
-        )
+        with _one_build_at_a_time(out):
+            cpp_extension.load(
+                name=f"fastdet_ext_{variant}",
+                sources=sources,
+                extra_cflags=list(CFLAGS),
+                extra_include_paths=[str(staged)],
+                build_directory=str(out),
+                is_python_module=False,
+                verbose=verbose,
+                **kwargs,
+            )
     except Exception as e:  # compiler errors, missing toolkit pieces, link errors
         raise ExtensionUnavailable(f"building the {variant} extension in {out} failed: {_summary(e)}") from e
     if fresh:
         _say(f"fastdet.ops: the {variant} extension built in {time.perf_counter() - start:.0f} s")
     return out
+
+
+# The file torch's cpp_extension.load (torch <= 2.13, so the GPU hosts' 2.11) creates in
+# the build directory while one process builds and removes when it is done: every other
+# process waits while it exists, for ever (a loop on os.path.exists). A build killed
+# meanwhile (a time limit's SIGTERM or SIGKILL, the OOM killer) leaves it behind, and then
+# every later load of the extension on the machine hangs (pytorch/pytorch#189245; torch
+# 2.14 holds a kernel lock there instead, which its holder's death releases).
+TORCH_BATON = "lock"
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(out: Path):
+    """Hold an OS lock on ``out`` (released by the kernel when its holder dies, however it
+    dies) around ``cpp_extension.load``: every fastdet process loads through here, so a
+    holder finds no other process inside ``load``, and a torch baton file there is one a
+    killed build left; it is removed, with a line saying so, instead of waited on."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own baton alone
+        yield
+        return
+    with open(out / ".fastdet-build.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            baton = out / TORCH_BATON
+            if baton.exists():
+                baton.unlink()
+                _say(f"fastdet.ops: removed {baton}, left by a build of the extension that was stopped "
+                     "before it ended; building again")
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _summary(e: Exception) -> str:
