@@ -208,21 +208,36 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 class _Enclosing:
-    """Innermost-first enclosing intervals of a timestamp, per thread."""
+    """Innermost-first enclosing intervals of a timestamp, per thread (events sorted by start).
+
+    The chain of ``t``: the latest event starting at or before ``t`` that ends at or after
+    it, then the latest earlier one ending at or after that one's end, and so on. ``up[j]``
+    is that next link of event ``j`` (the latest earlier event ending no earlier; -1: none),
+    found for all events in one pass, so a query follows links instead of scanning every
+    earlier event: an eager step's trace on CUDA holds ~11,000 ops and ~5,000 kernels per
+    step, and a scan per kernel made parsing 3 steps take 22 s here (quadratic in the steps)."""
 
     def __init__(self, events: list[dict[str, Any]]):
         self.starts = [e["ts"] for e in events]
+        self.ends = [e["ts"] + e.get("dur", 0.0) for e in events]
         self.events = events
+        self.up: list[int] = []
+        stack: list[int] = []  # indices whose ends decrease from bottom to top
+        for j, end in enumerate(self.ends):
+            while stack and self.ends[stack[-1]] < end:
+                stack.pop()
+            self.up.append(stack[-1] if stack else -1)
+            stack.append(j)
 
     def chain(self, t: float) -> list[dict[str, Any]]:
-        i = bisect.bisect_right(self.starts, t)
+        j = bisect.bisect_right(self.starts, t) - 1
+        # An event between up[j] and j ends before j does: if j ended before t, so did it.
+        while j >= 0 and self.ends[j] < t:
+            j = self.up[j]
         out = []
-        depth_end = t  # each enclosing interval ends no earlier than the one inside it
-        for e in reversed(self.events[:i]):
-            end = e["ts"] + e.get("dur", 0.0)
-            if end >= depth_end:
-                out.append(e)
-                depth_end = end
+        while j >= 0:
+            out.append(self.events[j])
+            j = self.up[j]
         return out
 
 

@@ -107,6 +107,66 @@ def test_parse_trace_cpu_self_time():
         ps.parse_trace({"traceEvents": ev}, steps=3, device="cpu")
 
 
+def _chain_by_scan(events, t):
+    """The enclosing chain as first written: every earlier event scanned, innermost first."""
+    out, depth_end = [], t
+    for e in reversed([e for e in events if e["ts"] <= t]):
+        end = e["ts"] + e.get("dur", 0.0)
+        if end >= depth_end:
+            out.append(e)
+            depth_end = end
+    return out
+
+
+def test_enclosing_chain_is_the_scans_on_nested_and_overlapping_ops():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        events, t = [], 0.0
+        for _ in range(rng.randint(1, 40)):
+            t += rng.choice([0.0, 0.5, 1.0, 3.0])  # ties in start times too
+            events.append({"ts": t, "dur": rng.choice([0.0, 1.0, 2.0, 5.0, 20.0])})
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        idx = ps._Enclosing(events)
+        for q in [x / 2 for x in range(-2, int(2 * t) + 50)]:
+            assert [id(e) for e in idx.chain(q)] == [id(e) for e in _chain_by_scan(events, q)], q
+
+
+class _Counted(dict):
+    """A trace event that counts the reads of its fields."""
+
+    reads = 0
+
+    def __getitem__(self, k):
+        _Counted.reads += 1
+        return super().__getitem__(k)
+
+    def get(self, k, default=None):
+        _Counted.reads += 1
+        return super().get(k, default)
+
+
+def test_parse_trace_reads_each_event_a_bounded_number_of_times():
+    """An eager step on CUDA is ~11,000 ops and ~5,000 kernels: gpu_check.sh's profile part
+    (40 s) parses 3 such steps. Each kernel looked for its launching op's enclosing ops by
+    reading every earlier op, 22 s for those 3 steps here and 4 times that for twice the
+    steps; the work must grow with the trace, not with its square."""
+    n = 2000
+    ev = [_x("profile_step", "user_annotation", 0, 10 * n + 10), _x("forward", "user_annotation", 1, 10 * n)]
+    for i in range(n):  # n ops in sequence, each with a child that launches one kernel
+        t = 2 + 10 * i
+        ev += [_x("aten::conv2d", "cpu_op", t, 8), _x("aten::cudnn_convolution", "cpu_op", t + 1, 6),
+               _x("cudaLaunchKernel", "cuda_runtime", t + 2, 1, correlation=i + 1),
+               _x("sm90_xmma_fprop_implicit_gemm", "kernel", t + 3, 2, correlation=i + 1)]
+    trace = {"traceEvents": [_Counted(e) for e in ev]}
+    _Counted.reads = 0
+    bd = ps.parse_trace(trace, steps=1, device="cuda")
+    assert len(bd.work) == n and {w.category for w in bd.work} == {"convolution forward"}
+    assert all(w.ops == ["aten::cudnn_convolution", "aten::conv2d"] and w.step_range == "forward" for w in bd.work)
+    assert _Counted.reads <= 40 * len(ev), f"{_Counted.reads / len(ev):.0f} reads per event"
+
+
 def run_profile(tmp_path, variants: str) -> dict:
     out = tmp_path / "prof"
     rc = ps.main(["--device", "cpu", "--img-size", "64", "--batch-size", "1", "--max-boxes", "4",
