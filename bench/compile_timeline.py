@@ -167,13 +167,23 @@ def run_phase(a, name: str, cache: Path, out: Path) -> dict:
     return row
 
 
+def commit() -> str | None:
+    """This checkout's commit; where the tree is a copy without ``.git`` or git is not
+    installed (a lent GPU machine), ``$FASTDET_GIT_COMMIT`` as the caller passed it."""
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        r = None
+    return (r.stdout.strip() if r is not None and r.returncode == 0 else "") or os.environ.get("FASTDET_GIT_COMMIT")
+
+
 def environment() -> dict:
     import torch
 
     return {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip()}
+            "commit": commit()}
 
 
 def main(argv=None) -> int:

@@ -115,6 +115,22 @@ def test_missing_pycocotools_and_spent_budget_are_recorded_skips(tmp_path):
     assert any(n.endswith("_gpu-check.json") for n in names) and any(n.endswith("summary.txt") for n in names)
 
 
+def test_results_name_the_commit_on_a_host_without_git(tmp_path, monkeypatch):
+    """The GPU host gets a copy of the tree without .git, and its image may have no git at
+    all: every result records $FASTDET_GIT_COMMIT (bench/README.md's calls pass it), and the
+    cold_compile part's timeline does not stop on the missing program before its trainer
+    starts (it raised FileNotFoundError)."""
+    from bench import common
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compile_timeline
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git there
+    monkeypatch.setenv("FASTDET_GIT_COMMIT", "0123abc")
+    assert compile_timeline.environment()["commit"] == "0123abc"
+    assert common._git() == {"commit": "0123abc", "dirty": None}
+
+
 def rehearse(tmp_path, **env):
     """bench/gpu_check.sh --rehearse under a stand-in of the device tool ($OUT set)."""
     out = tmp_path / "out"
