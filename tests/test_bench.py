@@ -281,6 +281,66 @@ def test_dali_check_summary_takes_medians_and_ratios():
     assert s["torch"]["images_per_s"] == 11.0 and s["dali@before"]["peak_host_pss_mb"] == 790
     assert s["ratios"] == pytest.approx({"dali_over_torch": 27 / 11, "dali_over_dali@before": 27 / 18})
 
+def test_dali_check_keeps_the_decode_check_and_each_row_of_a_run_cut_short(tmp_path, monkeypatch):
+    """bench/gpu_check_dali.sh cuts the check at its part's limit (150 s for 8 rows, a
+    process each, beside the precompile lane): the decode check (nvJPEG against the CPU
+    decoder) runs first, and the JSON is rewritten after it and after every row, so a cut
+    keeps both; the rows' logs lie beside the JSON, which the call brings back. Before, the
+    decode check ran last and nothing was written until the end."""
+    from bench import dali_check
+
+    calls = []
+
+    def spawn(spec, log_dir, timeout):
+        calls.append(spec["what"])
+        if spec["what"] == "decode":
+            return {"label": "decode", "decoder": "stand-in", "ok": True, "failed": []}
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the part's limit, during the second row
+        return {"label": spec["label"], "images_per_s": 10.0, "spread_pct": 1.0, "peak_host_pss_mb": 1.0,
+                "peak_host_threads": 1}
+
+    monkeypatch.setattr(dali_check, "_spawn", spawn)
+    out = tmp_path / "x_dali-check.json"
+    with pytest.raises(KeyboardInterrupt):
+        dali_check.main(["--device", "cpu", "--families", "ppyoloe", "yolox", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert calls == ["decode", "row", "row"]
+    assert doc["decode_check"]["ok"] and [(r["family"], r["label"]) for r in doc["rows"]] == [("ppyoloe", "torch")]
+    assert doc["summary"]["ppyoloe"]["torch"]["images_per_s"] == 10.0 and doc["env"]["device"] == "cpu"
+    assert (tmp_path / "x_dali-check-logs").is_dir()
+
+
+def test_decode_check_passes_another_chroma_upsampling_and_fails_a_corrupted_block():
+    """nvJPEG (DALI's mixed decoder) rebuilds 4:2:0 chroma by repeating it, the CPU decoder
+    by libjpeg-turbo's fancy upsampling: on an image of colour edges that moves RGB by 7
+    levels on average (the RGB criterion failed it: a corrupted-decode alarm on a healthy
+    GPU) and luma by about half a level. A block of the image decoded wrong still fails."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from bench.dali_check import compare_decodes
+
+    rng = np.random.default_rng(0)
+    image = np.kron(rng.integers(0, 256, (40, 40, 3)), np.ones((8, 8, 1))).astype(np.uint8)  # 320 x 320
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, "JPEG", quality=90, subsampling=2)
+    ref = np.asarray(Image.open(buf).convert("RGB"))  # PIL: libjpeg's fancy upsampling
+    ycc = np.asarray(Image.fromarray(ref).convert("YCbCr")).astype(np.float64)
+    y = ycc[..., 0]
+    cb, cr = (np.kron(ycc[..., c].reshape(160, 2, 160, 2).mean((1, 3)), np.ones((2, 2))) - 128 for c in (1, 2))
+    repeated = np.clip(np.rint(np.stack([y + 1.402 * cr, y - 0.344136 * cb - 0.714136 * cr, y + 1.772 * cb], -1)),
+                       0, 255).astype(np.uint8)
+    r = compare_decodes(repeated, ref)
+    assert r["ok"] and r["mean_abs_rgb"] > 2.0 and r["mean_abs_luma"] < 1.0, r
+    broken = ref.copy()
+    broken[64:128, 64:192] = ref[64:128, 0:128][:, ::-1]  # 8 % of the image from the wrong place
+    assert not compare_decodes(broken, ref)["ok"]
+    assert not compare_decodes(ref[:, :-8], ref)["ok"]
+
+
 def test_each_family_is_benched_at_its_published_shape_and_box_padding():
     """Without --quick, --img-size and --max-boxes are the recipe's: FCOS's keep-ratio
     canvas 800x1344 (not a square), YOLOX's 120 boxes, PP-YOLO's 608 px and 50 boxes."""
