@@ -20,12 +20,15 @@ background warm-up, log interval 1, and no evaluation, and reads its log line by
   and misses of each switch (a miss means the cache did not serve the relaunch).
 
 The JSON holds both phases, the command lines and the environment, and is rewritten after
-each phase. The figures are wall-clock seconds of this machine: run nothing beside it.
+each phase. A SIGTERM to this script (bench/gpu_check.sh's part limit) stops the trainer
+with it (it runs in a session of its own, which the limit's kill does not reach) and writes
+what was read, the phase marked ``cut``. The figures are wall-clock seconds of this machine: run nothing beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -49,6 +52,14 @@ ALL = re.compile(r"compile: all (\d+) graph\(s\) compiled, ([\d.]+) s after trai
 SWITCH = re.compile(r"compile: bucket (\S+)(.*?) runs compiled from step (\d+) \(([\d.]+) s for that step: "
                     r"(\d+) graph\(s\), (.*)\)(; cache misses.*)?\s*$")
 STEP = re.compile(r"epoch \d+  step (\d+)/")
+
+
+class _Stopped(Exception):
+    """This script was told to stop (SIGTERM: gpu_check.sh's part limit)."""
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def parse_args(argv=None):
@@ -127,9 +138,41 @@ def run_phase(a, name: str, cache: Path, out: Path) -> dict:
             time.sleep(1.0)
 
     threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        read_log(proc, row, t0, log_tail, state, stop)
+    except _Stopped as e:
+        # The trainer runs in its own session, which this script's killer does not reach: it
+        # (and its compile workers) would train on, on the GPU of whatever runs next.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the rest is quick: write what was read
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        row.update(status="cut", stopped_because=f"{e} to bench/compile_timeline.py (its time limit)",
+                   log_tail=log_tail[-40:])
+    row.update(exit_code=proc.returncode, wall_s=round(time.perf_counter() - t0, 1))
+    if proc.returncode not in (0, 75):
+        row.setdefault("status", "failed")
+        row.setdefault("log_tail", log_tail[-40:])
+    metrics = out / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    if lines:
+        worst = max(lines, key=lambda m: m["max_step_gap_s"])
+        switched = {s["step"] for s in row["switches"]}
+        eager = [m["max_step_gap_s"] for m in lines if m["step"] not in switched]
+        row.update(steps=lines[-1]["step"], longest_step_gap_s=worst["max_step_gap_s"],
+                   longest_step_gap_step=worst["step"],
+                   longest_gap_without_a_switch_s=max(eager) if eager else None,
+                   step_gaps_s=[m["max_step_gap_s"] for m in lines])
+    row.setdefault("status", "ok")
+    return row
+
+
+def read_log(proc, row: dict, t0: float, log_tail: list[str], state: dict, stop) -> None:
+    """Read the trainer's log to its end into ``row`` (``stop`` it once every bucket switched)."""
     for line in proc.stdout:
         now = time.perf_counter() - t0
-        log_tail = (log_tail + [line.rstrip()])[-40:]
+        log_tail.append(line.rstrip())
+        del log_tail[:-40]
         if m := PLAN.search(line):
             row.update(graphs=int(m.group(1)), size_buckets=int(m.group(2)), loss_variants=int(m.group(3)),
                        workers=int(m.group(4)), compile_threads=int(m.group(5)))
@@ -150,21 +193,6 @@ def run_phase(a, name: str, cache: Path, out: Path) -> dict:
             if row.get("graphs") and len({s["bucket"] for s in row["switches"]}) >= row["graphs"]:
                 stop("every bucket runs compiled")
     proc.wait()
-    row.update(exit_code=proc.returncode, wall_s=round(time.perf_counter() - t0, 1))
-    if proc.returncode not in (0, 75):
-        row.update(status="failed", log_tail=log_tail)
-    metrics = out / "metrics.jsonl"
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-    if lines:
-        worst = max(lines, key=lambda m: m["max_step_gap_s"])
-        switched = {s["step"] for s in row["switches"]}
-        eager = [m["max_step_gap_s"] for m in lines if m["step"] not in switched]
-        row.update(steps=lines[-1]["step"], longest_step_gap_s=worst["max_step_gap_s"],
-                   longest_step_gap_step=worst["step"],
-                   longest_gap_without_a_switch_s=max(eager) if eager else None,
-                   step_gaps_s=[m["max_step_gap_s"] for m in lines])
-    row.setdefault("status", "ok")
-    return row
 
 
 def commit() -> str | None:
@@ -188,6 +216,7 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_stopped)  # a stop cuts the phase, which is still written
     root = Path(tempfile.mkdtemp(prefix="fastdet-timeline-"))
     cache = Path(a.cache_dir).expanduser() if a.cache_dir else root / "inductor"
     if "cold" in a.phases and cache.exists() and any(cache.iterdir()):
@@ -210,6 +239,8 @@ def main(argv=None) -> int:
             print("\n".join(row.get("log_tail", [])), file=sys.stderr)
             code = 1
         shutil.rmtree(root / name, ignore_errors=True)
+        if row["status"] == "cut":
+            break  # told to stop: no further phase
     if not a.cache_dir:
         shutil.rmtree(root, ignore_errors=True)
     return code

@@ -131,6 +131,47 @@ def test_results_name_the_commit_on_a_host_without_git(tmp_path, monkeypatch):
     assert common._git() == {"commit": "0123abc", "dirty": None}
 
 
+def test_the_cold_compile_timeline_cut_at_its_limit_stops_its_trainer_and_writes_what_it_read(tmp_path):
+    """gpu_check.sh's cold_compile part ends with `timeout`'s SIGTERM to the timeline if its own
+    stop comes late; the trainer it launched runs in a session of its own, which that signal
+    does not reach. The timeline must stop it (else it trains on, with its compile workers,
+    on the GPU of the calls after this one) and write the phase as far as it read it (before,
+    it died with nothing written). The trainer here is a stand-in that logs its plan and waits."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "trainer.pid"
+    trainer = ("import os, time; open({pid!r}, 'w').write(str(os.getpid())); "
+               "print('12:00:00 compile: 3 graph(s) (3 size bucket(s) x 1 loss variant(s)) in 2 worker "
+               "process(es) x 8 compile thread(s)', flush=True); time.sleep(600)").format(pid=str(pid_file))
+    driver = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import compile_timeline as ct\n"
+              f"ct.command = lambda a, cache, out: [sys.executable, '-c', {trainer!r}]\n"
+              "sys.exit(ct.main(sys.argv[1:]))")
+    out = tmp_path / "cold.json"
+    proc = subprocess.Popen([sys.executable, "-c", driver, "--arch", "ppyoloe", "--size", "s", "--batch-size", "2",
+                             "--phases", "cold", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer_pid = None
+    try:
+        deadline = time.time() + 120
+        while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+            time.sleep(0.1)
+        trainer_pid = int(pid_file.read_text())
+        time.sleep(1.0)  # the plan line read
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=60)
+        with pytest.raises(ProcessLookupError):
+            os.kill(trainer_pid, 0)
+        trainer_pid = None
+    finally:
+        if trainer_pid is not None:
+            os.kill(trainer_pid, signal.SIGKILL)
+        proc.kill()
+    cold = json.loads(out.read_text())["phases"]["cold"]
+    assert proc.returncode == 1 and cold["status"] == "cut" and "SIGTERM" in cold["stopped_because"], log
+    assert cold["graphs"] == 3 and cold["workers"] == 2
+
+
 def rehearse(tmp_path, **env):
     """bench/gpu_check.sh --rehearse under a stand-in of the device tool ($OUT set)."""
     out = tmp_path / "out"
