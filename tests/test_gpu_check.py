@@ -283,7 +283,10 @@ def test_dali_travels_in_pieces_that_join_back_to_the_same_wheels(tmp_path):
     assert r.returncode == 0, r.stderr
     pieces = sorted(parts.glob("dali.tar.part-*"))
     assert len(pieces) == 3 and all(p.stat().st_size <= 2**20 for p in pieces)
-    assert "call 3: mkdir -p /tmp/dali && cp" in r.stdout and "bench/gpu_check_dali.sh" in r.stdout.splitlines()[-4]
+    assert "call 2: mkdir -p /tmp/dali && cp" in r.stdout and "bash bench/gpu_check_dali.sh" in r.stdout.splitlines()[-4]
+    # The host's copy has no .git: the last call names this checkout's commit for the results.
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert f"FASTDET_GIT_COMMIT={commit.strip()} bash" in r.stdout.splitlines()[-4]
     r = subprocess.run(["bash", script, "stage", "2"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (whl / "dali").iterdir()) == ["SHA256SUMS", "dali.tar.part-01"]
