@@ -28,7 +28,8 @@
 #| tests_kernels   | main | 50      | pytest -m gpu: IoU, EMA, assigners, yolo_targets, FCOS, SimOTA   | ~30 s (GPU.md: 17 tests in 110 s with a compile)
 #| tests_capture   | main | 60      | every family's whole step captured = eager, sync-debug           | ~60 s (estimate, seconds per bucket)
 #| train           | main | 80      | a trainer run per family, in parallel: --compile --cuda-graphs,  | ~60 s: graphs from the cache, 40 steps at 256 px
-#|                 |      |         | blocking warm-up, 40 steps; log + metrics.jsonl, no checkpoint   | (estimate; the 2-graph smoke took 180 s cold)
+#|                 |      |         | blocking warm-up, 40 steps; log + metrics.jsonl, no checkpoint;  | (estimate; the 2-graph smoke took 180 s cold)
+#|                 |      |         | each once precompile's job for it ended (its graphs cached)      |
 #| join_precompile | main | 20      | waits for precompile; its per-graph seconds and cache counts     | 0-20 s
 #| step_ppyoloe    | main | 75      | PP-YOLOE-s 640 b64: eager fp32, eager bf16, eager bf16 NHWC,     | ~70 s: eager 3 x 8 s, 2 cache loads + trace
 #|                 |      |         | compiled, compiled + CUDA graphs; img/s, peak memory, flags     | ~15 s each, capture 7 s (GPU.md)
@@ -63,6 +64,8 @@
 #   PYTHON               the interpreter holding torch (default python3)
 #   FASTDET_GIT_COMMIT   the commit of this tree, recorded where the copy has no .git
 #   GPU_CHECK_DEVICE     cuda (default); cpu is what --rehearse sets
+#   GPU_CHECK_TRAIN_WAITS  1: each trainer starts once precompile's job for it ended (default
+#                        on CUDA); 0: at once (default on the CPU: its eager backend caches nothing)
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -295,32 +298,66 @@ part tests_capture "${PYTEST[@]}" --junitxml="$OUT_DIR/pytest_tests_capture.xml"
 
 # --- train: each family's trainer run, in parallel (a check that the trainer really takes
 # compiled, captured steps, not a timing): blocking warm-up loads the graphs precompile
-# compiled, then 40 steps and the final COCO evaluation. Checkpoints are deleted before
-# packing; the log, config and metrics.jsonl stay.
+# compiled, then 40 steps and the final COCO evaluation. A trainer starts once precompile's
+# job for it has ended: its graphs are then in the cache (one that ended otherwise is not
+# started, saying why). Started before, its warm-up compiles them itself, cold: ~90 s a graph
+# on the GPU host alone (FCOS has 3), more than this part's limit, and four such compiles
+# beside the precompile lane's would take its cores and cost the timed parts their graphs.
+# Checkpoints are deleted before packing; the log, config and metrics.jsonl stay.
+# job_end NAME: the exit code of precompile's job NAME once it ended, "-" if it was never
+# started, nothing while it runs (bench/run_jobs.py's done file).
+job_end() {
+    local line
+    line=$(grep -m1 -E "^$1("$'\t'"| not started)" "$OUT_DIR/precompile/done.tsv" 2>/dev/null) || return 0
+    if [[ $line == *"not started"* ]]; then echo "-"; else echo "$line" | cut -f2; fi
+}
 train_all() {
-    local pids=() fam rc=0
+    local pids=() names=() waiting=("${FAMILIES[@]}") still fam end i rc=0
     # Cut at the part's limit: the trainers go too, or they would share the GPU with the timed parts.
-    trap 'kill "${pids[@]}" 2>/dev/null; wait; find "$OUT_DIR/train" -name "*.pth" -delete; exit 124' TERM
-    for fam in "${FAMILIES[@]}"; do
-        # shellcheck disable=SC2046
-        "$PY" -m fastdet.train $(train_flags "${fam%%:*}" "${fam#*:}") --output-dir "$OUT_DIR/train/${fam%%:*}" \
-            --exist-ok > "$OUT_DIR/train_${fam%%:*}.log" 2>&1 &
-        pids+=($!)
+    trap 'kill "${pids[@]}" 2>/dev/null; wait; find "$OUT_DIR/train" -name "*.pth" -delete
+          for fam in "${waiting[@]}"; do echo "$fam: not started: precompile was still compiling its graphs"; done
+          exit 124' TERM
+    while (( ${#waiting[@]} )); do
+        still=()
+        for fam in "${waiting[@]}"; do
+            end=0
+            [[ -n ${TRAIN_AFTER_PRECOMPILE:-} ]] && end=$(job_end "train_${fam%%:*}")
+            if [[ -z $end ]]; then
+                still+=("$fam")
+            elif [[ $end == 0 ]]; then
+                [[ -n ${TRAIN_AFTER_PRECOMPILE:-} ]] && echo "$fam: started at $(date +%s), precompile's job for it done"
+                # shellcheck disable=SC2046
+                "$PY" -m fastdet.train $(train_flags "${fam%%:*}" "${fam#*:}") \
+                    --output-dir "$OUT_DIR/train/${fam%%:*}" --exist-ok > "$OUT_DIR/train_${fam%%:*}.log" 2>&1 &
+                pids+=($!)
+                names+=("$fam")
+            else
+                rc=1
+                echo "$fam: not started: precompile's job for it ended with exit $end (precompile/train_${fam%%:*}.log), so its graphs are not in the cache"
+            fi
+        done
+        waiting=(${still[@]+"${still[@]}"})
+        (( ${#waiting[@]} )) && sleep 1
     done
     for i in "${!pids[@]}"; do
         if wait "${pids[$i]}"; then
-            echo "${FAMILIES[$i]}: ok"
+            echo "${names[$i]}: ok"
         else
             rc=1
-            echo "${FAMILIES[$i]}: FAILED (train_${FAMILIES[$i]%%:*}.log)"
+            echo "${names[$i]}: FAILED (train_${names[$i]%%:*}.log)"
         fi
-        grep -h -E "warm-up|runs compiled|captured|first step done" "$OUT_DIR/train_${FAMILIES[$i]%%:*}.log" | tail -n 4
+        grep -h -E "warm-up|runs compiled|captured|first step done" "$OUT_DIR/train_${names[$i]%%:*}.log" | tail -n 4
     done
     find "$OUT_DIR/train" -name '*.pth' -delete
     return $rc
 }
 if (( HAVE_COCO )); then
-    export -f train_all train_flags
+    export -f train_all train_flags job_end
+    # On the CPU (the rehearsal) the trainers' eager backend has no graphs in a cache to wait
+    # for: waiting there only lengthens the rehearsal (GPU_CHECK_TRAIN_WAITS=1 asks for it).
+    if [[ -n "$PRE_PID" ]] && [[ ${GPU_CHECK_TRAIN_WAITS:-$([[ $DEVICE == cuda ]] && echo 1)} == 1 ]]; then
+        export TRAIN_AFTER_PRECOMPILE=1
+    fi
     export PY OUT_DIR DEVICE TRAIN_STEPS TRAIN_SIZE TRAIN_BATCH LOADER
     export FAMILIES_LIST="${FAMILIES[*]}"
     part train bash -c 'FAMILIES=($FAMILIES_LIST); TRAIN_GPU=('"${TRAIN_GPU[*]}"'); TRAIN_BACKEND=('"${TRAIN_BACKEND[*]}"'); train_all'

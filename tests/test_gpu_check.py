@@ -210,6 +210,41 @@ def test_rehearsal_of_precompile_then_the_timed_part_it_serves(tmp_path):
     assert timed["config"]["backend_flags"]["set_for"] == "cpu"
 
 
+def test_a_trainer_starts_once_precompile_has_compiled_its_graphs(tmp_path):
+    """The train part runs beside the precompile lane: a trainer started before its family's
+    precompile job ended would compile its graphs itself, cold (~90 s a graph on the GPU host,
+    more than the part's 80 s, four of them taking the lane's cores). Each trainer starts when
+    its job has ended, and not at all when the job failed. fastdet.compile and fastdet.train
+    are stand-ins here (a job's seconds, then a time stamp); the rest is the script's own."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+if [[ "$1 $2" == "-m fastdet.compile" || "$1 $2" == "-m fastdet.train" ]]; then
+    what=$2 fam= out=
+    while (( $# )); do case $1 in --arch) fam=$2; shift ;; --output-dir) out=$2; shift ;; esac; shift; done
+    if [[ $what == fastdet.compile ]]; then
+        case $fam in ppyoloe) sleep 2 ;; yolox) sleep 1; exit 1 ;; *) sleep 3 ;; esac
+        date +%s.%N > {tmp_path}/compiled_$fam
+    else
+        mkdir -p "$out" && date +%s.%N > {tmp_path}/trained_$fam
+    fi
+    exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    out, record, names, files = rehearse(tmp_path, PYTHON=str(stub), GPU_CHECK_PARTS="precompile,train,join_precompile",
+                                         GPU_CHECK_TRAIN_WAITS="1")  # the GPU's default
+    with tarfile.open(out / "gpu_check.tgz") as tar:
+        log = tar.extractfile("./train.log").read().decode()
+    for fam in ("ppyoloe", "ppyolo", "fcos"):
+        compiled, trained = (float((tmp_path / f"{what}_{fam}").read_text()) for what in ("compiled", "trained"))
+        assert trained >= compiled, (fam, log)
+    assert not (tmp_path / "trained_yolox").exists(), log
+    assert "yolox:s: not started: precompile's job for it ended with exit 1" in log
+    parts = {p["part"]: p for p in record["parts"]}
+    assert parts["train"]["status"] == "failed" and parts["precompile"]["status"] == "failed"
+
+
 @pytest.mark.slow
 def test_rehearsal_runs_every_part_and_keeps_the_archive_under_its_limit(tmp_path):
     """Every part of the plan, on the CPU at tiny sizes, limits x30 (on this shared 2-core
