@@ -158,6 +158,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_load(monkeypatch, tmp_pat
             baton.wait()
 
     monkeypatch.setattr(cpp_extension, "load", load_as_torch_2_11)
+    monkeypatch.setattr(_ext, "torch_waits_on_its_lock_file", lambda: True)
     monkeypatch.setenv("FASTDET_EXT_DIR", str(tmp_path / "ext"))
     out = _ext.build_dir("cpu")
     out.mkdir(parents=True)
@@ -166,6 +167,34 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_load(monkeypatch, tmp_pat
     threading.Thread(target=lambda: (_ext.build("cpu"), done.set()), daemon=True).start()
     assert done.wait(30), f"the build waits on {out / 'lock'}, which nothing will remove"
     assert built == ["fastdet_ext_cpu"] and not (out / "lock").exists()
+
+
+def test_a_finished_build_s_lock_file_is_no_stale_baton_on_torch_2_14(monkeypatch, tmp_path, capsys):
+    """From torch 2.14 ``load`` holds ``<build dir>/lock`` with a kernel lock and leaves the
+    file after every build: every process after the first build said it "removed a file left
+    by a build that was stopped" and removed torch's lock file. It is left alone there."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, build_directory, **kw: None)
+    monkeypatch.setattr(_ext, "torch_waits_on_its_lock_file", lambda: False)
+    monkeypatch.setattr(_ext.log, "isEnabledFor", lambda level: False)  # _say prints to stderr
+    monkeypatch.setenv("FASTDET_EXT_DIR", str(tmp_path / "ext"))
+    out = _ext.build_dir("cpu")
+    out.mkdir(parents=True)
+    (out / "lock").write_text("")  # what torch 2.14's finished build leaves
+    _ext.build("cpu")
+    assert (out / "lock").exists() and "stopped before it ended" not in capsys.readouterr().err
+
+
+def test_this_torch_s_lock_protocol_is_known():
+    """The predicate follows the installed torch: its cpp_extension waits on a FileBaton up
+    to 2.13 and takes a filelock.FileLock from 2.14."""
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    takes_a_kernel_lock = "FileLock(" in inspect.getsource(cpp_extension)
+    assert _ext.torch_waits_on_its_lock_file() == (not takes_a_kernel_lock)
 
 
 def test_build_command_is_cached_no_op():

@@ -275,6 +275,13 @@ def build(variant: str | None = None, verbose: bool = False) -> Path:
 TORCH_BATON = "lock"
 
 
+def torch_waits_on_its_lock_file() -> bool:
+    """Whether this torch's ``cpp_extension.load`` waits while ``<build dir>/lock`` exists
+    (torch <= 2.13's FileBaton). From 2.14 the file is held with a kernel lock and stays in
+    the build directory after every build: there it is no sign of a killed build."""
+    return torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
+
+
 @contextlib.contextmanager
 def _one_build_at_a_time(out: Path):
     """Hold an OS lock on ``out`` (released by the kernel when its holder dies, however it
@@ -290,7 +297,7 @@ def _one_build_at_a_time(out: Path):
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             baton = out / TORCH_BATON
-            if baton.exists():
+            if torch_waits_on_its_lock_file() and baton.exists():
                 baton.unlink()
                 _say(f"fastdet.ops: removed {baton}, left by a build of the extension that was stopped "
                      "before it ended; building again")
