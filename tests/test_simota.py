@@ -31,9 +31,13 @@ def grid(img: int, strides=STRIDES) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(pts), torch.cat(st)
 
 
-def random_inputs(B=3, M=6, C=5, img=256, valid=(4, 0, 6), seed=0, dtype=torch.float64):
+def random_inputs(B=3, M=6, C=5, img=256, valid=(4, 0, 6), seed=0, dtype=torch.float64, on_points=False):
     """Random SimOTA inputs: GT boxes of 3-50 % of the image, predicted boxes around every
-    point (sizes up to 8 strides), scores = sigmoid(cls) * sigmoid(obj)."""
+    point (sizes up to 8 strides), scores = sigmoid(cls) * sigmoid(obj).
+
+    ``on_points``: GT corners snapped to multiples of 8 px plus 4, the stride-8 point centres
+    (as integer annotations put them: a box edge then passes through a row or column of
+    points, which must not count as inside, and centre squares end on points too)."""
     g = torch.Generator().manual_seed(seed)
     points, strides = grid(img)
     A = points.shape[0]
@@ -43,6 +47,8 @@ def random_inputs(B=3, M=6, C=5, img=256, valid=(4, 0, 6), seed=0, dtype=torch.f
     wh = img * (0.03 + 0.47 * torch.rand(B, M, 2, generator=g, dtype=torch.float64))
     ctr = img * torch.rand(B, M, 2, generator=g, dtype=torch.float64)
     gt = torch.cat([ctr - wh / 2, ctr + wh / 2], -1).clamp(0, img)
+    if on_points:
+        gt = (torch.round((gt - 4) / 8) * 8 + 4).clamp(4, img - 4)
     gt = torch.where(mask[..., None], gt, torch.zeros_like(gt))
     labels = torch.randint(0, C, (B, M), generator=g)
     pwh = (0.5 + 7.5 * torch.rand(B, A, 2, generator=g, dtype=torch.float64)) * strides[:, None]
@@ -117,6 +123,31 @@ def loop_simota(scores, pred, points, strides, gt, labels, mask, r=2.5, topk=10,
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reference_matches_loop_rendering(seed):
     args = random_inputs(seed=seed)
+    got_gt, got_iou = ref.simota_assign(*args)
+    want_gt, want_iou = loop_simota(*args)
+    assert (want_gt >= 0).sum() > 10
+    assert torch.equal(got_gt, want_gt)
+    torch.testing.assert_close(got_iou, want_iou, rtol=1e-12, atol=1e-12)
+
+
+def edge_points(points, gt, mask) -> int:
+    """How many (point, real GT) pairs have the point exactly on a box edge, inside its span."""
+    x, y = points[:, 0], points[:, 1]
+    g = gt[mask]  # [G, 4]
+    on_x = ((x == g[:, :1]) | (x == g[:, 2:3])) & (y > g[:, 1:2]) & (y < g[:, 3:4])
+    on_y = ((y == g[:, 1:2]) | (y == g[:, 3:4])) & (x > g[:, :1]) & (x < g[:, 2:3])
+    return int((on_x | on_y).sum())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_points_on_a_box_edge_are_outside_as_in_megvii(seed):
+    """Integer GT corners through point centres (the usual case in annotated data): Megvii's
+    ``get_in_boxes_info`` takes a point as inside only strictly (``> 0``), so the points on
+    an edge are candidates only through the centre square. A ``>= 0`` test passed the
+    random cases above, which never put a point on an edge."""
+    args = random_inputs(seed=seed, on_points=True)
+    _, _, points, _, gt, _, mask = args
+    assert edge_points(points, gt, mask) > 20
     got_gt, got_iou = ref.simota_assign(*args)
     want_gt, want_iou = loop_simota(*args)
     assert (want_gt >= 0).sum() > 10

@@ -60,9 +60,11 @@ if not INTERPRETED:
 
 
     @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-    @pytest.mark.parametrize("seed", [0, 1])
-    def test_cpp_matches_reference(F_ext, dtype, seed):
-        args = random_inputs(seed=seed, dtype=dtype)
+    @pytest.mark.parametrize("seed,on_points", [(0, False), (1, False), (0, True)])
+    def test_cpp_matches_reference(F_ext, dtype, seed, on_points):
+        """``on_points``: GT edges through point centres (integer annotations), where a
+        ``>=`` in the kernel's inside tests would differ from the reference's ``>``."""
+        args = random_inputs(seed=seed, dtype=dtype, on_points=on_points)
         want_gt, want_iou = ref.simota_assign(*args)
         got_gt, got_iou = F_ext.simota_assign(*args, 2.5, 10, 3.0)
         assert got_gt.dtype == torch.int64 and got_iou.dtype == dtype
@@ -126,9 +128,9 @@ else:
 
     T = torch.ops.fastdet_triton
 
-    @pytest.mark.parametrize("seed", [0, 1])
-    def test_triton_matches_reference(seed):
-        args = _f32(random_inputs(seed=seed, B=2, M=5, img=128, valid=(5, 3)))
+    @pytest.mark.parametrize("seed,on_points", [(0, False), (1, False), (0, True)])
+    def test_triton_matches_reference(seed, on_points):
+        args = _f32(random_inputs(seed=seed, B=2, M=5, img=128, valid=(5, 3), on_points=on_points))
         want = ref.simota_assign(*args)
         got = T.simota_assign(*args, 2.5, 10, 3.0)
         assert (want[0] >= 0).sum() > 5
