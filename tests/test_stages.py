@@ -204,6 +204,21 @@ def test_affine_filters_boxes_as_box_candidates():
     np.testing.assert_allclose(out[0], [0, 0, 20, 20])
 
 
+def test_affine_area_threshold_is_against_the_box_at_the_drawn_scale():
+    """YOLOX's random_perspective keeps ``box_candidates(box1=targets * s, box2=new)``: the
+    area ratio is taken against the box scaled by the drawn scale ``s``. A box the affine
+    only shrinks (s = 0.25; YOLOX draws s down to 0.1) stays whole and is kept; against the
+    unscaled box its ratio would be s^2 = 0.0625 < 0.2, and a zoomed-out mosaic would lose
+    every box (the test above, at s = 0.5, has ratio 0.25 either way)."""
+    M = np.array([[0.25, 0.0, 8.0], [0.0, 0.25, 4.0]])
+    boxes = np.array([[0, 0, 80, 120],  # whole after the scale: kept
+                      [100, 40, 300, 100],  # whole: kept
+                      [470, 0, 570, 120]], np.float32)  # 2.5 of its 25 px left inside: ratio 0.1, dropped
+    out, keep = G.affine_boxes(boxes, M, 0.25, (128, 128))
+    assert keep.tolist() == [True, True, False]
+    np.testing.assert_allclose(out[:2], [[8, 4, 28, 34], [33, 14, 83, 29]])
+
+
 def test_scaled_crop_mixup_keeps_partner_boxes_over_5px():
     rng = np.random.default_rng(0)
     boxes = np.array([[0, 0, 60, 60], [70, 70, 74, 120]], np.float32)  # the second: 4 px wide
