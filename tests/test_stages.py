@@ -191,6 +191,35 @@ def test_beta_blend_mixup_scores(backend, rects):
                 assert torch.allclose(v[:2] + v[2:], torch.ones(2), atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_beta_blend_scores_are_the_weights_of_the_boxes_own_pixels(backend, rects):
+    """PaddleDetection Mixup blends ``λ·a + (1 − λ)·b`` and gives a's boxes the score λ and
+    b's 1 − λ: each box's score is the weight of its own pixels. On black backgrounds a
+    record's colour appears scaled by that weight, so inside each box (its inner half, away
+    from the resampled edges) the pixels read score x colour, none (1 - score) x colour,
+    but where the other image's rectangle overlaps. The test above checks only
+    that the scores of the two images add up to 1, which λ given to the wrong image's boxes
+    passes too; samples with λ near 1/2 cannot tell them apart and are left out."""
+    stages = (S.MixUp("beta_blend"), S.Resize("stretch", interp="linear"), RAW)
+    checked = 0
+    for b in batches(loader_for(backend, rects, stages), 2):
+        imgs = hwc(b["images"])
+        for j in range(imgs.shape[0]):
+            m = b["gt_mask"][j]
+            boxes, labels, scores = b["gt_boxes"][j][m].numpy(), b["gt_labels"][j][m].numpy(), b["gt_scores"][j][m]
+            if len(scores) != 4 or abs(2 * float(scores[0]) - 1) < 0.15 or labels[0] == labels[2]:
+                continue  # no blend drawn, λ too near 1/2, or the record blended with itself
+            for (x0, y0, x1, y1), label, score in zip(boxes, labels, scores.tolist()):
+                qx, qy = (x1 - x0) / 4, (y1 - y0) / 4
+                inner = imgs[j][int(y0 + qy) : int(np.ceil(y1 - qy)), int(x0 + qx) : int(np.ceil(x1 - qx))]
+                own, other = ((np.abs(inner - w * colour(label)) <= 3).all(-1).mean() for w in (score, 1 - score))
+                if max(own, other) < 0.1:
+                    continue  # covered by the other image's rectangle
+                assert own >= 0.1 and other == 0, (backend, label, score, own, other)
+                checked += 1
+    assert checked >= 8
+
+
 # --------------------------------------------------------------------------- degenerate boxes
 
 def test_affine_filters_boxes_as_box_candidates():
