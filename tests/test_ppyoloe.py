@@ -223,6 +223,52 @@ def test_box_decoding_stays_fp32_under_bf16_autocast():
     assert got.dtype == torch.float32
 
 
+def test_dfl_targets_beyond_reg_max_are_clipped_as_paddles(monkeypatch):
+    """PaddleDetection ``PPYOLOEHead._bbox_loss``: the DFL targets are ``_bbox2distance``,
+    the assigned box's distances from the anchor point in strides clipped to ``[0, reg_max -
+    0.01]``, and ``_df_loss`` = CE(floor t) (floor t + 1 - t) + CE(floor t + 1) (t - floor t),
+    averaged over the 4 sides, weighted by the anchor's summed soft score and divided by the
+    score sum. The task-aligned assigner ignores levels, so a large box lands on stride-8
+    points 20+ bins from its sides; the recorded Paddle batches never reach the clip, where
+    a clip at reg_max - 1.01 passed. Here the assignment is given (one stride-8 anchor on a
+    box 20 and 30 bins out, one stride-32 anchor well inside the range) and the loss is
+    restated from Paddle's code in float64."""
+    import fastdet.models.ppyoloe as ppyoloe_mod
+
+    head = PPYOLOEHead([8, 8, 8], num_classes=2).double()
+    gen = torch.Generator().manual_seed(0)
+    for conv in head.pred_reg:
+        torch.nn.init.normal_(conv.weight, std=0.5, generator=gen)
+    feats = [torch.randn(1, 8, 128 // s, 128 // s, generator=gen, dtype=torch.float64) for s in (32, 16, 8)]
+    _, points, counts, stride = head.anchors(feats)
+    A = points.shape[0]
+    near = counts[0] + counts[1] + 5 * 16 + 6  # stride 8, point (52, 44)
+    far = 5  # stride 32, point (48, 48)
+    labels = torch.full((1, A), 2)
+    boxes = torch.zeros(1, A, 4, dtype=torch.float64)
+    scores = torch.zeros(1, A, 2, dtype=torch.float64)
+    for a, label, box, score in ((near, 0, (52 - 160, 44 - 240, 52 + 4, 44 + 3), 0.7), (far, 1, (8, 16, 112, 96), 0.4)):
+        labels[0, a], boxes[0, a], scores[0, a, label] = label, torch.tensor(box, dtype=torch.float64), score
+    monkeypatch.setattr(ppyoloe_mod, "task_aligned_assign", lambda *args, **kw: (labels, boxes, scores))
+    targets = dict(gt_boxes=boxes[:, :1], gt_labels=torch.zeros(1, 1, dtype=torch.long),
+                   gt_mask=torch.ones(1, 1, dtype=torch.bool))
+    got = head.loss(feats, targets)["loss_dfl"]
+
+    _, dist = head.raw_outputs(feats)
+    want = 0.0
+    for a in (near, far):
+        s = float(stride[a, 0])
+        p, b = points[a].double() / s, boxes[0, a] / s
+        t = torch.cat([p - b[:2], b[2:] - p]).clip(0, head.reg_max - 0.01)  # Paddle _bbox2distance
+        left = t.long()
+        logp = dist[0, a].log_softmax(-1)  # [4, 17]
+        ce_l, ce_r = -logp.gather(-1, left[:, None])[:, 0], -logp.gather(-1, left[:, None] + 1)[:, 0]
+        want = want + ((ce_l * (left + 1 - t) + ce_r * (t - left)).mean() * scores[0, a].sum())
+    want = want / scores.sum().clamp(min=1.0)
+    assert (torch.cat([points[near] - boxes[0, near, :2], boxes[0, near, 2:] - points[near]]) / 8 > 16).sum() == 2
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_anchor_geometry():
     head = PPYOLOEHead([8, 8, 8], num_classes=2)
     feats = [torch.zeros(1, 8, 64 // s, 64 // s) for s in (32, 16, 8)]
