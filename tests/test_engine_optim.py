@@ -254,6 +254,46 @@ def test_checkpoint_atomic_weights_only_round_trip(tmp_path):
     assert back["epoch"] == 3
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_gives_each_rank_the_random_streams_its_dropblock_draws_from(tmp_path, rank):
+    """PP-YOLO's DropBlock draws its masks from torch's default generator (``torch.rand_like``):
+    an exact resume needs each rank's streams back (``Checkpointer.resume`` sets rank r's
+    from ``rng_ranks[r]``). The resume tests train PP-YOLOE and YOLOX, whose steps draw
+    nothing from these streams, so a resume that left them alone passed them; here the
+    block drops after the resume what the uninterrupted rank drops next."""
+    from types import SimpleNamespace
+
+    from fastdet.config import Config
+    from fastdet.engine.checkpointer import Checkpointer
+    from fastdet.models.ppyolo import DropBlock
+
+    drop = DropBlock(block_size=3, keep_prob=0.8).train()
+    x = torch.ones(2, 4, 12, 12)
+    model = Net()
+    dist = SimpleNamespace(rank=rank, world_size=2, is_main=rank == 0)
+    ck = Checkpointer(Config(), tmp_path, dist, model, None, build_optimizer(OptimConfig(), model, 0.1, "cpu"),
+                      SimpleNamespace(cat_ids=[1, 2, 3], class_names=["a", "b", "c"]), steps_per_epoch=5)
+    with torch.random.fork_rng(devices=[]):
+        saved_np, saved_py = np.random.get_state(), random.getstate()
+        try:
+            streams, want = [], []
+            for seed in (3, 5):  # rank 0's and rank 1's streams at the checkpoint
+                torch.manual_seed(seed)
+                np.random.seed(seed)
+                random.seed(seed)
+                streams.append(rng_state())
+                want.append((drop(x), np.random.random(), random.random()))  # what each rank draws next
+            save_checkpoint(tmp_path / "latest.pth", ck.state(0, 2, -1.0, rng_ranks=streams))
+            torch.manual_seed(99)  # a new process
+            ck.resume((None, tmp_path / "latest.pth"), world_batch=8, base_lr=0.1)
+            got = (drop(x), np.random.random(), random.random())
+        finally:
+            np.random.set_state(saved_np)
+            random.setstate(saved_py)
+    assert not torch.equal(want[0][0], want[1][0])  # the two ranks' masks differ
+    assert torch.equal(got[0], want[rank][0]) and got[1:] == want[rank][1:]
+
+
 def test_checkpoint_that_needs_code_is_refused(tmp_path):
     path = tmp_path / "evil.pth"
     torch.save({"obj": OptimConfig()}, path)  # a dataclass needs unpickling code
