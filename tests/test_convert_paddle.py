@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,79 @@ def test_tiny_model_computes_paddles_function(fixture, arch, size, tmp_path):
         assert ours64.shape == want64.shape
         assert rel_err(ours64, want64) <= 1e-4
         assert rel_err(ours32, want64) <= max(4 * rel_err(want32, want64), 1e-6)
+
+
+def paddle_cspstage_order(n: int, spp: bool) -> list[str]:
+    """PaddleDetection ``CSPStage`` (ppdet/modeling/necks/custom_pan.py): the names of its
+    ``convs`` sublayers in the order its loop adds them (``add_sublayer(str(i), block)``, then
+    ``add_sublayer('spp', SPP(...))`` when ``i == (n - 1) // 2 and spp``)."""
+    names = []
+    for i in range(n):
+        names.append(str(i))
+        if i == (n - 1) // 2 and spp:
+            names.append("spp")
+    return names
+
+
+def ppyoloe_paddle_manifest(size: str) -> dict[str, tuple[int, ...]]:
+    """{Paddle name: shape} of PP-YOLOE-``size`` (crn, 80 classes), named as PaddleDetection
+    names it: fastdet's modules renamed by Paddle's conventions, each neck stage's ``convs``
+    by :func:`paddle_cspstage_order`; the fixed DFL projection added."""
+    from fastdet.models.layers import SPP, BasicBlock
+
+    with torch.device("meta"):
+        model = build_model("ppyoloe", size, 80)
+    order = {}
+    for kind in ("fpn_stages", "pan_stages"):
+        for i, stage in enumerate(getattr(model.neck, kind)):
+            n = sum(isinstance(m, BasicBlock) for m in stage.convs)
+            names = paddle_cspstage_order(n, any(isinstance(m, SPP) for m in stage.convs))
+            # fastdet's CSPStage holds its layers where Paddle's loop adds them
+            assert [isinstance(m, SPP) for m in stage.convs] == [x == "spp" for x in names], (size, kind, i)
+            order[f"{kind}.{i}"] = names
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("num_batches_tracked"):
+            continue
+        name = k.replace(".running_mean", "._mean").replace(".running_var", "._variance")
+        if name.startswith("head."):
+            name = "yolo_head." + name[len("head."):]
+        elif m := re.match(r"backbone\.stem\.(\d)\.(.*)", name):
+            name = f"backbone.stem.conv{int(m[1]) + 1}.{m[2]}"
+        elif m := re.match(r"neck\.((?:fpn|pan)_stages\.\d+)\.(.*)", name):
+            rest = m[2]
+            if c := re.match(r"convs\.(\d+)\.(.*)", rest):
+                rest = f"convs.{order[m[1]][int(c[1])]}.{c[2]}"
+            name = f"neck.{m[1]}.0.{rest}"
+        out[name] = tuple(v.shape)
+    out["yolo_head.proj_conv.weight"] = (1, 17, 1, 1)
+    return out
+
+
+@pytest.mark.parametrize("size", ["s", "m", "l", "x"])
+def test_ppyoloe_paddle_names_of_every_size_convert(size):
+    """The recorded key manifest is crn_s's, whose neck stages hold one block (n = 1): where
+    the SPP goes among n blocks was never exercised. m and x have an even n (2, 4), which
+    puts Paddle's ``convs.spp`` before the last half of the blocks; a converter that placed
+    it one block later converted s and l exactly and broke m and x. The names are made by
+    Paddle's own conventions (checked against the recorded s manifest) and must convert onto
+    that size exactly, every tensor onto the one it was named from."""
+    manifest = ppyoloe_paddle_manifest(size)
+    if size == "s":
+        recorded = {k: tuple(v) for k, v in json.loads((FIXTURES / "ppyoloe_crn_s_manifest.json").read_text())}
+        assert manifest == recorded
+    conv = ARCHITECTURES["ppyoloe"].weight_sources["paddle"].convert
+    # Each tensor holds its Paddle name's index (stride-0 views: no memory for x's 98 M parameters).
+    state = {k: torch.tensor(float(i)).expand(shape) for i, (k, shape) in enumerate(manifest.items())}
+    state["yolo_head.proj_conv.weight"] = torch.arange(17.0).reshape(1, 17, 1, 1)
+    ours, num_classes = conv(state)
+    assert num_classes == 80 and _fit(ours, "ppyoloe", size, 80, {}) is None
+    names = list(manifest)
+    with torch.device("meta"):
+        own = build_model("ppyoloe", size, 80).state_dict()
+    back = {k: names[int(v.reshape(-1)[0])] for k, v in ours.items()}
+    for k, paddle_name in back.items():
+        assert tuple(own[k].shape) == manifest[paddle_name], (k, paddle_name)
 
 
 def test_pdparams_through_the_cli_converter_needs_a_fitting_size(tmp_path):

@@ -478,16 +478,21 @@ def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     ``backbone.stem.conv1..3`` -> ``stem.0..2``; the neck's ``{fpn,pan}_stages.N.0.`` lose
     their one-stage ``0.`` level; inside a CSPStage Paddle names the SPP ``convs.spp`` after
     block ``(n - 1) // 2``, which fastdet's ``convs`` Sequential holds at that index + 1
-    (later blocks shift by one); ``yolo_head.`` -> ``head.``; BatchNorm ``_mean`` /
+    (later blocks of that stage shift by one; the stages without an SPP, all but the first
+    FPN stage, keep their indices); ``yolo_head.`` -> ``head.``; BatchNorm ``_mean`` /
     ``_variance`` -> running statistics; RepVGG blocks stay unfused as stored; the fixed
     DFL projection ``yolo_head.proj_conv`` is checked and dropped.
     """
     state = {k: v for k, v in state.items() if k != NAME_TABLE}
-    # Blocks per neck stage (n), from the stored indices, to place the SPP.
+    # Blocks per neck stage (n), from the stored indices, to place the SPP; and the stages
+    # that hold one (the first FPN stage): in the others Paddle's blocks keep their indices.
     blocks: dict[str, int] = {}
+    spp_stages: set[str] = set()
     for k in state:
-        m = re.match(r"neck\.((?:fpn|pan)_stages\.\d+)\.0\.convs\.(\d+)\.", k)
-        if m:
+        m = re.match(r"neck\.((?:fpn|pan)_stages\.\d+)\.0\.convs\.(\d+|spp)\.", k)
+        if m and m[2] == "spp":
+            spp_stages.add(m[1])
+        elif m:
             blocks[m[1]] = max(blocks.get(m[1], 0), int(m[2]) + 1)
     out: dict[str, Any] = {}
     for k, v in state.items():
@@ -509,7 +514,7 @@ def from_paddle(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
                 spp_at = (blocks.get(stage, 1) - 1) // 2 + 1
                 c = re.match(r"convs\.(spp|\d+)\.(.*)", rest)
                 if c:
-                    j = spp_at if c[1] == "spp" else int(c[1]) + (int(c[1]) >= spp_at)
+                    j = spp_at if c[1] == "spp" else int(c[1]) + (stage in spp_stages and int(c[1]) >= spp_at)
                     rest = f"convs.{j}.{c[2]}"
                 name = f"neck.{stage}.{rest}"
         elif not name.startswith("backbone."):
