@@ -89,6 +89,47 @@ def test_hsv_keeps_grey_grey():
     assert (out.max(axis=2) - out.min(axis=2)).max() <= 1
 
 
+@pipeline_def(batch_size=1, num_threads=1, device_id=None)
+def _cut_pipe(image, win_boxes, window, canvas):
+    from fastdet.pipelines.stages import _cut
+
+    def const(v):
+        return fn.external_source(source=lambda: [np.array(v, np.float32)], batch=True)
+
+    x = fn.external_source(source=lambda: [image], batch=True, layout="HWC")
+    boxes = const(win_boxes)
+    labels = fn.external_source(source=lambda: [np.zeros(len(win_boxes), np.int32)], batch=True)
+    (ax, ay, aw, ah), (cw, ch, ox, oy) = [const(v) for v in window], [const(v) for v in canvas]
+    out, out_boxes, _ = _cut(x, boxes, labels, ax, ay, aw, ah, cw, ch, ox, oy)
+    return out, out_boxes
+
+
+def test_crop_boxes_are_exact_on_the_whole_pixel_window():
+    """The DALI crop (``pipelines.stages._cut``): ``random_bbox_crop`` gives a float window
+    and boxes relative to it; the pixels are cut on that window rounded to whole canvas
+    pixels, and the boxes re-expressed relative to the integer window, so that a box stays
+    the exact extent of its pixels. A 60 x 50 image at (20, 10) on a 100 x 80 canvas holds a
+    rectangle at canvas (30, 22)-(60, 47); the float window starts 0.3 px right of and 0.3 px
+    above a pixel edge, and 5 px left of the image (the ImageNet-mean fill). The loader tests resample after the crop and allow 2 px, which a
+    re-expression off by twice that fraction passed."""
+    image = np.zeros((50, 60, 3), np.uint8)
+    image[12:37, 10:40] = 255
+    cw, ch, ox, oy = 100.0, 80.0, 20.0, 10.0
+    fx, fy, fw, fh = 15.3, 15.7, 50.4, 40.2  # the float window, canvas px
+    rect = np.array([30.0, 22.0, 60.0, 47.0])
+    win_boxes = [((rect - [fx, fy, fx, fy]) / [fw, fh, fw, fh]).tolist()]
+    pipe = _cut_pipe(image, win_boxes, (fx / cw, fy / ch, fw / cw, fh / ch), (cw, ch, ox, oy))
+    pipe.build()
+    out, boxes = (np.asarray(o.at(0)) for o in pipe.run())
+    x0, y0 = 15, 16  # the float window's edges rounded to whole pixels: [15, 66) x [16, 56)
+    assert out.shape == (40, 51, 3)
+    ys, xs = np.nonzero(out[..., 0] == 255)
+    tight = np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], np.float64)
+    np.testing.assert_array_equal(tight, rect - [x0, y0, x0, y0])  # [15, 6, 45, 31]
+    np.testing.assert_allclose(boxes[0] * [51, 40, 51, 40], tight, atol=1e-3)
+    assert (out[:, :5] == A.FILL).all() and (out[:, 5:15] == 0).all()  # canvas x 15..19: left of the image
+
+
 # --------------------------------------------------------------------------- sources
 
 def _records(n: int) -> list[ImageRecord]:
