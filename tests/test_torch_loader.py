@@ -19,6 +19,7 @@ import torch
 from fastdet import registry
 from fastdet.config import Config, DataConfig
 from fastdet.data import augment as A
+from fastdet.data import stages as S
 from fastdet.data.coco import load_coco
 from fastdet.data.layout import BATCH_KEYS
 from fastdet.data.loader import build_eval_loader, build_train_loader
@@ -145,27 +146,49 @@ def _megvii_augment_hsv():
     return mod.augment_hsv
 
 
+class _GlobalStream:
+    """``hsv_gains``' generator over numpy's global stream, the one Megvii's ``augment_hsv``
+    draws from: the stage's probability draw passes (YOLOX's HSV probability is 1), and
+    ``uniform`` / ``integers`` are ``np.random.uniform`` / ``randint``, which Megvii calls in
+    that order."""
+
+    def random(self) -> float:
+        return 0.0
+
+    def uniform(self, low, high, size):
+        return np.random.uniform(low, high, size)
+
+    def integers(self, low, high, size):
+        return np.random.randint(low, high, size)
+
+
 def test_hsv_is_megviis_augment_hsv():
-    """YOLOX's HSV stage against Megvii's own ``augment_hsv`` (OpenCV's 8-bit HSV, the image
-    as BGR) with the same gains, on pixels of every hue. OpenCV rounds its hue in fixed
-    point, fastdet in float: one hue unit (2 degrees) apart in ~3 % of the pixels, which moves
-    a saturated channel by up to 9 levels. Measured: 1 % of the pixels more than 1 level off,
-    at most 9. A wrong hue sector (the conversion's sign in one sector of six) put 23 % of
-    the pixels over 1 level off, up to 250."""
+    """YOLOX's HSV stage (``HSV()``'s gains drawn by ``hsv_gains``, applied by
+    ``augment_hsv``) against Megvii's own ``augment_hsv`` (OpenCV's 8-bit HSV, the image as
+    BGR) drawing from the same stream, on pixels of every hue. OpenCV rounds its hue in
+    fixed point, fastdet in float: one hue unit (2 degrees) apart in ~3 % of the pixels,
+    which moves a saturated channel by up to 9 levels. Measured: 1 % of the pixels more
+    than 1 level off, at most 9. A wrong hue sector (the conversion's sign in one sector of
+    six) put 23 % of the pixels over 1 level off, up to 250; a saturation gain of 20 instead
+    of Megvii's 30, or gains never switched off per channel, fail too."""
     megvii = _megvii_augment_hsv()
     img = np.random.default_rng(0).integers(0, 256, (64, 64, 3)).astype(np.uint8)
     state = np.random.get_state()
+    drawn = []
     try:
-        for seed in range(6):
-            np.random.seed(seed)  # Megvii draws its gains from the global stream: the same draw here
-            gains = (np.random.uniform(-1, 1, 3) * [5, 30, 30] * np.random.randint(0, 2, 3)).astype(np.int16)
+        for seed in range(8):
+            np.random.seed(seed)
+            gains = A.hsv_gains(_GlobalStream(), S.HSV())
             np.random.seed(seed)
             bgr = np.ascontiguousarray(img[..., ::-1])
             megvii(bgr)  # in place
             diff = np.abs(A.augment_hsv(img, gains).astype(np.int64) - bgr[..., ::-1].astype(np.int64))
             assert diff.max() <= 10 and (diff.max(-1) > 1).mean() < 0.03, (seed, gains, diff.max())
+            drawn.append(gains)
     finally:
         np.random.set_state(state)
+    drawn = np.stack(drawn)
+    assert (drawn[:, 1:] == 0).any() and (np.abs(drawn[:, 1:]) > 20).any()  # channels off, and gains over 20
 
 
 # --------------------------------------------------------------------------- workers
