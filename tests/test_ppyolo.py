@@ -371,6 +371,29 @@ def test_matrix_nms_matches_paddle_loop(use_gaussian):
 # --------------------------------------------------------------------------- PaddleDetection 2.6's numerics
 
 
+def test_recipe_stages_follow_paddles_reader():
+    """configs/ppyolo/_base_/ppyolo_reader.yml: Mixup (alpha = beta = 1.5), RandomDistort,
+    RandomExpand (ImageNet-mean fill) + RandomCrop, RandomFlip, BatchRandomResize (stretch,
+    a random interpolation), NormalizeImage (ImageNet). Paddle's dataset draws the mixup
+    partner while ``_epoch < mixup_epoch`` (ppdet/data/source/dataset.py; epochs from 0):
+    the stages of the last mixup epoch and of the first without. No test read PP-YOLO's
+    phase before, so mixup kept one epoch past ``mixup_epochs`` passed."""
+    from fastdet.config import apply_overrides
+    from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
+    from fastdet.data.stages import Distort, ExpandCrop, Flip, MixUp, Normalize, Resize
+    from fastdet.registry import demo_overrides, get_preset, phase
+
+    cfg = get_preset("ppyolo", "r50vd_dcn")
+    reader = (Distort(0.5), ExpandCrop(0.5, 4.0, True), Flip(0.5), Resize("stretch", interp="random"),
+              Normalize(IMAGENET_MEAN, IMAGENET_STD))
+    assert phase(cfg, 0).stages == (MixUp("beta_blend", 1.0, alpha=1.5, beta=1.5),) + reader
+    assert phase(cfg, 0).loss_kwargs == {} and phase(cfg, cfg.optim.epochs - 1).stages == phase(cfg, 0).stages
+    short = apply_overrides(cfg, {"family.mixup_epochs": 3})
+    assert phase(short, 2).stages == phase(cfg, 0).stages and phase(short, 3).stages == reader
+    demo = apply_overrides(cfg, demo_overrides("ppyolo"))
+    assert phase(demo, 0).stages[:2] == (ExpandCrop(0.0, 4.0, False), Flip(0.5))  # p = 0 mixup and distort left out
+
+
 def test_coord_conv_uses_paddledetection_ramps():
     """PaddleDetection 2.6 ``add_coord``: ``arange(n) / ((n - 1) * 2) - 1`` (-1 .. -0.5), the
     formula the released weights were trained with (not Liu et al.'s -1 .. 1)."""
