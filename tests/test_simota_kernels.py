@@ -115,7 +115,8 @@ if not INTERPRETED:
     def test_gpu_kernels_match_reference(backend):
         if backend == "cuda" and not (_ext.load() and _ext.has_cuda_kernels()):
             pytest.fail(f"the CUDA kernels did not build: {_ext.error()}")
-        for seed, kw in [(0, {}), (1, dict(B=8, M=40, C=80, img=640, valid=(40, 0, 3, 17, 40, 1, 25, 9)))]:
+        for seed, kw in [(0, {}), (1, dict(B=8, M=40, C=80, img=640, valid=(40, 0, 3, 17, 40, 1, 25, 9))),
+                         (0, dict(on_points=True))]:
             args = _f32(random_inputs(seed=seed, **kw))
             want = ref.simota_assign(*args)  # on the CPU: ties as the kernels break them
             with ops.use_backend(backend, "cuda", "simota_assign"):
