@@ -248,6 +248,25 @@ def test_affine_area_threshold_is_against_the_box_at_the_drawn_scale():
     np.testing.assert_allclose(out[:2], [[8, 4, 28, 34], [33, 14, 83, 29]])
 
 
+def test_mosaic_centre_is_drawn_over_megviis_range():
+    """Megvii's MosaicDetection draws the mosaic centre as ``int(uniform(0.5 S, 1.5 S))`` per
+    axis (yolox/data/datasets/mosaicdetection.py), and tile 0 ends at it. The stage's
+    default range is that one, and mosaic_plan draws over all of it. (A default of (0.4,
+    1.6) was caught before only by chance: a rotated corner 0.01 px over the pixel test's
+    tolerance with the other draws.)"""
+    assert S.Mosaic().center_range == (0.5, 1.5)
+    rng = np.random.default_rng(0)
+    sizes = [(200, 150), (120, 260), (300, 300), (90, 60)]
+    centres = []
+    for _ in range(400):
+        plan = G.mosaic_plan(rng, 1.0, S.Mosaic().center_range, (128, 160), sizes)
+        (h, w), (x, y) = plan.tiles[0].hw, plan.tiles[0].xy
+        centres.append((x + w, y + h))  # tile 0's bottom-right corner is the centre
+    xc, yc = np.array(centres).T
+    assert xc.min() >= 80 and xc.max() < 240 and yc.min() >= 64 and yc.max() < 192
+    assert xc.min() < 84 and xc.max() > 235 and yc.min() < 68 and yc.max() > 187  # the whole range is drawn
+
+
 def test_scaled_crop_mixup_keeps_partner_boxes_over_5px():
     rng = np.random.default_rng(0)
     boxes = np.array([[0, 0, 60, 60], [70, 70, 74, 120]], np.float32)  # the second: 4 px wide
