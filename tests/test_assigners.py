@@ -354,6 +354,22 @@ def test_no_gt_slots_is_all_background_on_every_backend(backend, topk):
     assert torch.equal(gt, torch.full((B, A), -1)) and torch.equal(iou, torch.zeros(B, A))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_backend_returns_the_inputs_dtype(dtype):
+    """Half inputs: the kernels compute in float32 and return the input's dtype; the torch
+    path (the default for SimOTA on CUDA, and any topk over 32) returned SimOTA's IoU in
+    float32, so the loss's objectness targets changed dtype with the back end."""
+    x = assign_inputs(batch=2, max_boxes=3, num_classes=3, img_size=128, seed=5)
+    x = dataclasses.replace(x, **{f: getattr(x, f).to(dtype) for f in ("pred_scores", "pred_bboxes", "gt_bboxes")})
+    out = {}
+    for backend in ("cpp", "torch"):
+        with ops.use_backend(backend, "cpu"):
+            _, boxes, scores = ops.task_aligned_assign(*x.tal_args())
+            _, iou = ops.simota_assign(*x.simota_args())
+        out[backend] = (boxes.dtype, scores.dtype, iou.dtype)
+    assert out["torch"] == out["cpp"] == (dtype, dtype, dtype)
+
+
 def test_assigners_trace_without_graph_breaks():
     c = random_case(0)
     e1 = torch._dynamo.explain(atss_assign)(c["anchors"], c["counts"], c["gt_labels"], c["gt_boxes"], c["pad"], c["C"], 9, c["pred_boxes"])

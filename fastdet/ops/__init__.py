@@ -279,8 +279,10 @@ def simota_assign(
         and (backend == "cpp" or dtype != torch.float64)
     )
     if not usable:
-        return _simota.simota_assign(pred_scores, pred_boxes, anchor_points, strides, gt_boxes, gt_labels, gt_mask,
-                                     center_radius, topk, iou_weight)
+        # The reference computes half inputs in float32 and returns that; the kernels' dtype.
+        assigned, iou = _simota.simota_assign(pred_scores, pred_boxes, anchor_points, strides, gt_boxes, gt_labels,
+                                              gt_mask, center_radius, topk, iou_weight)
+        return assigned, iou.to(pred_boxes.dtype)
     kdtype = torch.float64 if dtype == torch.float64 else torch.float32
     assigned, iou = _ns(backend).simota_assign(
         pred_scores.detach().to(kdtype), pred_boxes.detach().to(kdtype), anchor_points.detach().to(kdtype),
