@@ -308,6 +308,31 @@ def test_cli_output_and_the_official_file_load_as_detectors(tmp_path, caplog):
     assert fastdet.load_detector(user_file).info.size == "nano"
 
 
+def test_a_released_file_is_read_once_and_each_size_built_once(tmp_path, monkeypatch):
+    """Converting on load (load_detector, ``fastdet.eval --ckpt FILE --arch``, ``--ckpt`` for
+    training) reads the released file once: before, it was read whole to see whether it is a
+    fastdet checkpoint, then again to convert it (400 MB twice for yolox_x.pth). Finding its
+    size, and the size a refused file looks like, builds each size's shapes (on the meta
+    device) once per process: before, every conversion built every size, and once more
+    for its own."""
+    from fastdet.convert import core, load_any
+
+    src = tmp_path / "yolox_tiny.pth"
+    torch.save({"model": megvii_yolox("tiny").state_dict()}, src)
+    reads, builds = [], []
+    read, build = core.read_weights, core.build_model
+    monkeypatch.setattr(core, "read_weights", lambda *a, **k: reads.append(a[0]) or read(*a, **k))
+    monkeypatch.setattr(core, "build_model", lambda *a, **k: builds.append(a[:2]) or build(*a, **k))
+    core._own_shapes.cache_clear()
+    ck, converted = load_any(src, "yolox")
+    assert converted and ck["config"]["model"]["size"] == "tiny" and reads == [src]
+    assert builds == [("yolox", "nano"), ("yolox", "tiny")]  # the sizes tried, smallest first
+    convert(src, "yolox")
+    with pytest.raises(ConvertError, match="this looks like yolox-tiny"):
+        convert(src, "yolox", "x")
+    assert sorted(builds) == sorted(("yolox", s) for s in ("nano", "tiny", "s", "m", "l", "x"))
+
+
 def test_finetuning_from_the_released_file_reinitialises_only_the_class_head(tmp_path):
     """What ``fastdet.train --ckpt yolox_nano.pth`` does (Checkpointer.finetune): the released file
     converted, everything but the 80-class predictors loaded into a 3-class model."""

@@ -10,8 +10,10 @@ checkpoint (config, class names, COCO category ids). Nothing here names a family
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 import torch
@@ -80,18 +82,31 @@ def unwrap(raw: Any, path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@functools.lru_cache(maxsize=32)
+def _own_shapes(arch: str, size: str, num_classes: int, build_opts: tuple[tuple[str, Any], ...]
+                ) -> Mapping[str, tuple[int, ...]]:
+    """{key: shape} of ``arch``-``size``'s state dict, in its order (read-only). Built once per
+    process and model: a meta build takes up to ~0.2 s (yolox-x), and finding a file's size,
+    or the size it looks like, tries every size."""
+    with torch.device("meta"):  # shapes only: no memory, no init
+        model = build_model(arch, size, num_classes, **dict(build_opts))
+    return MappingProxyType({k: tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+def _shapes(arch: str, size: str, num_classes: int, options: Mapping[str, Any]) -> Mapping[str, tuple[int, ...]]:
+    fields = ARCHITECTURES[arch].config_fields
+    return _own_shapes(arch, size, num_classes, tuple(sorted((k, v) for k, v in options.items() if k in fields)))
+
+
 def _fit(state: Mapping[str, torch.Tensor], arch: str, size: str, num_classes: int,
          options: Mapping[str, Any]) -> Optional[str]:
     """None if ``state`` fits ``arch``-``size`` exactly, else the first key that does not, and how."""
-    fam = ARCHITECTURES[arch]
-    build_opts = {k: v for k, v in options.items() if k in fam.config_fields}
-    with torch.device("meta"):  # shapes only: no memory, no init
-        own = build_model(arch, size, num_classes, **build_opts).state_dict()
+    own = _shapes(arch, size, num_classes, options)
     for k, v in state.items():
         if k not in own:
             return f"{k}: no such tensor in {arch}-{size}"
-        if tuple(own[k].shape) != tuple(v.shape):
-            return f"{k}: shape {list(v.shape)}, {arch}-{size} expects {list(own[k].shape)}"
+        if own[k] != tuple(v.shape):
+            return f"{k}: shape {list(v.shape)}, {arch}-{size} expects {list(own[k])}"
     for k in own:
         if k not in state and not k.endswith("num_batches_tracked"):
             return f"{k}: {arch}-{size} needs it and the file lacks it"
@@ -138,16 +153,20 @@ def pick_source(arch: str, path: Path, source: Optional[str]) -> str:
     return names[0]
 
 
+def _check_arch_size(arch: str, size: Optional[str]) -> None:
+    if arch not in ARCHITECTURES:
+        raise ConvertError(f"unknown --arch {arch!r}: available are {', '.join(sorted(ARCHITECTURES))}")
+    sizes = ARCHITECTURES[arch].sizes
+    if size is not None and size not in sizes:
+        raise ConvertError(f"unknown --size {size!r} for {arch}: available are {', '.join(sizes)}")
+
+
 def convert(path: str | Path, arch: str, size: Optional[str] = None, source: Optional[str] = None,
             ) -> tuple[dict[str, Any], str]:
     """Convert the authors' file at ``path`` for ``arch``; returns the fastdet checkpoint dict
     and the size (inferred from the shapes when ``size`` is None)."""
     path = Path(path)
-    if arch not in ARCHITECTURES:
-        raise ConvertError(f"unknown --arch {arch!r}: available are {', '.join(sorted(ARCHITECTURES))}")
-    fam = ARCHITECTURES[arch]
-    if size is not None and size not in fam.sizes:
-        raise ConvertError(f"unknown --size {size!r} for {arch}: available are {', '.join(fam.sizes)}")
+    _check_arch_size(arch, size)
     weight_file_format(path)  # no file, a folder, a damaged one: said before anything else
     try:
         raw = read_weights(path)
@@ -174,16 +193,16 @@ def convert_weights(raw: Any, path: Path, arch: str, size: Optional[str] = None,
         state, num_classes = ws.convert(state)
     except KeyError as e:
         raise ConvertError(f"{path}: not {source}'s {arch} ({e.args[0]})") from None
-    fits = {s: _fit(state, arch, s, num_classes, ws.options) for s in ([size] if size else fam.sizes)}
     if size is None:
-        size = next((s for s, bad in fits.items() if bad is None), None)
+        size = next((s for s in fam.sizes if _fit(state, arch, s, num_classes, ws.options) is None), None)
         if size is None:
-            raise ConvertError(f"{path}: fits no {arch} size ({fits[fam.sizes[0]]})")
-    elif fits[size] is not None:
+            first = _fit(state, arch, fam.sizes[0], num_classes, ws.options)
+            raise ConvertError(f"{path}: fits no {arch} size ({first})")
+    elif (bad := _fit(state, arch, size, num_classes, ws.options)) is not None:
         like = [s for s in fam.sizes if s != size and _fit(state, arch, s, num_classes, ws.options) is None]
         hint = f"; this looks like {arch}-{like[0]}" if like else ""
-        raise ConvertError(f"{path}: {fits[size]}{hint}")
-    own_order = _own_keys(arch, size, num_classes, ws.options)
+        raise ConvertError(f"{path}: {bad}{hint}")
+    own_order = _shapes(arch, size, num_classes, ws.options)
     model_state = {}
     for k in own_order:  # fastdet's order; BatchNorm counters the file lacks start at 0
         model_state[k] = state[k].float() if k in state and state[k].is_floating_point() else \
@@ -210,13 +229,6 @@ def stale_conversion_note(ck: dict[str, Any], path: str | Path) -> Optional[str]
     return None
 
 
-def _own_keys(arch: str, size: str, num_classes: int, options: Mapping[str, Any]) -> list[str]:
-    fam = ARCHITECTURES[arch]
-    with torch.device("meta"):
-        return list(build_model(arch, size, num_classes,
-                                **{k: v for k, v in options.items() if k in fam.config_fields}).state_dict())
-
-
 def is_fastdet_checkpoint(raw: Any) -> bool:
     return isinstance(raw, Mapping) and isinstance(raw.get("config"), Mapping) and "model" in raw
 
@@ -236,7 +248,10 @@ def load_any(path: str | Path, arch: str, size: Optional[str] = None, source: Op
             if note:
                 log.warning(note)
             return raw, False
-    ck, size = convert(path, arch, size, source)
+        _check_arch_size(arch, size)
+        ck, size = convert_weights(raw, path, arch, size, source)  # read once (a yolox-x file: 400 MB)
+    else:
+        ck, size = convert(path, arch, size, source)
     log.info("%s: converted from %s's released %s weights (%s-%s, %d classes)", path, ck["converted_from"]["source"],
              arch, arch, size, ck["config"]["model"]["num_classes"])
     return ck, True
