@@ -1,10 +1,13 @@
 """PaddleDetection's released layouts, against fixtures recorded with PaddleDetection 2.6's
 own modules under paddlepaddle 3.3 (tools/record_paddle_fixtures.py; no paddle needed here).
 
-Per model: the full-size key manifest converts onto the fastdet size exactly (and is
-refused as another size), and a tiny-width model filled with the recorded seed, saved as
-a ``.pdparams`` pickle, converts and computes Paddle's dense boxes and scores on the
-recorded input (float64 within 1e-4 relative; float32 within 4x Paddle's own float32 error).
+Per recorded model: the full-size key manifest converts onto the fastdet size exactly (and
+is refused as another size), through the CLI, on load and for ``--ckpt``; and a tiny-width
+model filled with the recorded seed, saved as a ``.pdparams`` pickle, converts and computes
+Paddle's dense boxes and scores on the recorded input (float64 within 1e-4 relative; float32
+within 4x Paddle's own float32 error). PP-YOLOE was recorded at s only: m, l and x are
+checked against a torch transcription of Paddle's modules (tests/paddle_ppyoloe.py), itself
+checked here against the s recordings.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
-import re
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,8 @@ from fastdet.convert import ConvertError, convert, unwrap
 from fastdet.convert.core import _fit
 from fastdet.runtime.checkpoint import read_weights
 from fastdet.models import ARCHITECTURES, build_model
+
+import paddle_ppyoloe  # tests/: PaddleDetection's PP-YOLOE transcribed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "paddle"
 _spec = importlib.util.spec_from_file_location("record_paddle_fixtures",
@@ -89,51 +93,33 @@ def test_tiny_model_computes_paddles_function(fixture, arch, size, tmp_path):
         assert rel_err(ours32, want64) <= max(4 * rel_err(want32, want64), 1e-6)
 
 
-def paddle_cspstage_order(n: int, spp: bool) -> list[str]:
-    """PaddleDetection ``CSPStage`` (ppdet/modeling/necks/custom_pan.py): the names of its
-    ``convs`` sublayers in the order its loop adds them (``add_sublayer(str(i), block)``, then
-    ``add_sublayer('spp', SPP(...))`` when ``i == (n - 1) // 2 and spp``)."""
-    names = []
-    for i in range(n):
-        names.append(str(i))
-        if i == (n - 1) // 2 and spp:
-            names.append("spp")
-    return names
+def test_the_torch_transcription_of_paddles_ppyoloe_is_paddles():
+    """tests/paddle_ppyoloe.py, PaddleDetection's PP-YOLOE modules transcribed into torch, is
+    checked here against what Paddle's own modules recorded: at crn_s's (width, depth) its
+    state is the released manifest (names, order, shapes), and at the narrow model's it
+    computes Paddle's recorded outputs (float64 within 1e-9 relative). It stands in for
+    Paddle at m, l and x below."""
+    recorded = [(k, tuple(s)) for k, s in json.loads((FIXTURES / "ppyoloe_crn_s_manifest.json").read_text())]
+    with torch.device("meta"):
+        full = paddle_ppyoloe.PPYOLOE(*paddle_ppyoloe.MULTS["s"])
+    assert [(k, tuple(v.shape)) for k, v in paddle_ppyoloe.paddle_state(full).items()] == recorded
+    f = np.load(FIXTURES / "ppyoloe_crn_s_tiny.npz")
+    names, shapes = [str(n) for n in f["names"]], [tuple(s) for s in json.loads(str(f["shapes"]))]
+    tiny = paddle_ppyoloe.PPYOLOE(*json.loads(str(f["options"])))
+    assert [(k, tuple(v.shape)) for k, v in paddle_ppyoloe.paddle_state(tiny).items()] == list(zip(names, shapes))
+    weights = record.fill(names, shapes, int(f["seed"]))
+    paddle_ppyoloe.load_paddle_state(tiny, {k: torch.from_numpy(v) for k, v in weights.items()})
+    with torch.no_grad():
+        boxes, scores = tiny.double()(torch.from_numpy(f["x"]).double())
+    assert rel_err(boxes, f["boxes64"]) <= 1e-9 and rel_err(scores, f["scores64"]) <= 1e-9
 
 
 def ppyoloe_paddle_manifest(size: str) -> dict[str, tuple[int, ...]]:
-    """{Paddle name: shape} of PP-YOLOE-``size`` (crn, 80 classes), named as PaddleDetection
-    names it: fastdet's modules renamed by Paddle's conventions, each neck stage's ``convs``
-    by :func:`paddle_cspstage_order`; the fixed DFL projection added."""
-    from fastdet.models.layers import SPP, BasicBlock
-
+    """{Paddle name: shape} of PP-YOLOE crn-``size`` (80 classes) in file order, as
+    PaddleDetection's modules make them (tests/paddle_ppyoloe.py, not fastdet's model)."""
     with torch.device("meta"):
-        model = build_model("ppyoloe", size, 80)
-    order = {}
-    for kind in ("fpn_stages", "pan_stages"):
-        for i, stage in enumerate(getattr(model.neck, kind)):
-            n = sum(isinstance(m, BasicBlock) for m in stage.convs)
-            names = paddle_cspstage_order(n, any(isinstance(m, SPP) for m in stage.convs))
-            # fastdet's CSPStage holds its layers where Paddle's loop adds them
-            assert [isinstance(m, SPP) for m in stage.convs] == [x == "spp" for x in names], (size, kind, i)
-            order[f"{kind}.{i}"] = names
-    out = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("num_batches_tracked"):
-            continue
-        name = k.replace(".running_mean", "._mean").replace(".running_var", "._variance")
-        if name.startswith("head."):
-            name = "yolo_head." + name[len("head."):]
-        elif m := re.match(r"backbone\.stem\.(\d)\.(.*)", name):
-            name = f"backbone.stem.conv{int(m[1]) + 1}.{m[2]}"
-        elif m := re.match(r"neck\.((?:fpn|pan)_stages\.\d+)\.(.*)", name):
-            rest = m[2]
-            if c := re.match(r"convs\.(\d+)\.(.*)", rest):
-                rest = f"convs.{order[m[1]][int(c[1])]}.{c[2]}"
-            name = f"neck.{m[1]}.0.{rest}"
-        out[name] = tuple(v.shape)
-    out["yolo_head.proj_conv.weight"] = (1, 17, 1, 1)
-    return out
+        model = paddle_ppyoloe.PPYOLOE(*paddle_ppyoloe.MULTS[size])
+    return {k: tuple(v.shape) for k, v in paddle_ppyoloe.paddle_state(model).items()}
 
 
 @pytest.mark.parametrize("size", ["s", "m", "l", "x"])
@@ -141,13 +127,10 @@ def test_ppyoloe_paddle_names_of_every_size_convert(size):
     """The recorded key manifest is crn_s's, whose neck stages hold one block (n = 1): where
     the SPP goes among n blocks was never exercised. m and x have an even n (2, 4), which
     puts Paddle's ``convs.spp`` before the last half of the blocks; a converter that placed
-    it one block later converted s and l exactly and broke m and x. The names are made by
-    Paddle's own conventions (checked against the recorded s manifest) and must convert onto
-    that size exactly, every tensor onto the one it was named from."""
+    it one block later converted s and l exactly and broke m and x. Each size's names, made
+    by Paddle's construction (its CSPStage loop) and widths (``round(c * width_mult)``),
+    convert onto that size exactly, every tensor onto one of the shape it was named with."""
     manifest = ppyoloe_paddle_manifest(size)
-    if size == "s":
-        recorded = {k: tuple(v) for k, v in json.loads((FIXTURES / "ppyoloe_crn_s_manifest.json").read_text())}
-        assert manifest == recorded
     conv = ARCHITECTURES["ppyoloe"].weight_sources["paddle"].convert
     # Each tensor holds its Paddle name's index (stride-0 views: no memory for x's 98 M parameters).
     state = {k: torch.tensor(float(i)).expand(shape) for i, (k, shape) in enumerate(manifest.items())}
@@ -162,14 +145,89 @@ def test_ppyoloe_paddle_names_of_every_size_convert(size):
         assert tuple(own[k].shape) == manifest[paddle_name], (k, paddle_name)
 
 
-def test_pdparams_through_the_cli_converter_needs_a_fitting_size(tmp_path):
-    path = tmp_path / "ppyoloe_crn_s_300e_coco.pdparams"
-    write_pdparams(path, manifest_arrays("ppyoloe_crn_s"))
-    ck, size = convert(path, "ppyoloe")
-    assert size == "s" and ck["converted_from"]["source"] == "paddle" and ck["class_names"][0] == "person"
-    assert ck["model"]["backbone.stem.0.bn.num_batches_tracked"].item() == 0
-    with pytest.raises(ConvertError, match="this looks like ppyoloe-s"):
-        convert(path, "ppyoloe", "l")
+def convert_cli_on_load_and_ckpt(src: Path, arch: str, size: str, tmp_path: Path) -> Path:
+    """What a user does with the released file ``src`` of ``arch``-``size``: ``python -m
+    fastdet.convert`` without ``--size`` (the size from the shapes: said on stdout), the same
+    tensors converted on load (load_detector's reader, ``fastdet.eval --ckpt SRC --arch``),
+    ``fastdet.train --ckpt SRC`` at that size taken; asked for another size, the conversion
+    (each other size) and the training check (one) refuse it in one line that names the size
+    it is. Returns the converted checkpoint."""
+    from fastdet import registry
+    from fastdet.api import read_any_checkpoint
+    from fastdet.config import ConfigError, apply_overrides
+    from fastdet.convert.__main__ import main as convert_main
+    from fastdet.runtime.checkpoint import load_torch_file
+    from fastdet.train import _check_weight_files
+
+    out = tmp_path / f"{src.stem}_fastdet.pth"
+    assert convert_main([str(src), "--from", "paddle", "--arch", arch, "--output", str(out)]) == 0
+    ck = load_torch_file(out)
+    assert (ck["config"]["model"]["arch"], ck["config"]["model"]["size"]) == (arch, size)
+    assert ck["converted_from"]["source"] == "paddle" and ck["class_names"][0] == "person"
+    on_load, cfg = read_any_checkpoint(src, arch)
+    assert cfg.model.size == size and list(on_load["model"]) == list(ck["model"])
+    assert all(torch.equal(on_load["model"][k], v) for k, v in ck["model"].items())
+    _check_weight_files(apply_overrides(registry.get_preset(arch, size), {"run.ckpt": str(src)}))
+    others = [s for s in ARCHITECTURES[arch].sizes if s != size]
+    refusals = []
+    for other in others:
+        with pytest.raises(ConvertError) as e:
+            convert(src, arch, other)
+        refusals.append(str(e.value))
+    if others:  # the training check reads a Paddle file whole: once is enough
+        with pytest.raises(ConfigError) as c:
+            _check_weight_files(apply_overrides(registry.get_preset(arch, others[0]), {"run.ckpt": str(src)}))
+        refusals.append(str(c.value))
+    for msg in refusals:
+        assert "\n" not in msg and f"{src}: " in msg and msg.endswith(f"this looks like {arch}-{size}"), msg
+    return out
+
+
+@pytest.mark.parametrize("fixture,arch,size", CASES)
+def test_released_file_of_every_recorded_size_through_the_cli_and_on_load(fixture, arch, size, capsys, tmp_path):
+    """The recorded full-size manifests (PP-YOLO r50vd_dcn and r18vd, FCOS r50: PaddleDetection's
+    own models) saved as a ``.pdparams`` go the user's ways (:func:`convert_cli_on_load_and_ckpt`);
+    their function is the tiny models' above."""
+    src = tmp_path / f"{fixture}.pdparams"
+    write_pdparams(src, manifest_arrays(fixture))
+    out = convert_cli_on_load_and_ckpt(src, arch, size, tmp_path)
+    assert f"{arch}-{size}, 80 classes" in capsys.readouterr().out
+    from fastdet.runtime.checkpoint import load_torch_file
+
+    model = load_torch_file(out)["model"]
+    counters = [k for k in model if k.endswith("num_batches_tracked")]  # fastdet BatchNorm counters, not in the file
+    assert all(model[k].item() == 0 for k in counters)
+
+
+@pytest.mark.parametrize("size", ["s", "m", "l", "x"])
+def test_ppyoloe_of_every_size_computes_paddles_function(size, capsys, tmp_path):
+    """``ppyoloe_crn_{s,m,l,x}_300e_coco.pdparams``: Paddle's model of each size (the checked
+    transcription, random weights and BatchNorm statistics by :func:`record.fill`) saved as
+    Paddle saves it goes the user's ways (:func:`convert_cli_on_load_and_ckpt`), and the
+    converted model computes Paddle's dense boxes and scores at 64 x 96 (float64 within 1e-4
+    relative, float32 within 4x the reference's own float32 error; x takes ~6 s)."""
+    import fastdet
+
+    ref = paddle_ppyoloe.PPYOLOE(*paddle_ppyoloe.MULTS[size])
+    state = paddle_ppyoloe.paddle_state(ref)
+    weights = record.fill(list(state), [tuple(v.shape) for v in state.values()], seed=30)
+    paddle_ppyoloe.load_paddle_state(ref, {k: torch.from_numpy(v) for k, v in weights.items()})
+    src = tmp_path / f"ppyoloe_crn_{size}_300e_coco.pdparams"
+    write_pdparams(src, weights)
+    del weights
+    out = convert_cli_on_load_and_ckpt(src, "ppyoloe", size, tmp_path)
+    assert f"ppyoloe-{size}, 80 classes" in capsys.readouterr().out
+    ours = fastdet.load_detector(out, fuse=False)
+    x = torch.rand(1, 3, 64, 96)
+    with torch.no_grad():
+        want64, want32 = ref.double()(x.double()), ref.float()(x)
+        got64, got32 = ours.double()(x.double()), ours.float()(x)
+    for i, what in enumerate(("boxes", "scores")):
+        assert got64[i].shape == want64[i].shape, what
+        assert rel_err(got64[i], want64[i]) <= 1e-4, (what, rel_err(got64[i], want64[i]))
+        assert rel_err(got32[i], want64[i]) <= max(4 * rel_err(want32[i], want64[i]), 1e-6), what
+    for path in (src, out):  # up to 400 MB each (x)
+        path.unlink()
 
 
 @pytest.mark.parametrize("prefix", ["", "backbone."])
