@@ -13,6 +13,8 @@ reuses the cache directory) then loads each graph in seconds instead of compilin
 The model's class count comes from the training annotations (``--data``), or
 ``--num-classes`` without reading them (given both, they must agree where the set can be
 read here). ``--print-config`` prints the config whose graphs would be compiled, and exits.
+``--cores N`` keeps the worker processes x their inductor compile threads within N cores
+(default: every core of the machine), for fills that run beside other work.
 ``--ddp W`` compiles the graphs a ``torchrun`` launch of W ranks in all (nodes x processes
 per node) uses: DDP cuts them at its gradient buckets, and they hold collectives of W ranks
 (the loss normaliser's all-reduce, SyncBatchNorm's all-gather), so a fill for one world size serves launches of that size.
@@ -63,6 +65,10 @@ def build_parser():
     p.add_argument("--ddp", type=int, default=None, metavar="W",
                    help="compile the graphs of a torchrun launch of W ranks in all (nodes x processes per node): "
                         "DDP's gradient-bucket cuts and the collectives of W ranks")
+    p.add_argument("--cores", type=int, default=None, metavar="N",
+                   help="the cores this fill may use (default: all of this machine's): its worker processes x "
+                        "their inductor compile threads stay within N, for a fill that shares the machine "
+                        "(bench/gpu_check.sh runs several beside each other)")
     return p
 
 
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--num-classes must be at least 1, got {args.num_classes}")
         if args.ddp is not None and args.ddp < 1:
             raise ConfigError(f"--ddp takes the launch's number of ranks (at least 1), got {args.ddp}")
+        if args.cores is not None and args.cores < 1:
+            raise ConfigError(f"--cores must be at least 1, got {args.cores}")
         device = resolve_device(cfg.run.device)
         check_device_flags(cfg, device)
         n = num_classes(args, cfg)
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", 0)
     variants = registry.loss_variants(cfg, 0, cfg.optim.epochs - 1)
-    workers = CompileWorkers(cfg, device, ddp=args.ddp is not None, world_size=args.ddp)
+    workers = CompileWorkers(cfg, device, ddp=args.ddp is not None, world_size=args.ddp, cores=args.cores)
     # What an earlier fastdet.compile or training launch compiled into this cache under the
     # same graph key is not compiled again: a stopped or repeated fill does only the rest.
     every, _ = workers.plan(variants)

@@ -269,6 +269,29 @@ def compile_cli(monkeypatch):
     return cli.main, made
 
 
+def test_compile_cli_keeps_its_workers_and_threads_within_cores(monkeypatch, tmp_path, capsys):
+    """--cores N: the fill's worker processes x inductor compile threads stay within N cores
+    (bench/gpu_check.sh runs several fills beside each other; each took every core of the
+    machine). FCOS's three canvases in three workers of one thread; a bad count is one line."""
+    from fastdet import compile as cli
+    from fastdet.engine.compile_workers import CompileWorkers
+
+    started = []
+    monkeypatch.setattr(CompileWorkers, "start", lambda self, ready_dir: started.append(self))
+    monkeypatch.setattr(CompileWorkers, "wait", lambda self: True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    base = ["--arch", "fcos", "--size", "r50", "--num-classes", "4", "--device", "cpu", "--img-size", "64",
+            "--no-multiscale", "--batch-size", "2", "--epochs", "1", "--set", "compile.backend=aot_eager"]
+    assert cli.main([*base, "--cores", "4", "--set", "compile.workers=4"]) == 0
+    assert cli.main([*base, "--cores", "4"]) == 0
+    fcos, one = started
+    assert len(fcos.buckets) == 3 and (fcos.workers, fcos.threads) == (3, 1)
+    assert (one.workers, one.threads) == (1, 4)
+    assert cli.main([*base, "--cores", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("--cores must be at least 1, got 0\n") and err.count("\n") == 1 and len(started) == 2
+
+
 @pytest.mark.parametrize("flag", ["--cuda-graphs", "--sync-debug"])
 def test_compile_cli_refuses_cuda_only_flags_on_the_cpu_as_training_does(compile_cli, capsys, flag):
     main, made = compile_cli

@@ -217,12 +217,15 @@ class CompileWorkers:
             world size).
         ranks: a distributed trainer's :class:`~fastdet.runtime.dist.DistInfo`: local rank 0
             starts the workers, and every rank agrees on what is ready (one all-reduce).
+        cores: the cores the workers may use (default: the machine's): workers x compile
+            threads stay within them (``python -m fastdet.compile --cores``).
     """
 
     def __init__(self, cfg: Config, device: torch.device, *, step: TrainStep | None = None,
                  out_dir: Path | None = None, ddp: bool = False, ranks: dist.DistInfo | None = None,
-                 world_size: int | None = None):
+                 world_size: int | None = None, cores: int | None = None):
         self.cfg, self.device, self.step, self.out_dir, self.ddp = cfg, device, step, out_dir, ddp
+        self.cores = cores
         # The launch's ranks: the graphs' collectives hold their count.
         self.world_size = world_size or (ranks.world_size if ranks is not None else 1)
         self.agree_ranks = ranks is not None and ranks.distributed
@@ -258,7 +261,7 @@ class CompileWorkers:
         self.buckets = [b for b, k in zip(every, known) if not k]
         self.pending = list(self.buckets)
         self.workers, self.threads = plan_workers(max(1, len(self.buckets)), self.cfg.compile.workers,
-                                                  self.local_ranks)
+                                                  self.local_ranks, cpus=self.cores)
         if not self.buckets:  # every graph was compiled before: no worker to start
             self.workers = 0
         return every, known
