@@ -133,7 +133,8 @@ pack() {
 }
 
 # record: (re)write <stem>_<KIND>.json (every part: ran or not, status, why, exit code,
-# seconds, limit, lane; the parts never reached; the archive), then pack.
+# seconds, limit, lane, the side lane's jobs that ran beside it; the parts never reached;
+# the archive), then pack.
 ARCHIVE_BYTES=0
 record() {
     # A part before env (the DALI call's dali_install) is recorded before the stem is known.
@@ -145,10 +146,10 @@ import json, sys
 status, out, budget, elapsed, stem, wanted, archive, archive_mb, mode, trimmed, dropped, kind = sys.argv[1:]
 parts = []
 for line in open(status):
-    name, st, rc, secs, why, limit, lane = (line.rstrip("\n").split("\t") + [""] * 7)[:7]
+    name, st, rc, secs, why, limit, lane, beside = (line.rstrip("\n").split("\t") + [""] * 8)[:8]
     parts.append({"part": name, "ran": st != "skipped", "status": st, "exit": int(rc) if rc else None,
                   "seconds": int(secs or 0), "why": why or None, "limit_s": int(limit) if limit else None,
-                  "lane": lane or None})
+                  "lane": lane or None, "beside": beside.split(",") if beside else []})
 done = {p["part"] for p in parts}
 json.dump({"schema": "fastdet.bench/1", "kind": kind, "mode": mode, "stem": stem, "budget_s": int(budget),
            "elapsed_s": int(elapsed), "parts": parts,
@@ -164,7 +165,8 @@ EOF
     return 0
 }
 
-status_line() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS"; }
+# status_line NAME STATUS EXIT SECONDS WHY LIMIT LANE [BESIDE]
+status_line() { printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS"; }
 
 # import_error MODULE: nothing (status 0) when $PY imports MODULE, else the last line of the
 # error (status 1): a carried wheel that lacks a dependency of its own (DALI's astunparse
@@ -197,13 +199,16 @@ allowed() {
     echo "$lim"
 }
 
-# finish NAME RC T0 LIMIT: record a part's end.
+# finish NAME RC T0 LIMIT: record a part's end; PART_WHY, when set, says what the part left
+# out, CUT_WHY why it was cut (default: its limit); beside_of, when the sourcing script
+# defines it, names the side lane's jobs that ran beside it.
 finish() {
-    local name=$1 rc=$2 t0=$3 lim=$4 status=ok why=
-    (( rc == 124 || rc == 137 )) && status=timeout && why="cut at its limit of ${lim}s"
+    local name=$1 rc=$2 t0=$3 lim=$4 status=ok why=${PART_WHY:-} beside=
+    (( rc == 124 || rc == 137 )) && status=timeout && why="${CUT_WHY:-cut at its limit of ${lim}s}${why:+; $why}"
     (( rc != 0 && rc != 124 && rc != 137 )) && status=failed
-    note "$name: $status (exit $rc, $(( $(date +%s) - t0 ))s); log $name.log"
-    status_line "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" "$why" "$lim" "$(lane "$name")"
+    declare -F beside_of > /dev/null && beside=$(beside_of)
+    note "$name: $status (exit $rc, $(( $(date +%s) - t0 ))s)${beside:+, beside the precompile jobs $beside}${why:+: $why}; log $name.log"
+    status_line "$name" "$status" "$rc" "$(( $(date +%s) - t0 ))" "$why" "$lim" "$(lane "$name")" "$beside"
     tail -n 25 "$OUT_DIR/$name.log" | sed 's/^/    /' >> "$OUT_DIR/summary.txt"
     record
 }

@@ -57,9 +57,15 @@ def test_the_plan_fits_the_budget_and_compiles_beside_the_main_lane():
     names = [r["part"] for r in p["parts"]]
     window = names[names.index("precompile") + 1: names.index("join_precompile") + 1]
     assert parts["precompile"]["limit_s"] <= sum(parts[n]["limit_s"] for n in window)
-    assert names.index("build") < names.index("precompile")
-    assert all(names.index(n) > names.index("join_precompile") for n in (*PUBLISHED, "profile", "cold_compile"))
-    assert names[-1] == "cold_compile"  # it takes what is left
+    assert names.index("build") < names.index("precompile") < names.index("tests_kernels")
+    # The parts that load graphs, in priority order after the tests: the four families'
+    # steps (issue 42's headline) first, batch 128 last; then the lane is stopped, and
+    # cold_compile, which needs the cores, takes what is left.
+    late = names[names.index("waits") + 1: names.index("join_precompile")]
+    assert set(late[:4]) == set(PUBLISHED) - {"step_b128"} and late[-1] == "step_b128"
+    assert set(late) == {*PUBLISHED, "profile", "train"}
+    assert names.index("tests_capture") < names.index("waits")
+    assert names[-2:] == ["join_precompile", "cold_compile"]  # it takes what is left
     for r in p["parts"]:
         assert r["limit_s"] > 0 and r["returns"] and r["gpu_estimate"], r
 
@@ -195,7 +201,8 @@ def test_rehearsal_of_precompile_then_the_timed_part_it_serves(tmp_path):
     holds both JSON files and the record, no checkpoint, and stays under its limit."""
     out, record, names, files = rehearse(tmp_path, GPU_CHECK_PARTS="env,build,precompile,join_precompile,step_b128")
     parts = {p["part"]: p for p in record["parts"]}
-    assert [p["part"] for p in record["parts"]] == ["env", "build", "precompile", "join_precompile", "step_b128"]
+    # In the order they ended: the side lane's precompile is recorded when joined.
+    assert [p["part"] for p in record["parts"]] == ["env", "build", "step_b128", "precompile", "join_precompile"]
     assert all(p["status"] == "ok" for p in parts.values()), parts
     assert record["mode"] == "rehearse" and record["not_reached"] == []
     assert 0 < record["archive"]["bytes"] <= 8 * 2**20 and (out / "gpu_check.tgz").stat().st_size <= 8 * 2**20
@@ -243,6 +250,179 @@ exec {sys.executable} "$@"
     assert "yolox:s: not started: precompile's job for it ended with exit 1" in log
     parts = {p["part"]: p for p in record["parts"]}
     assert parts["train"]["status"] == "failed" and parts["precompile"]["status"] == "failed"
+
+
+def test_the_steps_run_as_their_graphs_come_and_a_failed_graph_costs_only_its_row(tmp_path):
+    """The families' step graphs are precompile's first jobs, at a higher CPU priority than
+    batch 128's; each timed part starts once its graph's job has ended, in the order they end
+    (PP-YOLO's graph here before YOLOX's: the plan lists YOLOX first), not after the whole lane.
+    A failed job costs only its own row: FCOS's part is skipped, saying why, and PP-YOLOE's
+    keeps its eager rows. bench/throughput.py is a stand-in here (a job's seconds and exit,
+    then time stamps); the rest is the script's own."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+if [[ "$1" == bench/throughput.py ]]; then
+    arch= batch= modes= pre=0
+    while (( $# )); do case $1 in --arch) arch=$2; shift ;; --batch-size) batch=$2; shift ;;
+        --modes) modes=$2; shift ;; --precompile) pre=1 ;; esac; shift; done
+    if (( pre )); then
+        echo "$(date +%s.%N) $(nice)" > {tmp_path}/started_${{arch}}_$batch
+        case $arch-$batch in ppyoloe-2) sleep 0.5; exit 1 ;; fcos-*) sleep 1; exit 1 ;;
+            ppyolo-*) sleep 2 ;; yolox-*) sleep 5 ;; *) sleep 1 ;; esac
+        date +%s.%N > {tmp_path}/compiled_${{arch}}_$batch
+    else
+        echo "$(date +%s.%N) $modes" > {tmp_path}/timed_${{arch}}_$batch
+    fi
+    exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    out, record, names, files = rehearse(
+        tmp_path, PYTHON=str(stub),
+        GPU_CHECK_PARTS="precompile,step_ppyoloe,step_yolox,step_ppyolo,step_fcos,step_b128,join_precompile")
+    read = lambda what, arch, b=2: (tmp_path / f"{what}_{arch}_{b}").read_text().split()
+    jobs = (tmp_path / "fastdet-gpu-check").glob("*/precompile/jobs.tsv")
+    assert [line.split("\t")[0] for line in next(jobs).read_text().splitlines()] == [
+        "step_ppyoloe", "step_yolox", "step_ppyolo", "step_fcos", "step_b128"]
+    # nice: 5 for the families' step graphs, 19 for batch 128's (from this test's own level)
+    assert int(read("started", "ppyoloe", 4)[1]) - int(read("started", "ppyolo")[1]) == 14
+    timed = {a: float(read("timed", a)[0]) for a in ("ppyoloe", "ppyolo", "yolox")}
+    assert timed["ppyoloe"] < timed["ppyolo"] < timed["yolox"], timed
+    for arch in ("ppyolo", "yolox"):
+        assert timed[arch] >= float(read("compiled", arch)[0]), arch
+    assert float(read("timed", "ppyoloe", 4)[0]) >= float(read("compiled", "ppyoloe", 4)[0])
+    assert read("timed", "ppyoloe")[1] == "step_eager_fp32,step_eager_amp,step_eager_amp_nhwc"
+    assert not (tmp_path / "timed_fcos_2").exists()
+    parts = {p["part"]: p for p in record["parts"]}
+    assert parts["step_fcos"]["status"] == "skipped"
+    assert "precompile's job step_fcos (exit 1) failed" in parts["step_fcos"]["why"]
+    assert parts["step_ppyoloe"]["status"] == "ok" and "only the eager rows run" in parts["step_ppyoloe"]["why"]
+    assert all(parts[p]["status"] == "ok" for p in ("step_yolox", "step_ppyolo", "step_b128"))
+    # Each part names the lane's jobs that ran beside it: PP-YOLO's ran while YOLOX compiled.
+    assert "step_yolox" in parts["step_ppyolo"]["beside"]
+
+
+@pytest.mark.parametrize("budget_s, b128_first", [(540, True), (150, False)])
+def test_a_part_of_lower_priority_runs_ahead_only_with_time_to_spare(tmp_path, budget_s, b128_first):
+    """Batch 128's graph (the least needed row) is compiled before PP-YOLOE's here: with the
+    budget to spare its part runs while PP-YOLOE's graph compiles; when the budget would then
+    no longer hold PP-YOLOE's part, join_precompile's and cold_compile's limits (rehearsal
+    limits x10: 750 + 50 + 460 s beside batch 128's 250 of 1500 s), it waits for PP-YOLOE's."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+case $1 in
+bench/throughput.py)
+    batch= pre=0
+    while (( $# )); do case $1 in --batch-size) batch=$2; shift ;; --precompile) pre=1 ;; esac; shift; done
+    if (( pre )); then (( batch == 2 )) && sleep 4; exit 0; fi
+    date +%s.%N > {tmp_path}/timed_$batch; exit 0 ;;
+bench/compile_timeline.py) exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    out, record, names, files = rehearse(tmp_path, PYTHON=str(stub), GPU_CHECK_BUDGET_S=str(budget_s),
+                                         GPU_CHECK_PARTS="precompile,step_ppyoloe,step_b128,join_precompile,cold_compile")
+    b64, b128 = (float((tmp_path / f"timed_{b}").read_text()) for b in (2, 4))
+    assert (b128 < b64) == b128_first
+    parts = {p["part"]: p for p in record["parts"]}
+    assert all(parts[p]["status"] == "ok" for p in ("step_ppyoloe", "step_b128", "cold_compile")), parts
+
+
+def test_a_timed_part_starts_once_its_gpu_memory_is_free_beside_precompile(tmp_path):
+    """50 GiB to share (GPU_CHECK_MEMORY_GIB). PP-YOLOE's and PP-YOLO's step graphs (12 + 1
+    and 28 + 1 GiB) start at once beside a main lane that holds nothing yet; PP-YOLOE's timed
+    part (28) then waits for PP-YOLO's job to end, though its own graph is ready, and no job
+    starts into the room it waits for. Batch 128's job (23 + 1), of lower priority, starts only
+    when the main lane's pending parts leave it room: after PP-YOLO's part (29) has run. The
+    record says the main lane waited."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+if [[ "$1" == bench/throughput.py ]]; then
+    arch= batch= pre=0
+    while (( $# )); do case $1 in --arch) arch=$2; shift ;; --batch-size) batch=$2; shift ;;
+        --precompile) pre=1 ;; esac; shift; done
+    if (( pre )); then
+        date +%s.%N > {tmp_path}/started_$arch$batch
+        [[ $arch == ppyolo ]] && sleep 3 || sleep 1
+        date +%s.%N > {tmp_path}/compiled_$arch$batch
+    else
+        date +%s.%N > {tmp_path}/timed_$arch$batch
+    fi
+    exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    out, record, names, files = rehearse(
+        tmp_path, PYTHON=str(stub), GPU_CHECK_MEMORY_GIB="50",
+        GPU_CHECK_PARTS="precompile,waits,step_ppyoloe,step_ppyolo,step_b128,join_precompile")
+    t = {f"{what}_{job}": float((tmp_path / f"{what}_{job}").read_text())
+         for what in ("started", "compiled", "timed") for job in ("ppyoloe2", "ppyolo2", "ppyoloe4")}
+    assert t["started_ppyolo2"] < t["compiled_ppyoloe2"], t
+    assert t["timed_ppyoloe2"] >= t["compiled_ppyolo2"], t
+    assert t["started_ppyoloe4"] >= t["timed_ppyolo2"], t
+    parts = {p["part"]: p for p in record["parts"]}
+    assert parts["waits"]["seconds"] >= 1 and "step_ppyoloe" in parts["waits"]["why"], parts["waits"]
+    assert all(parts[p]["status"] == "ok" for p in ("step_ppyoloe", "step_ppyolo", "step_b128")), parts
+
+
+def test_precompile_jobs_of_lower_priority_keep_the_room_the_main_lane_will_need(tmp_path, capsys):
+    """bench/run_jobs.py beside a main lane that holds 2 GiB now and will need 6 later, in 10 GiB:
+    the urgent job (4) starts within what it holds now; the later ones (3 each) wait until the
+    main lane says it needs nothing more, then start together. The state file says what is
+    reserved and which of the main lane's figures it acted on."""
+    import threading
+    import time
+
+    main = tmp_path / "main_gib"
+    main.write_text("2 6\n")
+    state = tmp_path / "state"
+    jobs = [_sleep_job("urgent", 4, 1.5), _sleep_job("later1", 3, 0.2), _sleep_job("later2", 3, 0.2)]
+    seen = []
+
+    def main_lane():
+        deadline = time.time() + 30
+        while time.time() < deadline and not (state.is_file() and "urgent" in state.read_text()):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        seen.append(state.read_text())
+        main.write_text("0 0\n")
+
+    t = threading.Thread(target=main_lane)
+    t.start()
+    run_jobs.run(jobs, time.time() + 60, tmp_path / "logs", tmp_path / "done.tsv", max_parallel=4, memory_gib=10,
+                 per_job_gib=0, poll_s=0.05, main_gib_file=main, state=state, urgent=1)
+    t.join()
+    events = [" ".join(line.split()[1:3]) for line in capsys.readouterr().out.splitlines()]
+    assert events[0] == "urgent started" and events.index("later1 started") < events.index("urgent ended"), events
+    assert seen == ["4\t2 6\turgent\n"]  # 4 + 3 + 6 > 10: the later jobs waited
+    assert state.read_text() == "0\t0 0\t\n"
+
+
+def test_precompile_stops_its_jobs_on_sigterm(tmp_path):
+    """join_precompile stops the lane (cold_compile needs the cores): SIGTERM to
+    bench/run_jobs.py cuts its running jobs (exit 124) and starts no other."""
+    import signal
+    import time
+
+    jobfile = tmp_path / "jobs.tsv"
+    jobfile.write_text(f"slow\t1\t{sys.executable} -c 'import time; time.sleep(60)'\n"
+                       f"next\t1\t{sys.executable} -c 'pass'\n")
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "run_jobs.py"), str(jobfile),
+                             "--deadline", str(time.time() + 120), "--logs", str(tmp_path / "logs"),
+                             "--done", str(tmp_path / "done.tsv"), "--max-parallel", "1", "--state", str(state)])
+    deadline = time.time() + 30
+    while time.time() < deadline and not (state.is_file() and "slow" in state.read_text()):
+        time.sleep(0.05)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0 and time.time() - t0 < 10
+    lines = (tmp_path / "done.tsv").read_text().splitlines()
+    assert [line.split("\t")[:2] for line in lines if line.startswith("slow")] == [["slow", "124"]]
+    assert "next not started: stopped" in lines
 
 
 @pytest.mark.slow
