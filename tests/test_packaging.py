@@ -70,3 +70,20 @@ def test_the_convert_cli_runs_from_an_installed_wheel(wheel, tmp_path):
                          capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
     assert "--from" in cli.stdout and "--arch" in cli.stdout
+
+
+def test_the_tree_tracks_no_build_output():
+    """Only sources are committed. An extension build folder was (``.ext-lead/``: ninja's
+    objects and state, torch's lock file, a second copy of csrc/): it travels with every
+    clone and every device call, and its copies of the sources are code nothing reads. No
+    tracked file is a compiled object or ninja's state, and none matches ``.gitignore``."""
+    r = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip(f"not a git checkout ({r.stderr.decode().strip()[:200]}): what is tracked is unknown")
+    tracked = [f for f in r.stdout.decode().split("\0") if f]
+    built = [f for f in tracked if Path(f).suffix in {".o", ".so", ".pyd", ".obj", ".pyc"}
+             or Path(f).name in {"build.ninja", ".ninja_deps", ".ninja_log"}]
+    r = subprocess.run(["git", "ls-files", "-z", "--cached", "--ignored", "--exclude-standard"], cwd=ROOT,
+                       capture_output=True, timeout=60)
+    ignored = [f for f in r.stdout.decode().split("\0") if f]
+    assert not built and not ignored, (built + ignored)[:5]
