@@ -197,6 +197,50 @@ def test_this_torch_s_lock_protocol_is_known():
     assert _ext.torch_waits_on_its_lock_file() == (not takes_a_kernel_lock)
 
 
+@pytest.mark.parametrize("why", ["no fcntl (Windows)", "no flock on the file system (Lustre without -o flock)"])
+def test_a_build_where_no_os_lock_can_be_had_still_builds(monkeypatch, tmp_path, why):
+    """The build lock is an addition to torch's own baton: where it cannot be had, the build
+    goes on as before it existed. flock on a Lustre mount without ``-o flock`` fails with
+    ENOSYS, which made every build there fail ("building the cpu extension ... failed:
+    [Errno 38] Function not implemented") though torch <= 2.13's baton builds there."""
+    import errno
+
+    from torch.utils import cpp_extension
+
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, build_directory, **kw: built.append(name))
+    if why.startswith("no fcntl"):
+        monkeypatch.setitem(sys.modules, "fcntl", None)  # import fcntl raises ImportError
+    else:
+        import fcntl
+
+        def no_flock(f, op):
+            raise OSError(errno.ENOSYS, "Function not implemented")
+
+        monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setenv("FASTDET_EXT_DIR", str(tmp_path / "ext"))
+    _ext.build("cpu")
+    assert built == ["fastdet_ext_cpu"]
+
+
+def test_the_lock_protocol_is_read_from_cpp_extension_not_the_version(monkeypatch):
+    """A source build or nightly of 2.14 is ``2.14.0a0`` / ``2.14.0.devN``, which sorts before
+    2.14: a version test took this torch's FileLock protocol for the old FileBaton one there
+    (and removed torch's lock file after every build, saying a build had been stopped)."""
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    takes_a_kernel_lock = "FileLock(" in inspect.getsource(cpp_extension)
+    for version in ("2.14.0a0+git1b2c3d4", "2.14.0.dev20260301", "2.13.1", "2.11.0+cu128"):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert _ext.torch_waits_on_its_lock_file() == (not takes_a_kernel_lock), version
+    # A torch whose load holds a FileBaton (<= 2.13), whatever its version says.
+    monkeypatch.delattr(cpp_extension, "FileLock", raising=False)
+    monkeypatch.setattr(cpp_extension, "FileBaton", object, raising=False)
+    assert _ext.torch_waits_on_its_lock_file()
+
+
 def test_build_command_is_cached_no_op():
     if not _ext.load():
         pytest.fail(f"the extension did not build: {_ext.error()}")

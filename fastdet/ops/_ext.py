@@ -29,6 +29,7 @@ After loading, this module registers the fake (meta) implementation of every op,
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.resources
 import logging
@@ -277,9 +278,19 @@ TORCH_BATON = "lock"
 
 def torch_waits_on_its_lock_file() -> bool:
     """Whether this torch's ``cpp_extension.load`` waits while ``<build dir>/lock`` exists
-    (torch <= 2.13's FileBaton). From 2.14 the file is held with a kernel lock and stays in
-    the build directory after every build: there it is no sign of a killed build."""
-    return torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
+    (torch <= 2.13's FileBaton). From 2.14 the file is held with a kernel lock (FileLock) and
+    stays in the build directory after every build: there it is no sign of a killed build.
+    Read from the module ``load`` is in, not from the version: a source build or nightly
+    of 2.14 (``2.14.0a0``, ``2.14.0.dev...``) sorts before 2.14 on either side of the change."""
+    from torch.utils import cpp_extension
+
+    names = vars(cpp_extension)
+    return "FileBaton" in names and "FileLock" not in names
+
+
+# flock's errors where the file system has none (Lustre mounted without -o flock: ENOSYS; some
+# network file systems: EOPNOTSUPP, ENOLCK). There the build goes on under torch's own baton.
+_NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)
 
 
 @contextlib.contextmanager
@@ -287,14 +298,26 @@ def _one_build_at_a_time(out: Path):
     """Hold an OS lock on ``out`` (released by the kernel when its holder dies, however it
     dies) around ``cpp_extension.load``: every fastdet process loads through here, so a
     holder finds no other process inside ``load``, and a torch baton file there is one a
-    killed build left; it is removed, with a line saying so, instead of waited on."""
+    killed build left; it is removed, with a line saying so, instead of waited on. Without
+    fcntl (Windows) or flock on the build folder's file system, torch's baton alone, as
+    before: a build that cannot lock still builds."""
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's own baton alone
         yield
         return
     with open(out / ".fastdet-build.lock", "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+            locked = False  # no OS lock here: torch's own baton alone, as without fcntl
+        else:
+            locked = True
+        if not locked:
+            yield
+            return
         try:
             baton = out / TORCH_BATON
             if torch_waits_on_its_lock_file() and baton.exists():
