@@ -636,11 +636,27 @@ def formula(note: str) -> str:
     raise AssertionError(f"no closed min(...) in {note!r}")
 
 
+def map_back(note: str, r: float, h: int, w: int) -> tuple[float, float]:
+    """``(sx, sy)`` as ``resize_note`` writes them (``sx = sy = r``, or ``sx = EXPR, sy = EXPR``
+    up to the sentence's end), computed for an ``h`` x ``w`` image at the note's ``r``."""
+    import math
+    import re
+
+    if "sx = sy = r" in note:
+        return r, r
+    m = re.search(r"sx = ([^,]+), sy = (.+?)(?:\. |$)", note)
+    assert m, f"no sx, sy in {note!r}"
+    names = {"floor": math.floor, "r": r, "h": h, "w": w}
+    return eval(m[1], names), eval(m[2], names)
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_onnx_metadata_states_the_canvas_and_the_resize_onto_it(arch):
     """``input_size`` is the exported canvas and ``resize_note``'s ``r`` (or sx, sy), computed
     as written, is the scale ``Preprocess`` gives an image on it: keep-ratio (FCOS) states
-    its limits at this canvas's size, for every canvas, and which images the canvas is for."""
+    its limits at this canvas's size, for every canvas, and which images the canvas is for.
+    Its ``sx``, ``sy`` (what boxes are divided by, per the family's ``box_scale``: YOLOX
+    ``r``, FCOS the content's true factor) are those ``Preprocess`` reports."""
     from types import SimpleNamespace
 
     from fastdet.export import export_canvas, onnx_metadata
@@ -661,6 +677,9 @@ def test_onnx_metadata_states_the_canvas_and_the_resize_onto_it(arch):
                 assert (r, r) == pytest.approx(want, rel=1e-9), (arch, canvas, note)
             else:
                 assert f"sx = {hw[1]} / w, sy = {hw[0]} / h" in note and want == (hw[1] / w, hw[0] / h)
+                r = None
+            _, reported = p(np.zeros((h, w, 3), np.uint8), hw)  # the (sx, sy) evaluation maps back by
+            assert map_back(note, r, h, w) == pytest.approx(reported, rel=1e-9), (arch, canvas, h, w, note)
         if p.resize == "keep_ratio":
             assert "landscape" in note or "portrait" in note  # the other canvases to export
     assert export_canvas(p, 128) == next(iter(named.items()))
