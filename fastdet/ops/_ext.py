@@ -282,7 +282,7 @@ def torch_waits_on_its_lock_file() -> bool:
     stays in the build directory after every build: there it is no sign of a killed build.
     Read from the module ``load`` is in, not from the version: a source build or nightly
     of 2.14 (``2.14.0a0``, ``2.14.0.dev...``) sorts before 2.14 on either side of the change."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # heavy (setuptools, compilers' probing): only to build
 
     names = vars(cpp_extension)
     return "FileBaton" in names and "FileLock" not in names
