@@ -132,6 +132,66 @@ def test_a_build_says_once_that_it_builds_and_how_long_it_took(monkeypatch, tmp_
     assert "building" not in caplog.text.replace(err, "") + capsys.readouterr().err
 
 
+@pytest.mark.parametrize("other_build", ["ends", "is killed"])
+def test_a_process_that_waits_for_another_s_build_says_it_waited(monkeypatch, tmp_path, other_build):
+    """Two processes (torchrun ranks) load the extension at once: the second waits on the
+    build lock while the first builds. It said "building the cpu extension" and then "built
+    in N s", N counting the wait, though it built nothing. Now it says it waits for another
+    process's build and how long it waited, and no "building" line when that build ended;
+    when the other build was killed (no library), it builds, and its time leaves the wait out.
+    The other process is this test holding the lock; the clock is a stand-in (the wait: 120 s,
+    the build: 30 s), cpp_extension.load too."""
+    import fcntl
+    import threading
+    from types import SimpleNamespace
+
+    from torch.utils import cpp_extension
+
+    clock = [1000.0]
+    monkeypatch.setattr(_ext, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    said = []
+    monkeypatch.setattr(_ext, "_say", said.append)
+
+    def fake_load(name, sources, build_directory, **kw):
+        lib = Path(build_directory) / f"{name}.so"
+        if not lib.is_file():  # a real build: 30 s on the stand-in clock; else ninja's no-op
+            clock[0] += 30
+            lib.write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("FASTDET_EXT_DIR", str(tmp_path / "ext"))
+    out = _ext.build_dir("cpu")
+    out.mkdir(parents=True)
+    real_flock = fcntl.flock
+    waiting = threading.Event()
+
+    def flock(f, op):
+        if op == fcntl.LOCK_EX:  # the blocking call: the build thread now waits on the lock
+            waiting.set()
+        return real_flock(f, op)
+
+    with open(out / ".fastdet-build.lock", "a+") as held:
+        real_flock(held, fcntl.LOCK_EX)  # the other process, building
+        monkeypatch.setattr(fcntl, "flock", flock)
+        builder = threading.Thread(target=_ext.build, args=("cpu",), daemon=True)
+        builder.start()
+        try:
+            assert waiting.wait(60), "the build did not wait on the lock another process holds"
+            clock[0] += 120
+            if other_build == "ends":
+                _ext.library_path("cpu").write_bytes(b"")
+        finally:
+            real_flock(held, fcntl.LOCK_UN)
+        builder.join(60)
+    assert not builder.is_alive()
+    assert said[0] == f"fastdet.ops: waiting for another process's build of the cpu extension in {out}", said
+    if other_build == "ends":
+        assert said[1:] == ["fastdet.ops: the cpu extension was built by another process; waited 120 s for it"], said
+    else:
+        assert said[1].startswith(f"fastdet.ops: building the cpu extension in {out}") and len(said) == 3, said
+        assert said[2] == "fastdet.ops: the cpu extension built in 30 s", said
+
+
 def test_a_build_killed_mid_way_does_not_hang_the_next_load(monkeypatch, tmp_path):
     """torch <= 2.13's cpp_extension.load (the GPU hosts have 2.11) builds while holding a
     file, ``<build dir>/lock``, that it removes when done; every other process waits while

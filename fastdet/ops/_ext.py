@@ -8,7 +8,9 @@ variant and a hash of what the build depends on (the sources' content, the flags
 torch and Python versions, the CUDA arch list), and compiles a copy of the sources kept
 there: checkouts and virtualenvs on one machine with the same sources share one build,
 and a checkout with other sources never overwrites it. An unchanged rebuild is a ninja
-no-op; a real build says once that it is building and how long it took. Two variants:
+no-op; a real build says once that it is building and how long it took, and a process that
+waits for another one's build of the same folder (another torchrun rank) says that it waits
+and then how long it waited, without building. Two variants:
 
 - ``cuda``: the C++ CPU kernels (``*_cpu.cpp``) plus the CUDA ones (``ops_cuda.cpp``,
   ``kernels.cu``...). Built where torch has CUDA support, a GPU is visible and a CUDA
@@ -243,13 +245,27 @@ def build(variant: str | None = None, verbose: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     staged = _stage_sources(variant, out)
     sources = [str(staged / s) for s in (*CPU_SOURCES, *(CUDA_SOURCES if variant == "cuda" else ()))]
-    fresh = not library_path(variant).is_file()
-    start = time.perf_counter()
-    if fresh:
-        _say(f"fastdet.ops: building the {variant} extension in {out} (once per machine and source "
-             f"version; {'a few minutes' if variant == 'cuda' else 'about a minute'} on 2 cores)")
+    # A library there is a finished build of these sources (the folder's key hashes them):
+    # loading it is a ninja no-op, and a wait for another process's lock is short and unsaid.
+    built_before = library_path(variant).is_file()
+
+    def on_wait() -> None:
+        if not built_before:
+            _say(f"fastdet.ops: waiting for another process's build of the {variant} extension in {out}")
+
+    fresh = False
     try:
-        with _one_build_at_a_time(out):
+        with _one_build_at_a_time(out, on_wait) as waited_s:
+            # Read once the lock is held: a build another process ended while this one waited
+            # is done, and this process only loads it.
+            fresh = not library_path(variant).is_file()
+            if waited_s is not None and not fresh and not built_before:
+                _say(f"fastdet.ops: the {variant} extension was built by another process; waited "
+                     f"{waited_s:.0f} s for it")
+            if fresh:
+                _say(f"fastdet.ops: building the {variant} extension in {out} (once per machine and source "
+                     f"version; {'a few minutes' if variant == 'cuda' else 'about a minute'} on 2 cores)")
+            start = time.perf_counter()
             cpp_extension.load(
                 name=f"fastdet_ext_{variant}",
                 sources=sources,
@@ -294,21 +310,33 @@ _NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)
 
 
 @contextlib.contextmanager
-def _one_build_at_a_time(out: Path):
+def _one_build_at_a_time(out: Path, on_wait=None):
     """Hold an OS lock on ``out`` (released by the kernel when its holder dies, however it
     dies) around ``cpp_extension.load``: every fastdet process loads through here, so a
     holder finds no other process inside ``load``, and a torch baton file there is one a
     killed build left; it is removed, with a line saying so, instead of waited on. Without
     fcntl (Windows) or flock on the build folder's file system, torch's baton alone, as
-    before: a build that cannot lock still builds."""
+    before: a build that cannot lock still builds.
+
+    Yields the seconds this process waited for another one's lock (another torchrun rank,
+    a second checkout building the same sources), calling ``on_wait()`` when the wait starts,
+    or None when it did not wait."""
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's own baton alone
-        yield
+        yield None
         return
     with open(out / ".fastdet-build.lock", "a+") as f:
+        waited_s = None
         try:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another process holds it: it builds (or loads) there now
+                if on_wait is not None:
+                    on_wait()
+                t0 = time.perf_counter()
+                fcntl.flock(f, fcntl.LOCK_EX)
+                waited_s = time.perf_counter() - t0
         except OSError as e:
             if e.errno not in _NO_FLOCK:
                 raise
@@ -316,7 +344,7 @@ def _one_build_at_a_time(out: Path):
         else:
             locked = True
         if not locked:
-            yield
+            yield None
             return
         try:
             baton = out / TORCH_BATON
@@ -324,7 +352,7 @@ def _one_build_at_a_time(out: Path):
                 baton.unlink()
                 _say(f"fastdet.ops: removed {baton}, left by a build of the extension that was stopped "
                      "before it ended; building again")
-            yield
+            yield waited_s
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
