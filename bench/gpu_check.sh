@@ -26,7 +26,8 @@
 # keeps the higher one's limit. When nothing is ready the main lane waits ("waits"); a wait
 # beyond that row's limit takes the time of the parts of lower priority, which are then cut
 # or skipped, each saying why. A part whose job failed is skipped (PP-YOLOE's step and the
-# profile keep their eager rows), saying why. Each part records the precompile jobs that ran
+# profile keep their eager rows), saying why; so is one whose job the lane never ended, the
+# lane gone (lane_lost: no waiting on a dead lane). Each part records the precompile jobs that ran
 # beside it ("beside"). bench/README.md ("Call 1: the plan") has the reasoning and timelines.
 #
 #| part            | lane | limit_s | returns                                                          | GPU estimate (source)
@@ -240,15 +241,58 @@ else
 fi
 
 # --- the main lane beside precompile. job_end NAME: the exit code of precompile's job NAME
-# once it ended, "-" if it was never started, nothing while it runs or when precompile has
-# no such job (bench/run_jobs.py's done file); queued NAME: precompile has that job.
+# once it ended, "-" if it was never started, "lost" once the lane is gone without writing its
+# end (lane_lost), nothing while it runs or when precompile has no such job (bench/run_jobs.py's
+# done file); queued NAME: precompile has that job.
 job_end() {
     local line
-    line=$(grep -m1 -E "^$1("$'\t'"| not started)" "$OUT_DIR/precompile/done.tsv" 2>/dev/null) || return 0
-    if [[ $line == *"not started"* ]]; then echo "-"; else echo "$line" | cut -f2; fi
+    if line=$(grep -m1 -E "^$1("$'\t'"| not started)" "$OUT_DIR/precompile/done.tsv" 2>/dev/null); then
+        if [[ $line == *"not started"* ]]; then echo "-"; else echo "$line" | cut -f2; fi
+    elif queued "$1" && lane_lost; then
+        echo lost
+    fi
+    return 0
 }
 queued() { [[ -n "$PRE_PID" ]] && grep -q -m1 "^$1"$'\t' "$JOBFILE"; }
-lane_alive() { [[ -n "$PRE_PID" ]] && kill -0 "$PRE_PID" 2>/dev/null; }
+# proc_stat PID: the fields of /proc/PID/stat after the command's name (0: the state, 2: the
+# process group, 19: the start time); status 1 when there is no such process.
+proc_stat() {
+    local stat
+    read -r stat < "/proc/$1/stat" 2>/dev/null || return 1
+    echo "${stat##*) }"
+}
+# lane_alive: bench/run_jobs.py runs: not a zombie, and not another process given its pid
+# since (its start time is the one seen at launch, PRE_START).
+lane_alive() {
+    local f
+    [[ -n "$PRE_PID" ]] || return 1
+    [[ -n "${PRE_START:-}" ]] || { kill -0 "$PRE_PID" 2>/dev/null; return; }  # no /proc
+    read -r -a f <<< "$(proc_stat "$PRE_PID")"
+    [[ ${f[0]:-Z} != Z && ${f[19]:-} == "$PRE_START" ]]
+}
+# lane_lost: precompile's lane is gone (crashed, killed) before writing the end of every job:
+# those jobs count as failed (job_end says "lost"), so no part waits for them; the jobs it
+# left running (its last state's process groups) are stopped, for no one counts their GPU
+# memory any more; the one line saying so is written once, to $PRE_DIR/lane_lost. Status 0
+# from then on; 1 while the lane runs, or when it ended having written every job's end.
+lane_lost() {
+    local j pid f missing=() stopped=()
+    [[ -n "$PRE_PID" ]] || return 1
+    [[ -s "$PRE_DIR/lane_lost" ]] && return 0
+    lane_alive && return 1
+    while IFS=$'\t' read -r j _; do
+        grep -q -m1 -E "^$j("$'\t'"| not started)" "$PRE_DIR/done.tsv" 2>/dev/null || missing+=("$j")
+    done < "$JOBFILE"
+    (( ${#missing[@]} )) || return 1
+    for pid in $(cut -f4 "$STATE_FILE" 2>/dev/null | tr ',' ' '); do
+        # Still the leader of its own process group: the job's, not another process given its pid.
+        read -r -a f <<< "$(proc_stat "$pid")"
+        [[ ${f[2]:-} == "$pid" ]] && kill -KILL -- "-$pid" 2>/dev/null && stopped+=("$pid")
+    done
+    echo "precompile's lane (bench/run_jobs.py, pid $PRE_PID) is gone (crashed or killed: precompile/jobs.log) without the end of its jobs $(printf '%s\n' "${missing[@]}" | paste -sd, -): they count as failed, no part waits for them${stopped[*]:+; the jobs it left running were stopped (process groups ${stopped[*]})}" \
+        > "$PRE_DIR/lane_lost.tmp" && mv "$PRE_DIR/lane_lost.tmp" "$PRE_DIR/lane_lost"
+    return 0
+}
 # lane_state FIELD: bench/run_jobs.py's state: 1 the GiB its jobs reserve, 2 the main lane's
 # figures it last read, 3 the running jobs (comma list).
 lane_state() { lane_alive && cut -f "$1" "$STATE_FILE" 2>/dev/null; }
@@ -300,13 +344,18 @@ part_fits() {
     reserved=$(lane_state 1)
     awk -v r="${reserved:-0}" -v n="${MAIN_GIB[$1]:-0}" -v m="$MEM_GIB" 'BEGIN { exit !(r + n <= m) }'
 }
-# deps_failed PART: its jobs that ended other than with 0, as "job (exit N)".
+# deps_failed PART: its jobs that ended other than with 0, as "job (exit N)", or that the lane,
+# gone, never ended.
 deps_failed() {
     local j e out=()
     for j in ${DEPS[$1]:-}; do
         queued "$j" || continue
         e=$(job_end "$j")
-        [[ -n $e && $e != 0 ]] && out+=("$j (exit $e)")
+        if [[ $e == lost ]]; then
+            out+=("$j (never ended: precompile's lane is gone, precompile/lane_lost)")
+        elif [[ -n $e && $e != 0 ]]; then
+            out+=("$j (exit $e)")
+        fi
     done
     echo "${out[*]:-}"
 }
@@ -446,6 +495,11 @@ if wanted precompile; then
             --memory-gib "$MEM_GIB" --urgent "$URGENT" --main-gib-file "$MAIN_FILE" --state "$STATE_FILE" \
             > "$PRE_DIR/jobs.log" 2>&1 &
         PRE_PID=$!
+        PRE_START=  # its start time, which a process given its pid later would not have
+        if [[ -r /proc/self/stat ]]; then
+            read -r -a pre_stat <<< "$(proc_stat "$PRE_PID")"
+            PRE_START=${pre_stat[19]:-}
+        fi
         # On the CPU (the rehearsal) the trainers' eager backend has no graphs in a cache to
         # wait for: waiting there only lengthens the rehearsal (GPU_CHECK_TRAIN_WAITS=1 asks for it).
         [[ ${GPU_CHECK_TRAIN_WAITS:-$([[ $DEVICE == cuda ]] && echo 1)} == 1 ]] && export TRAIN_AFTER_PRECOMPILE=1
@@ -494,6 +548,10 @@ train_all() {
                     --output-dir "$OUT_DIR/train/${fam%%:*}" --exist-ok > "$OUT_DIR/train_${fam%%:*}.log" 2>&1 &
                 pids+=($!)
                 names+=("$fam")
+            elif [[ $end == lost ]]; then
+                (( rc )) || cat "$PRE_DIR/lane_lost"
+                rc=1
+                echo "$fam: not started: precompile's job for it never ended (its lane is gone), so its graphs are not in the cache"
             else
                 rc=1
                 echo "$fam: not started: precompile's job for it ended with exit $end (precompile/train_${fam%%:*}.log), so its graphs are not in the cache"
@@ -511,12 +569,12 @@ train_all() {
         fi
         grep -h -E "warm-up|runs compiled|captured|first step done" "$OUT_DIR/train_${names[$i]%%:*}.log" | tail -n 4
     done
-    find "$OUT_DIR/train" -name '*.pth' -delete
+    find "$OUT_DIR/train" -name '*.pth' -delete 2>/dev/null  # no folder when no trainer started
     return $rc
 }
 run_train() {
-    export -f train_all train_flags job_end
-    export PY OUT_DIR DEVICE TRAIN_STEPS TRAIN_SIZE TRAIN_BATCH LOADER
+    export -f train_all train_flags job_end queued proc_stat lane_alive lane_lost
+    export PY OUT_DIR DEVICE TRAIN_STEPS TRAIN_SIZE TRAIN_BATCH LOADER PRE_PID PRE_START PRE_DIR JOBFILE STATE_FILE
     export FAMILIES_LIST="${FAMILIES[*]}"
     part train bash -c 'FAMILIES=($FAMILIES_LIST); TRAIN_GPU=('"${TRAIN_GPU[*]}"'); TRAIN_BACKEND=('"${TRAIN_BACKEND[*]}"'); train_all'
 }
@@ -582,8 +640,12 @@ if wanted train && (( ! HAVE_COCO )); then
     skip train "pycocotools is not importable ($COCO_WHY): the trainer's final COCO evaluation needs it (carry its wheel: bench/README.md)"
     drop_pending train
 fi
-WAIT_S=0 WAITED_FOR=()
+WAIT_S=0 WAITED_FOR=() LOST_SAID=
 while (( ${#PENDING[@]} )); do
+    if [[ -z $LOST_SAID ]] && lane_lost; then
+        note "precompile: $(cat "$PRE_DIR/lane_lost")"
+        LOST_SAID=1
+    fi
     declare_main "$(ready_gib)" && sleep 0.5  # bench/run_jobs.py reads it at its next poll
     p=$(pick_part)
     if [[ -n $p ]]; then
@@ -624,6 +686,9 @@ if [[ -n "$PRE_PID" ]]; then
         kill -TERM "$PRE_PID"
     fi
     wait "$PRE_PID" 2>/dev/null
+    lane_rc=$?
+    PART_WHY=
+    lane_lost && PART_WHY="$(cat "$PRE_DIR/lane_lost")"
     pre_rc=0
     [[ -f "$PRE_DIR/done.tsv" ]] || : > "$PRE_DIR/done.tsv"
     while IFS=$'\t' read -r job rc secs; do
@@ -635,9 +700,14 @@ if [[ -n "$PRE_PID" ]]; then
         fi
     done < "$PRE_DIR/done.tsv"
     (( $(wc -l < "$PRE_DIR/done.tsv") < $(wc -l < "$JOBFILE") )) && (( pre_rc == 0 )) && pre_rc=124
+    if [[ -n $PART_WHY ]]; then
+        # Its lost jobs failed; the lane's own end says how it went (137: SIGKILL, 1: a crash).
+        pre_rc=1 PART_WHY="$PART_WHY (bench/run_jobs.py exit $lane_rc)"
+        [[ -z $LOST_SAID ]] && note "precompile: $(cat "$PRE_DIR/lane_lost")"
+    fi
     cat "$PRE_DIR"/*.log > "$OUT_DIR/precompile.log" 2>/dev/null
     finish precompile "$pre_rc" "$T_PRE" "$PRE_LIM"
-    CUT_WHY=
+    CUT_WHY= PART_WHY=
     status_line join_precompile ok 0 "$(( $(date +%s) - t0 ))" "" "$(limit join_precompile)" main
     record
 else

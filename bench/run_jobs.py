@@ -18,9 +18,12 @@ it holds now, and the most it will hold while the jobs still to start run. The f
 ``--urgent`` jobs of the file (the graphs the main lane waits for next) start within NOW,
 the others within LATER, so a job of lower priority never takes the room a main part will
 need before it ends. This script writes ``--state`` after every poll,
-``reserved<TAB>now later<TAB>names``: the GiB its running jobs reserve, the main lane's
-figures as it last read them (the main lane trusts ``reserved`` once they are its own),
-the running jobs. A main part that waits for memory so waits only for jobs to end.
+``reserved<TAB>now later<TAB>names<TAB>pids``: the GiB its running jobs reserve, the main
+lane's figures as it last read them (the main lane trusts ``reserved`` once they are its
+own), the running jobs and their process ids (each the leader of its own process group). A
+main part that waits for memory so waits only for jobs to end; should this script die
+without writing its jobs' ends (a crash, SIGKILL), the main lane stops the jobs it left
+running by those ids.
 
 Every job is cut at the deadline, or when this script gets SIGTERM (the main lane's last
 part needs the cores): SIGTERM to the job's process group, SIGKILL 5 s later, exit 124;
@@ -152,7 +155,8 @@ def run(jobs: list[Job], deadline: float, logs: Path, done: Path, max_parallel: 
                 print(f"[jobs] {j.name} started ({j.gib:g} GiB; {in_use():g} of {budget} GiB reserved, "
                       f"main lane {beside:g}, {len(running)} running)", flush=True)
             if state is not None:
-                write_atomic(state, f"{in_use():g}\t{main[0]:g} {main[1]:g}\t{','.join(j.name for j in running)}\n")
+                write_atomic(state, f"{in_use():g}\t{main[0]:g} {main[1]:g}\t{','.join(j.name for j in running)}\t"
+                                    f"{','.join(str(j.proc.pid) for j in running)}\n")
             if pending or running:
                 time.sleep(poll_s)
     finally:

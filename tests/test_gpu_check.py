@@ -7,8 +7,10 @@ tool (``$OUT`` set) everything is packed into ``$OUT`` (at most 8 files come bac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -252,6 +254,79 @@ exec {sys.executable} "$@"
     assert parts["train"]["status"] == "failed" and parts["precompile"]["status"] == "failed"
 
 
+def _process_gone(pid: int) -> bool:
+    """No such process, or a zombie (its parent, init here, has not reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(") ", 1)[1].split()[0] == "Z"
+
+
+def test_a_lane_that_dies_is_seen_at_once_and_its_jobs_count_as_failed(tmp_path):
+    """Precompile's lane (bench/run_jobs.py) killed while it runs YOLOX's step graph and
+    PP-YOLOE's trainer job, before it wrote their ends (or started the other trainers' jobs):
+    the main lane waited for those jobs until the budget was spent and said precompile was
+    "still compiling". It now sees the lane gone at once: the jobs it never ended count as
+    failed, so YOLOX's step part is skipped and the train part runs at once without the
+    trainers, each saying the lane is gone; the jobs the lane left running are stopped (they
+    would hold GPU memory no one counts); the precompile row says so with the lane's exit.
+    bench/throughput.py, fastdet.compile and fastdet.train are stand-ins here."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+if [[ "$1" == bench/throughput.py ]]; then
+    arch= pre=0 json=
+    while (( $# )); do case $1 in --arch) arch=$2; shift ;; --json) json=$2; shift ;;
+        --precompile) pre=1 ;; esac; shift; done
+    (( pre )) || {{ touch {tmp_path}/timed_$arch; exit 0; }}
+    [[ $arch == yolox ]] || exit 0
+    # Once the lane runs PP-YOLOE's trainer job beside this one, this job kills the lane, its parent.
+    for i in $(seq 1200); do grep -q train_ppyoloe "$(dirname "$json")/state" 2>/dev/null && break; sleep 0.1; done
+    echo $$ > {tmp_path}/left_yolox
+    kill -KILL $PPID
+    sleep 300
+    exit 0
+fi
+if [[ "$1 $2" == "-m fastdet.compile" || "$1 $2" == "-m fastdet.train" ]]; then
+    what=$2 fam=
+    while (( $# )); do case $1 in --arch) fam=$2; shift ;; esac; shift; done
+    [[ $what == fastdet.train ]] && {{ touch {tmp_path}/trained_$fam; exit 0; }}
+    echo $$ > {tmp_path}/left_train_$fam
+    sleep 300
+    exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    try:
+        out, record, names, files = rehearse(
+            tmp_path, PYTHON=str(stub), GPU_CHECK_PARTS="precompile,step_ppyoloe,step_yolox,train,join_precompile",
+            GPU_CHECK_TRAIN_WAITS="1", GPU_CHECK_LIMIT_SCALE="1", GPU_CHECK_BUDGET_S="200")
+        left = {job: int((tmp_path / f"left_{job}").read_text()) for job in ("yolox", "train_ppyoloe")}
+        stopped = {job: _process_gone(pid) for job, pid in left.items()}
+    finally:
+        for f in tmp_path.glob("left_*"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(f.read_text()), signal.SIGKILL)
+    parts = {p["part"]: p for p in record["parts"]}
+    assert parts["step_ppyoloe"]["status"] == "ok" and (tmp_path / "timed_ppyoloe").exists()
+    assert parts["step_yolox"]["status"] == "skipped" and not (tmp_path / "timed_yolox").exists()
+    assert "step_yolox (never ended: precompile's lane is gone" in parts["step_yolox"]["why"]
+    with tarfile.open(out / "gpu_check.tgz") as tar:
+        log = tar.extractfile("./train.log").read().decode()
+    assert parts["train"]["status"] == "failed" and not list(tmp_path.glob("trained_*")), log
+    for fam in ("ppyoloe:s", "yolox:s", "ppyolo:r50vd_dcn", "fcos:r50"):
+        assert f"{fam}: not started: precompile's job for it never ended (its lane is gone)" in log, log
+    gone = "precompile's lane (bench/run_jobs.py, pid "
+    assert log.count(gone) == 1 and "still compiling" not in log, log
+    assert parts["precompile"]["status"] == "failed" and gone in parts["precompile"]["why"]
+    assert "(bench/run_jobs.py exit 137)" in parts["precompile"]["why"]
+    assert "train_ppyoloe" in parts["precompile"]["why"] and "were stopped" in parts["precompile"]["why"]
+    summary = (out / "summary.txt").read_text()
+    assert summary.count(f"precompile: {gone}") == 1 and "still compiling" not in summary, summary
+    assert all(stopped.values()), stopped  # the jobs the lane left running
+
+
 def test_the_steps_run_as_their_graphs_come_and_a_failed_graph_costs_only_its_row(tmp_path):
     """The families' step graphs are precompile's first jobs, at a higher CPU priority than
     batch 128's; each timed part starts once its graph's job has ended, in the order they end
@@ -372,7 +447,7 @@ def test_precompile_jobs_of_lower_priority_keep_the_room_the_main_lane_will_need
     """bench/run_jobs.py beside a main lane that holds 2 GiB now and will need 6 later, in 10 GiB:
     the urgent job (4) starts within what it holds now; the later ones (3 each) wait until the
     main lane says it needs nothing more, then start together. The state file says what is
-    reserved and which of the main lane's figures it acted on."""
+    reserved, which of the main lane's figures it acted on, and the running jobs' process ids."""
     import threading
     import time
 
@@ -397,8 +472,8 @@ def test_precompile_jobs_of_lower_priority_keep_the_room_the_main_lane_will_need
     t.join()
     events = [" ".join(line.split()[1:3]) for line in capsys.readouterr().out.splitlines()]
     assert events[0] == "urgent started" and events.index("later1 started") < events.index("urgent ended"), events
-    assert seen == ["4\t2 6\turgent\n"]  # 4 + 3 + 6 > 10: the later jobs waited
-    assert state.read_text() == "0\t0 0\t\n"
+    assert seen == [f"4\t2 6\turgent\t{jobs[0].proc.pid}\n"]  # 4 + 3 + 6 > 10: the later jobs waited
+    assert state.read_text() == "0\t0 0\t\t\n"
 
 
 def test_precompile_stops_its_jobs_on_sigterm(tmp_path):
