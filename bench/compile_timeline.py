@@ -20,9 +20,10 @@ background warm-up, log interval 1, and no evaluation, and reads its log line by
   and misses of each switch (a miss means the cache did not serve the relaunch).
 
 The JSON holds both phases, the command lines and the environment, and is rewritten after
-each phase. A SIGTERM to this script (bench/gpu_check.sh's part limit) stops the trainer
-with it (it runs in a session of its own, which the limit's kill does not reach) and writes
-what was read, the phase marked ``cut``. The figures are wall-clock seconds of this machine: run nothing beside it.
+each phase. A SIGTERM to this script (bench/gpu_check.sh's part limit), whenever it comes,
+stops the trainer with it (it runs in a session of its own, which the limit's kill does not
+reach) and writes what was read, the phase marked ``cut``; a phase whose trainer had already
+ended is written whole; no phase starts after it (``stopped_before`` names the next). The figures are wall-clock seconds of this machine: run nothing beside it.
 """
 
 from __future__ import annotations
@@ -58,8 +59,41 @@ class _Stopped(Exception):
     """This script was told to stop (SIGTERM: gpu_check.sh's part limit)."""
 
 
-def _raise_stopped(signum, frame):
-    raise _Stopped(signal.Signals(signum).name)
+class _Run:
+    """What the SIGTERM handler acts on, whenever the signal comes: the trainer running now
+    (``proc``, set the moment it is started), whether the log is being read (the only place
+    the handler raises, to leave a read that would wait for the next line), the signal's name
+    once it came, and whether it stopped a live trainer (that phase is then ``cut``)."""
+
+    proc: subprocess.Popen | None = None
+    reading = False
+    signal: str | None = None
+    killed = False
+
+
+def _on_sigterm(signum, frame):
+    _Run.signal = signal.Signals(signum).name
+    _kill_trainer()
+    if _Run.reading:
+        _Run.reading = False
+        raise _Stopped(_Run.signal)
+
+
+def _kill_trainer() -> None:
+    """Stop the trainer now, with its session (torchrun's ranks, the compile workers): it runs
+    in a session of its own, which this script's killer does not reach, and would otherwise
+    train on, on the GPU of whatever runs next. Nothing once it has been waited for."""
+    proc = _Run.proc
+    if proc is not None and proc.returncode is None:
+        _Run.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def at(point: str, proc: subprocess.Popen | None = None) -> None:
+    """A no-op at the points between which a SIGTERM may fall ("started": the trainer
+    ``proc`` just started; "ended": its log read to the end; "written": a phase written):
+    tests replace it to send the signal there."""
 
 
 def parse_args(argv=None):
@@ -116,8 +150,14 @@ def run_phase(a, name: str, cache: Path, out: Path) -> dict:
     cmd = command(a, cache, out)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    _Run.killed = False
+    # A SIGTERM from here on only notes itself (and stops the trainer once there is one): it
+    # raises nowhere but in the log's reading, so the trainer is known before it can come.
+    proc = _Run.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+    if _Run.signal is not None:  # it came while the trainer was being started
+        _kill_trainer()
+    at("started", proc)
     row: dict = {"phase": name, "command": " ".join(cmd), "graphs_compiled": [], "switches": []}
     log_tail: list[str] = []
     state = {"all_at": None, "stop_sent": False}
@@ -139,15 +179,17 @@ def run_phase(a, name: str, cache: Path, out: Path) -> dict:
 
     threading.Thread(target=watchdog, daemon=True).start()
     try:
-        read_log(proc, row, t0, log_tail, state, stop)
-    except _Stopped as e:
-        # The trainer runs in its own session, which this script's killer does not reach: it
-        # (and its compile workers) would train on, on the GPU of whatever runs next.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the rest is quick: write what was read
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        row.update(status="cut", stopped_because=f"{e} to bench/compile_timeline.py (its time limit)",
+        _Run.reading = True  # from here a SIGTERM raises _Stopped, caught below
+        if _Run.signal is None:  # one that came before has stopped the trainer already
+            read_log(proc, row, t0, log_tail, state, stop)
+        _Run.reading = False
+    except _Stopped:
+        pass
+    _Run.reading = False
+    proc.wait()  # at once where the handler killed it
+    at("ended", proc)
+    if _Run.killed:
+        row.update(status="cut", stopped_because=f"{_Run.signal} to bench/compile_timeline.py (its time limit)",
                    log_tail=log_tail[-40:])
     row.update(exit_code=proc.returncode, wall_s=round(time.perf_counter() - t0, 1))
     if proc.returncode not in (0, 75):
@@ -216,7 +258,10 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_stopped)  # a stop cuts the phase, which is still written
+    # Before any trainer starts: a stop cuts the phase running, which is still written, and
+    # starts no other, wherever it comes (_Run).
+    _Run.proc, _Run.signal = None, None
+    signal.signal(signal.SIGTERM, _on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="fastdet-timeline-"))
     cache = Path(a.cache_dir).expanduser() if a.cache_dir else root / "inductor"
     if "cold" in a.phases and cache.exists() and any(cache.iterdir()):
@@ -227,9 +272,17 @@ def main(argv=None) -> int:
               "cache_dir": str(cache), "env": environment(), "phases": {}}
     code = 0
     for name in a.phases:
+        if _Run.signal is not None:  # told to stop between phases: none other starts
+            result["stopped_before"] = {"phase": name, "because": f"{_Run.signal} to bench/compile_timeline.py "
+                                                                    "(its time limit)"}
+            Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"{name}: not started: {result['stopped_before']['because']}", flush=True)
+            code = 1
+            break
         row = run_phase(a, name, cache, root / name)
         result["phases"][name] = row
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        at("written")
         brief = {k: row.get(k) for k in ("status", "graphs", "workers", "first_step_s", "first_step_kind",
                                           "first_compiled_step_seen_s", "all_compiled_seen_s", "steps",
                                           "longest_step_gap_s", "longest_step_gap_step",
@@ -239,8 +292,6 @@ def main(argv=None) -> int:
             print("\n".join(row.get("log_tail", [])), file=sys.stderr)
             code = 1
         shutil.rmtree(root / name, ignore_errors=True)
-        if row["status"] == "cut":
-            break  # told to stop: no further phase
     if not a.cache_dir:
         shutil.rmtree(root, ignore_errors=True)
     return code

@@ -180,6 +180,50 @@ def test_the_cold_compile_timeline_cut_at_its_limit_stops_its_trainer_and_writes
     assert cold["graphs"] == 3 and cold["workers"] == 2
 
 
+@pytest.mark.parametrize("point", ["started", "ended", "written"])
+def test_a_sigterm_outside_the_log_s_reading_stops_the_timeline_cleanly(tmp_path, point):
+    """The cold_compile part's SIGTERM may come at any point of the timeline's life, not only
+    while it reads the trainer's log: right after it started the trainer ("started"), once
+    the trainer ended ("ended"), or between two phases ("written"). Such a signal gave a
+    traceback, the phase was not written, and right after the start the trainer ran on (in a
+    session of its own, beyond the limit's kill). Now the trainer is stopped at once, the
+    phase is written (cut if its trainer was running, whole if it had ended), and no further
+    phase starts. The stand-in trainer logs its plan, then waits or ends; the timeline's own
+    hook (``at``) sends the signal at the point, so nothing here waits on a clock."""
+    pid_file = tmp_path / "trainer.pid"
+    trainer = ("import time; print('12:00:00 compile: 3 graph(s) (3 size bucket(s) x 1 loss variant(s)) in 2 "
+               f"worker process(es) x 8 compile thread(s)', flush=True); time.sleep({600 if point == 'started' else 0})")
+    driver = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import compile_timeline as ct\n"
+              f"ct.command = lambda a, cache, out: [sys.executable, '-c', {trainer!r}]\n"
+              "def at(point, proc=None):\n"
+              f"    if proc is not None and not os.path.exists({str(pid_file)!r}):\n"
+              f"        open({str(pid_file)!r}, 'w').write(str(proc.pid))\n"
+              f"    if point == {point!r}:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "ct.at = at\n"
+              "sys.exit(ct.main(sys.argv[1:]))")
+    out = tmp_path / "timeline.json"
+    r = subprocess.run([sys.executable, "-c", driver, "--arch", "ppyoloe", "--size", "s", "--batch-size", "2",
+                        "--phases", "cold,warm", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    trainer_pid = int(pid_file.read_text())
+    try:
+        assert _process_gone(trainer_pid), "the trainer runs on"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer_pid, signal.SIGKILL)
+    log = r.stdout + r.stderr
+    assert r.returncode == 1 and "Traceback" not in log, log
+    result = json.loads(out.read_text())
+    assert list(result["phases"]) == ["cold"], log
+    cold = result["phases"]["cold"]
+    if point == "started":
+        assert cold["status"] == "cut" and "SIGTERM" in cold["stopped_because"], cold
+    else:
+        assert cold["status"] == "ok" and cold["exit_code"] == 0 and cold["graphs"] == 3, cold
+    assert result["stopped_before"]["phase"] == "warm" and "SIGTERM" in result["stopped_before"]["because"]
+
+
 def rehearse(tmp_path, **env):
     """bench/gpu_check.sh --rehearse under a stand-in of the device tool ($OUT set)."""
     out = tmp_path / "out"
