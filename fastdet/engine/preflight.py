@@ -86,6 +86,14 @@ def tiny_subset(dataset: CocoDataset, n: int, canvases: Canvases = Canvases(), s
     return replace(dataset, records=[dataset.records[i] for i in one_canvas(aspects, n, canvases, size)])
 
 
+def preflight_set(val_set: CocoDataset, eval_batch_size: int, device: torch.device, world_size: int,
+                  canvases: Canvases, size: int) -> CocoDataset:
+    """The val images the check evaluates: :func:`preflight_images` per rank, of one canvas
+    (:func:`tiny_subset`: the largest the val set fills), so each rank's share is one batch as
+    large as the evaluation's largest."""
+    return tiny_subset(val_set, preflight_images(eval_batch_size, device) * world_size, canvases, size)
+
+
 def fake_results(dataset: CocoDataset) -> list[dict[str, Any]]:
     """One made-up detection per image (a 16 px box of the first category), COCO results format."""
     return [{"image_id": r.image_id, "category_id": dataset.cat_ids[0],

@@ -35,7 +35,7 @@ from fastdet.engine.hooks import Hook
 from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
 from fastdet.engine.optim import LRSchedule
-from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_images, tiny_subset
+from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_set
 from fastdet.engine.rundir import choose_run_dir, forget_failed_start
 from fastdet.eval.scoring import resolve_backend
 from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
@@ -386,10 +386,8 @@ class Trainer:
         model = self.ema.averaged() if self.ema is not None else self.model
         build = partial(build_eval_loader, cfg.data, preprocess=self.family.preprocess,
                         rank=d.rank, world_size=d.world_size, device=self.device)
-        # One canvas (the largest the val set fills): each rank's share is one batch as large as
-        # the evaluation's largest.
-        tiny = tiny_subset(self.val_set, preflight_images(cfg.data.eval_batch_size, self.device) * d.world_size,
-                           self.family.preprocess.canvases(), cfg.data.img_size)
+        tiny = preflight_set(self.val_set, cfg.data.eval_batch_size, self.device, d.world_size,
+                             self.family.preprocess.canvases(), cfg.data.img_size)
         try:
             secs = check_end_of_run_path(model, self.val_set, build, self.amp_dtype, self.predict_kwargs, tiny,
                                          lambda: self.checkpoints.state(self.epoch, self.step, self.evals.best_ap),
