@@ -216,9 +216,7 @@ class DaliEvalLoader(_DaliLoader, EvalLoader):
         super().__init__(data, records, schedule, **kw)
         p = self.preprocess
         # Preprocess.__call__ as a stage list; DALI's cubic kernel differs slightly from torch's.
-        self.stages = (S.Resize(p.resize, pad_value=p.pad_value, interp=p.interp, short=p.short, max_long=p.max_long,
-                                box_scale=p.box_scale),
-                       S.Normalize(p.mean, p.std))
+        self.stages = (p.resize_stage(), S.Normalize(p.mean, p.std))
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         s = self.schedule

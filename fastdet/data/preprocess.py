@@ -35,8 +35,7 @@ by the ratio of the original to the resized size).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -46,6 +45,8 @@ from torch import Tensor
 
 from fastdet.data.records import IMAGENET_MEAN, IMAGENET_STD
 from fastdet.data.schedule import HW, Canvases, canvases_for
+from fastdet.data import stages as S
+from fastdet.data.augment import resize_scale
 from fastdet.data.stages import BOX_SCALES
 
 RESIZE_MODES = ("stretch", "letterbox", "keep_ratio")
@@ -90,19 +91,17 @@ class Preprocess:
         if (self.mean is None) != (self.std is None):
             raise ValueError("Preprocess: mean and std are both set or both None")
 
+    def resize_stage(self) -> S.Resize:
+        """This resize as the Resize stage: the training resize's rule
+        (:func:`fastdet.data.augment.resize_scale`) and the DALI evaluation's stage list."""
+        return S.Resize(self.resize, pad_value=self.pad_value, interp=self.interp, short=self.short,
+                        max_long=self.max_long, box_scale=self.box_scale)
+
     def scale(self, h: int, w: int, canvas_hw: Sequence[int]) -> tuple[float, float]:
         """``(sx, sy)``: the resize factors for an ``h`` x ``w`` image on ``canvas_hw`` (letterbox
         and keep_ratio: ``(r, r)``; the map-back is :meth:`__call__`'s, per ``box_scale``)."""
-        ch, cw = int(canvas_hw[0]), int(canvas_hw[1])
-        if self.resize == "stretch":
-            return cw / w, ch / h
-        r = min(ch / h, cw / w)  # never larger than the canvas
-        if self.resize == "keep_ratio":
-            # The limits at this canvas's scale, in augment.resize_scale's order of operations
-            # (the training resize and the DALI evaluation compute the same float64 r).
-            short = min(ch, cw)
-            r = min(r, short / min(h, w), short * self.max_long / self.short / max(h, w))
-        return r, r
+        _, scale = resize_scale(replace(self.resize_stage(), box_scale="ratio"), h, w, _hw(canvas_hw))
+        return scale
 
     def canvases(self) -> Canvases:
         """The (H, W) canvases of this resize mode (``Canvases.buckets(S)``): the evaluation
@@ -119,11 +118,7 @@ class Preprocess:
         ``floor(w r)``, as YOLOX's ``preproc`` (``int(h * r)``), torchvision's FCOS transform
         (``recompute_scale_factor=True``), the training resize and the DALI evaluation resize
         (``pipelines/stages.py``) compute it, in float64."""
-        sx, sy = self.scale(h, w, canvas_hw)
-        if self.resize == "stretch":
-            return int(canvas_hw[0]), int(canvas_hw[1])
-        return (max(1, min(int(canvas_hw[0]), math.floor(h * sy))),
-                max(1, min(int(canvas_hw[1]), math.floor(w * sx))))
+        return resize_scale(self.resize_stage(), h, w, _hw(canvas_hw))[0]
 
     def normalize_(self, x: Tensor) -> Tensor:
         """float [..., 3, H, W] on 0..255 → the network's input values (in place)."""
@@ -141,8 +136,8 @@ class Preprocess:
         if x.dim() != 3 or x.shape[-1] != 3:
             raise ValueError(f"Preprocess: expected an RGB image [H, W, 3], got {tuple(x.shape)}")
         h, w = int(x.shape[0]), int(x.shape[1])
-        ch, cw = int(canvas_hw[0]), int(canvas_hw[1])
-        rh, rw = self.resized_hw(h, w, canvas_hw)
+        ch, cw = _hw(canvas_hw)
+        (rh, rw), (sx, sy) = resize_scale(self.resize_stage(), h, w, (ch, cw))
         src = x.permute(2, 0, 1)[None]  # [1, 3, H0, W0]
         mode = _TORCH_INTERP[self.interp]
         kw = {} if mode == "nearest-exact" else {"align_corners": False, "antialias": False}
@@ -150,10 +145,11 @@ class Preprocess:
             src = F.interpolate(src, size=(rh, rw), mode=mode, **kw)  # uint8 in, uint8 out
         out = torch.full((3, ch, cw), float(self.pad_value), dtype=torch.float32)
         out[:, :rh, :rw] = src[0].float()
-        sx, sy = self.scale(h, w, canvas_hw)
-        if self.resize != "stretch" and self.box_scale == "content":  # the floored extent's true factor
-            sx, sy = rw / w, rh / h
         return self.normalize_(out), (sx, sy)
+
+
+def _hw(canvas_hw: Sequence[int]) -> tuple[int, int]:
+    return int(canvas_hw[0]), int(canvas_hw[1])
 
 
 def boxes_to_original(boxes: Tensor, scale_xy: Sequence[float] | Tensor, orig_hw: Sequence[int] | Tensor) -> Tensor:
