@@ -10,7 +10,8 @@ The architecture named by ``cfg.model.arch`` is looked up here, once per questio
   section typed by the family (dicts of the previous layout are migrated);
 - :func:`phase` / :func:`loss_variants`: what training uses at an epoch, and every
   distinct set of loss arguments a run will use (compiled at warm-up);
-- :func:`predict_kwargs`, :func:`build_detector`: post-processing and the model.
+- :func:`predict_kwargs`, :func:`predict_fields`, :func:`build_detector`: post-processing
+  (its keyword arguments, the ``family`` fields it reads) and the model.
 """
 
 from __future__ import annotations
@@ -117,6 +118,27 @@ def predict_kwargs(cfg: Config) -> dict[str, Any]:
     """``Detector.predict`` keyword arguments (post-processing) of ``cfg``'s family."""
     cfg = resolve(cfg)
     return recipe(cfg.model.arch).predict(cfg.family)
+
+
+class _Reads:
+    """``options`` with a record of the attribute names read from it."""
+
+    def __init__(self, options: FamilyOptions) -> None:
+        self._options, self.names = options, []
+
+    def __getattr__(self, name: str) -> Any:
+        self.names.append(name)
+        return getattr(self._options, name)
+
+
+def predict_fields(cfg: Config) -> tuple[str, ...]:
+    """The ``family`` fields the post-processing of ``cfg``'s family reads (what ``--set``
+    may change at evaluation): those the recipe's ``predict`` looks up, in its order, so a
+    family's list cannot drift from its code."""
+    cfg = resolve(cfg)
+    reads = _Reads(cfg.family)
+    recipe(cfg.model.arch).predict(reads)
+    return tuple(dict.fromkeys(reads.names))
 
 
 def build_detector(cfg: Config, num_classes: int | None = None) -> Detector:

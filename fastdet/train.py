@@ -33,6 +33,7 @@ from fastdet.data.schedule import LoaderError
 from fastdet.engine.compile_workers import CompileError
 from fastdet.engine.faults import EXIT_PREEMPTED, Preempted, config_mismatch
 from fastdet.engine.optim import OPTIMIZERS, SCHEDULES
+from fastdet.models.recipe import check_postprocess
 from fastdet.engine.rundir import holds_run
 from fastdet.engine.trainer import TrainingError, train
 from fastdet.models import ARCHITECTURES
@@ -412,15 +413,14 @@ def _check_values(cfg: Config) -> None:
               "optim.gamma": (o.gamma > 0, "positive"), "optim.clip_grad_norm": (o.clip_grad_norm >= 0, ">= 0 (0: off)"),
               "optim.no_aug_epochs": (o.no_aug_epochs >= 0, ">= 0"),
               "run.seed": (cfg.run.seed >= 0, ">= 0")}
-    family = cfg.family if isinstance(cfg.family, dict) else vars(cfg.family)
-    for name in ("score_thresh", "nms_iou"):  # the family's post-processing, where it has one
-        if isinstance(family.get(name), (int, float)):
-            ranges[f"family.{name}"] = (0 <= family[name] <= 1, "in [0, 1]")
     for key, (ok, what) in ranges.items():
         if not ok:
             section, name = key.split(".")
-            got = family[name] if section == "family" else getattr(getattr(cfg, section), name)
-            raise ConfigError(f"{_named(key)} must be {what}, got {got}")
+            raise ConfigError(f"{_named(key)} must be {what}, got {getattr(getattr(cfg, section), name)}")
+    try:
+        check_postprocess(cfg.family)  # the family's post-processing, where it has one
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.run.profile_steps:
         try:
             ProfilerWindow.parse(cfg.run.profile_steps)

@@ -4,11 +4,13 @@ included), dump/load and configs of the previous layout."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from fastdet.config import Config, ConfigError, FamilyOptions, apply_overrides, parse_set_args
 from fastdet.models.ppyoloe import PPYOLOEOptions
+from fastdet import registry
 from fastdet.registry import PRESETS, config_from_dict, demo_overrides, get_preset, load_config
 
 DEMO_OVERRIDES = demo_overrides("ppyoloe")
@@ -231,6 +233,24 @@ def test_the_trainer_refuses_values_that_would_fail_an_epoch_in(key, value, mess
     with pytest.raises(ConfigError) as e:
         check_config(apply_overrides(get_preset("ppyoloe", "s"), {key: value}))
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("arch, value, message", [
+    ("yolox", 0, None),  # Megvii's eval: every candidate into the NMS
+    ("yolox", -1, "family.pre_nms_topk must be >= 0 (0: every candidate), got -1"),
+    ("ppyoloe", 0, "family.pre_nms_topk must be at least 1, got 0"),  # topk(0) would keep no box
+    ("ppyolo", 0, "family.pre_nms_topk must be at least 1, got 0"),
+    ("fcos", 0, "family.pre_nms_topk must be at least 1, got 0"),
+])
+def test_pre_nms_topk_0_is_every_candidate_only_where_the_family_reads_it_so(arch, value, message):
+    from fastdet.train import check_config
+
+    cfg = apply_overrides(get_preset(arch, registry.family(arch).sizes[0]), {"family.pre_nms_topk": value})
+    if message is None:
+        check_config(cfg)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_config(cfg)
 
 
 def test_ppyolo_has_no_nms_iou_and_a_stored_one_is_dropped():

@@ -131,6 +131,34 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys, cap
     save_checkpoint(tmp_path / "plain.pth", {k: v for k, v in ck.items() if k not in ("ema", "optimizer")})
     plain = ap(rerun / "best.pth", "--weights", "model")
     assert plain == ap(tmp_path / "plain.pth") and plain < trained["AP"] - 0.2
+    # --set changes the recipe's post-processing: one detection an image misses the val
+    # boxes after each image's first (the demo's images hold several).
+    assert ap(rerun / "best.pth", "--set", "family.max_det=1") < trained["AP"] - 0.2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--set", "optim.base_lr=0.1"], "--set optim.base_lr: evaluation takes the post-processing fields "
+                                     "(family.<field>)"),
+    (["--set", "family.static_assigner_epoch=3"], "--set family.static_assigner_epoch: evaluation does not read "
+                                                   "it; ppyoloe's post-processing reads family.score_thresh, "
+                                                   "family.nms_iou, family.max_det, family.pre_nms_topk, "
+                                                   "family.per_class_topk"),
+    (["--set", "family.nms_iou=1.5"], "family.nms_iou must be in [0, 1], got 1.5"),
+    (["--set", "family.max_det=0"], "family.max_det must be at least 1, got 0"),
+    (["--set", "family.max_det=many"], "family.max_det"),
+    (["--set", "family.nms_iou"], "--set 'family.nms_iou': expected section.field=value"),
+])
+def test_eval_set_takes_only_the_post_processing_in_range(eager_run, tmp_path, capsys, extra, message):
+    """``fastdet.eval --set``: a field evaluation does not read (another section, a training
+    field of the family) or a value out of range is one line, exit 2, before the data is read
+    (the --data given does not exist)."""
+    from fastdet.eval.__main__ import main as eval_main
+
+    out, _ = eager_run
+    code = eval_main(["--ckpt", str(out / "best.pth"), "--data", str(tmp_path / "no_such_set"), "--device", "cpu",
+                      *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_val_image_that_does_not_decode_is_left_out_of_the_evaluation(eager_run, demo_small, tmp_path, capsys,
@@ -483,6 +511,8 @@ def test_bad_values_fail_before_any_work_in_one_line(demo_small, tmp_path, capsy
     (["--set", "optim.beta2=1.5"], "optim.beta2 must be in [0, 1), got 1.5"),
     (["--set", "optim.weight_decay=-1"], "optim.weight_decay must be >= 0"),
     (["--set", "family.nms_iou=5"], "family.nms_iou must be in [0, 1], got 5"),
+    (["--set", "family.max_det=0"], "family.max_det must be at least 1, got 0"),
+    (["--set", "family.pre_nms_topk=0"], "family.pre_nms_topk must be at least 1, got 0"),
     (["--seed", "-1"], "--seed (run.seed) must be >= 0, got -1"),
     (["--profile-steps", "5:2"], "--profile-steps '5:2': need 0 <= A < B"),
     (["--output-dir", "A_FILE"], "is a file, not a folder"),

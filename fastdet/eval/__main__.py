@@ -6,7 +6,9 @@ The model is rebuilt from the config stored in the checkpoint, as
 ``--from``), ``--ckpt`` may be the authors' released file (Megvii, Paddle, torchvision),
 converted on load as ``python -m fastdet.convert`` does. The val set is ``--data``'s
 (or ``--val-ann/--val-images``), defaulting to the one trained on; ``--split test`` scores
-``--data``'s test split instead.
+``--data``'s test split instead. ``--set family.<field>=value`` changes the recipe's
+post-processing (e.g. ``--set family.nms_iou=0.7 --set family.max_det=300``, the NMS
+PaddleDetection 2.4 to 2.6 evaluate PP-YOLOE with); only the fields it reads are taken.
 Runs under torchrun too: each rank evaluates its shard, rank 0 scores.
 """
 
@@ -19,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from fastdet.config import ConfigError, apply_overrides
+from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
 from fastdet import registry
 from fastdet.api import CLI_ARGS, detector_from_checkpoint, read_any_checkpoint
 from fastdet.data.coco import DataError
@@ -28,6 +30,7 @@ from fastdet.data.loader import build_eval_loader, resolve_backend
 from fastdet.data.schedule import LoaderError
 from fastdet.eval.coco import evaluate
 from fastdet.models import Detector
+from fastdet.models.recipe import check_postprocess
 from fastdet.runtime import dist
 from fastdet.runtime.amp import resolve_amp
 from fastdet.runtime.logging import setup_logging
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default=None, help="for a released file: the size (inferred when left out)")
     p.add_argument("--from", dest="source", choices=["megvii", "paddle", "torchvision"], default=None,
                    help="for a released file: whose format it is (inferred when left out)")
+    p.add_argument("--set", action="append", default=[], metavar="family.FIELD=VALUE",
+                   help="change a post-processing field of the recipe, e.g. --set family.nms_iou=0.7 "
+                        "(repeatable; the fields the family's post-processing reads)")
     return p
 
 
@@ -101,13 +107,34 @@ def check_args(args: argparse.Namespace) -> None:
     if args.split == "test" and (args.val_ann or args.val_images or not args.data):
         raise ValueError("--split test scores the test split of --data: give --data (and no --val-ann/--val-images, "
                          "which name a set to score as it is)")
+    for key in parse_set_args(args.set):
+        if not key.startswith("family."):
+            raise ValueError(f"--set {key}: evaluation takes the post-processing fields (family.<field>); the model "
+                             "and the data are the checkpoint's, changed by --data, --img-size, --batch-size")
+
+
+def postprocess_overrides(cfg: Config, items: list[str]) -> Config:
+    """``cfg`` with ``--set family.<field>=value`` applied: only the fields the family's
+    post-processing reads (another is refused naming them), each in its range."""
+    over = parse_set_args(items)
+    fields = registry.predict_fields(cfg)
+    for key in over:
+        if key.split(".", 1)[1] not in fields:
+            raise ConfigError(f"--set {key}: evaluation does not read it; {cfg.model.arch}'s post-processing reads "
+                              + ", ".join(f"family.{f}" for f in fields))
+    cfg = apply_overrides(cfg, over)
+    try:
+        check_postprocess(cfg.family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -125,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("data.val_ann", "data.val_images", "data.train_ann", "data.train_images"):
                 over.setdefault(key, None)
         cfg = apply_overrides(cfg, over)
+        try:
+            cfg = postprocess_overrides(cfg, args.set)
+        except ConfigError as e:  # a flag's value, as check_args's
+            print(f"fastdet.eval: error: {e}", file=sys.stderr)
+            return 2
         device = dist.resolve_device(cfg.run.device)
         resolve_backend(cfg.data, device)  # --loader dali without DALI: said before the data is read
         info = dist.init_distributed(device.type)

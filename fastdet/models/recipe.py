@@ -68,6 +68,30 @@ def check_probabilities(options: Any, *names: str) -> None:
             raise ValueError(f"family.{name}: expected a probability in [0, 1], got {p}")
 
 
+# Post-processing fields the families share, and the values they take: a score or IoU is a
+# fraction, a count keeps at least one box. A family has those its ``predict`` reads.
+POSTPROCESS_RANGES: Mapping[str, tuple[Callable[[float], bool], str]] = {
+    "score_thresh": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "nms_iou": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "post_thresh": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "max_det": (lambda v: v >= 1, "at least 1"),
+    "pre_nms_topk": (lambda v: v >= 1, "at least 1"),
+}
+
+
+def check_postprocess(options: Any) -> None:
+    """A one-line ``ValueError`` naming ``family.<name>`` for a post-processing value out of
+    its range: the options class's ``postprocess_ranges`` (a family whose post-processing
+    reads a value another way declares its own), else :data:`POSTPROCESS_RANGES`;
+    ``options`` a family's options or their dict. A NaN fails every range."""
+    values = options if isinstance(options, Mapping) else vars(options)
+    ranges = getattr(type(options), "postprocess_ranges", POSTPROCESS_RANGES)
+    for name, (ok, what) in ranges.items():
+        v = values.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
+            raise ValueError(f"family.{name} must be {what}, got {v}")
+
+
 def without_augmentation(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
     """Only the Resize and Normalize of ``stages`` (``data.augment`` off), the resize at one
     fixed interpolation (linear when the recipe draws one at random)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from fastdet.data.stages import HSV, Flip, MixUp, Mosaic, Normalize, RandomAffin
 from fastdet.losses import all_reduce_mean, loss_float
 from fastdet.models.backbones.cspdarknet import CSPDarknet, CSPLayer, base_conv, conv
 from fastdet.models.detector import ArchFamily, Detector, WeightSource
-from fastdet.models.recipe import DEMO_CPU, NMSOptions, Phase, Recipe, check_probabilities
+from fastdet.models.recipe import DEMO_CPU, POSTPROCESS_RANGES, NMSOptions, Phase, Recipe, check_probabilities
 from fastdet.ops import simota_assign
 
 # size -> (depth, width, depthwise), Megvii exps/default/yolox_{nano,tiny,s,m,l,x}.py
@@ -364,8 +364,11 @@ class YOLOXOptions(NMSOptions):
     mosaic, affine and mixup and add the L1 loss; the LR holds flat then (quadratic_warmcos).
     """
 
+    # Megvii's eval keeps every point above test_conf (yolox_base.py): no top-k before NMS,
+    # which ``pre_nms_topk`` 0 says (yolox_postprocess, the ONNX export's best-class form).
+    postprocess_ranges: ClassVar[Mapping[str, tuple[Callable[[float], bool], str]]] = {
+        **POSTPROCESS_RANGES, "pre_nms_topk": (lambda v: v >= 0, ">= 0 (0: every candidate)")}
     nms_iou: float = NMS_IOU
-    # Megvii's eval keeps every point above test_conf (yolox_base.py): no top-k before NMS.
     pre_nms_topk: int = 0
     mosaic_prob: float = 1.0
     mixup_prob: float = 1.0
