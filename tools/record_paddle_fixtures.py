@@ -2,20 +2,32 @@
 
 Runs PaddleDetection 2.6's own modules (its source tree, given with --ppdet; only the
 model files are imported, not ppdet/__init__) under paddlepaddle, and writes to
-tests/fixtures/paddle/:
+tests/fixtures/paddle/, for each model of :data:`MODELS` (PP-YOLOE crn s, m, l and x;
+PP-YOLO r50vd_dcn and r18vd; FCOS r50):
 
 - ``<model>_manifest.json``: every key of the full-size model's state dict in Paddle's
   order with its shape (what a released ``.pdparams`` holds), for the key-count checks;
-- ``<model>_tiny.npz``: a tiny-width model's key order and shapes, the seed that fills
-  its weights (:func:`fill`, which the test repeats), a fixed input, and Paddle's dense
+- ``<model>_tiny.npz``: a tiny model's key order and shapes, the seed that fills its
+  weights (:func:`fill`, which the test repeats), a fixed input, and Paddle's dense
   outputs on it (boxes, scores) in float32 and float64: every point or anchor before
   NMS, decoded by Paddle's own post-processing with scale factor 1 (input pixels).
+  PP-YOLOE's tiny models are width 0.125 at their size's depth (the same blocks per
+  stage as the released model); PP-YOLO's and FCOS's are the full model on a small input.
 
-Regenerate (CPU is enough):
+Regenerate (CPU is enough; a few seconds a model), in a venv of its own:
 
     pip install paddlepaddle==3.3.1 numpy pyyaml six  # ppdet's model files import yaml and six
-    git clone --branch v2.6.0 https://github.com/PaddlePaddle/PaddleDetection /tmp/PaddleDetection
-    python tools/record_paddle_fixtures.py --ppdet /tmp/PaddleDetection
+    pip download --no-deps paddledet==2.6.0 && python -m zipfile -e paddledet-2.6.0-py3-none-any.whl /tmp/ppdet
+    # or: git clone --branch v2.6.0 https://github.com/PaddlePaddle/PaddleDetection /tmp/ppdet
+    # (the wheel's ppdet/*.py are the tag's, file for file)
+    python tools/record_paddle_fixtures.py --ppdet /tmp/ppdet [--only ppyoloe_crn_m,ppyoloe_crn_l]
+
+The manifests and everything but Paddle's outputs re-record bit for bit anywhere. The
+outputs re-record bit for bit on the same machine, but depend on the CPU's kernel paths at
+rounding level (MKL_ENABLE_INSTRUCTIONS alone changes them): PP-YOLOE s, PP-YOLO and FCOS
+were recorded on an earlier machine and re-record here (an AVX-512 Xeon) within 1.5e-6
+relative in float32 and 4.5e-15 in float64, far inside the test's bounds; ``--only``
+records new models without rewriting those.
 """
 
 from __future__ import annotations
@@ -203,16 +215,36 @@ def record(name: str, build, full: tuple, tiny: tuple, seed: int, hw=(64, 96)) -
     print(f"{name}: {len(manifest)} keys (full size), tiny outputs {b32.shape} {s32.shape}")
 
 
-def main() -> None:
+# name: (builder, its full-size arguments, the recorded tiny model's, fill seed, input h x w).
+# PP-YOLOE crn s/m/l/x: (width_mult, depth_mult) of configs/ppyoloe/ppyoloe_crn_{s,m,l,x}_300e_coco.yml;
+# each tiny model at width 0.125 keeps its size's depth, so every size's block counts (the
+# backbone's 1/2/3/4 per stage at s/m/l/x, the neck's 1/2/3/4 with the SPP among them) run.
+MODELS = {
+    "ppyoloe_crn_s": (ppyoloe, (0.50, 0.33), (0.125, 0.33), 25, (64, 96)),
+    "ppyoloe_crn_m": (ppyoloe, (0.75, 0.67), (0.125, 0.67), 28, (64, 96)),
+    "ppyoloe_crn_l": (ppyoloe, (1.0, 1.0), (0.125, 1.0), 29, (64, 96)),
+    "ppyoloe_crn_x": (ppyoloe, (1.25, 1.33), (0.125, 1.33), 30, (64, 96)),
+    **{f"ppyolo_{size}": (ppyolo, (size,), (size,), 26, (64, 64)) for size in PPYOLO},
+    "fcos_r50": (fcos_r50, (), (), 27, (64, 96)),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ppdet", required=True, type=Path, help="a PaddleDetection v2.6 source tree")
-    args = ap.parse_args()
+    ap.add_argument("--only", default=",".join(MODELS),
+                    help="comma-separated models to record (default: all): " + ", ".join(MODELS))
+    args = ap.parse_args(argv)
+    only = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in only if n not in MODELS]
+    if unknown or not only:
+        ap.error(f"--only {args.only!r}: {'no model named' if not unknown else f'no model {unknown[0]!r}'}; "
+                 f"known: {', '.join(MODELS)}")
     import_ppdet(args.ppdet)
     OUT.mkdir(parents=True, exist_ok=True)
-    record("ppyoloe_crn_s", ppyoloe, full=(0.50, 0.33), tiny=(0.125, 0.33), seed=25)
-    for size in PPYOLO:
-        record(f"ppyolo_{size}", ppyolo, full=(size,), tiny=(size,), seed=26, hw=(64, 64))
-    record("fcos_r50", fcos_r50, full=(), tiny=(), seed=27)
+    for name in only:
+        build, full, tiny, seed, hw = MODELS[name]
+        record(name, build, full=full, tiny=tiny, seed=seed, hw=hw)
 
 
 if __name__ == "__main__":
