@@ -218,7 +218,8 @@ def record(name: str, build, full: tuple, tiny: tuple, seed: int, hw=(64, 96)) -
 # name: (builder, its full-size arguments, the recorded tiny model's, fill seed, input h x w).
 # PP-YOLOE crn s/m/l/x: (width_mult, depth_mult) of configs/ppyoloe/ppyoloe_crn_{s,m,l,x}_300e_coco.yml;
 # each tiny model at width 0.125 keeps its size's depth, so every size's block counts (the
-# backbone's 1/2/3/4 per stage at s/m/l/x, the neck's 1/2/3/4 with the SPP among them) run.
+# backbone's [1, 2, 2, 1] / [2, 4, 4, 2] / [3, 6, 6, 3] / [4, 8, 8, 4] blocks per stage at s/m/l/x, the
+# neck's 1 / 2 / 3 / 4 per stage with the SPP among the first FPN stage's) run.
 MODELS = {
     "ppyoloe_crn_s": (ppyoloe, (0.50, 0.33), (0.125, 0.33), 25, (64, 96)),
     "ppyoloe_crn_m": (ppyoloe, (0.75, 0.67), (0.125, 0.67), 28, (64, 96)),
