@@ -199,7 +199,8 @@ def detector_from_checkpoint(ck: dict[str, Any], cfg: Config, path: str | Path, 
 
 def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
                   device: str | torch.device = "cpu", arch: str | None = None, size: str | None = None,
-                  source: str | None = None, *, arg_names: Mapping[str, str] = PYTHON_ARGS) -> Detector:
+                  source: str | None = None, *, arg_names: Mapping[str, str] = PYTHON_ARGS,
+                  postprocess: Mapping[str, Any] | None = None) -> Detector:
     """The detector of a fastdet checkpoint, in eval mode, with ``.info`` (:class:`DetectorInfo`).
 
     Args:
@@ -216,8 +217,14 @@ def load_detector(ckpt_path: str | Path, ema: bool = True, fuse: bool = True,
         arg_names: how errors name ``arch``, ``size`` and ``source``: the keywords
             (:data:`PYTHON_ARGS`); a command line passes its flags (:data:`CLI_ARGS`), or
             ``{}`` when it has none.
+        postprocess: ``{field: value}`` of the recipe's post-processing to change, e.g.
+            ``{"nms_iou": 0.7, "max_det": 300}`` (``info.predict_kwargs`` and what
+            :func:`detect` uses); only the ``family`` fields the family's post-processing
+            reads, each in its range (one ``ConfigError`` naming the field otherwise).
     """
     ck, cfg = read_any_checkpoint(ckpt_path, arch, size, source, arg_names)
+    if postprocess:
+        cfg = registry.postprocess_overrides(cfg, postprocess)
     return detector_from_checkpoint(ck, cfg, ckpt_path, ema=ema, fuse=fuse, device=device)
 
 

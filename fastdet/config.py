@@ -378,6 +378,20 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return cfg
 
 
+def parse_postprocess_args(items: list[str]) -> dict[str, str]:
+    """An inference command's ``--set family.<field>=value`` items -> ``{field: value}``
+    (``registry.postprocess_overrides`` checks the fields); another section is refused: the
+    model and the data are the checkpoint's there."""
+    out = {}
+    for key, value in parse_set_args(items).items():
+        section, _, name = key.partition(".")
+        if section != "family" or not name:
+            raise ConfigError(f"--set {key}: only the post-processing (family.<field>) can change here; the model "
+                              "and the data are the checkpoint's")
+        out[name] = value
+    return out
+
+
 def parse_set_args(items: list[str]) -> dict[str, str]:
     """Parse ``["optim.base_lr=0.01", ...]`` into a dict."""
     out = {}

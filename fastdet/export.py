@@ -16,7 +16,8 @@ Outputs, without ``--nms``: ``boxes`` ``[N, A, 4]`` (xyxy, input px) and ``score
 ``[N, A, C]`` (probabilities), the dense outputs of ``model(images)``. With ``--nms``:
 the detections after the recipe's NMS (``Detector.predict``: top ``pre_nms_topk``
 (anchor, class) scores, above ``score_thresh``, per-class NMS at ``iou_thresh``, the
-best ``max_det``), done by the ONNX ``NonMaxSuppression`` op, in fixed-size outputs:
+best ``max_det``; ``--set family.<field>=value`` changes them, e.g. ``--set
+family.nms_iou=0.5``), done by the ONNX ``NonMaxSuppression`` op, in fixed-size outputs:
 ``boxes`` ``[N, D, 4]``, ``scores`` ``[N, D]``, ``labels`` ``[N, D]`` int64 (contiguous
 class index) and ``num_dets`` ``[N]`` int64; row ``j < num_dets[n]`` of image ``n`` is a
 detection, by descending score; the rest are zeros. ``D = max_det``.
@@ -59,6 +60,7 @@ import torchvision
 from torch import Tensor, nn
 
 from fastdet.api import CheckpointError, load_detector, preprocess_images
+from fastdet.config import parse_postprocess_args
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.schedule import HW, ORIENTATION_OF, ORIENTATIONS
 from fastdet.models import Detector
@@ -350,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-thresh", type=float, default=None, help="with --nms (default: the recipe's)")
     p.add_argument("--weights", choices=["ema", "model"], default="ema")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--set", action="append", default=[], metavar="family.FIELD=VALUE",
+                   help="with --nms: change the recipe's NMS, e.g. --set family.nms_iou=0.5 (repeatable; the "
+                        "fields the family's post-processing reads)")
     return p
 
 
@@ -363,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.score_thresh is not None and not args.nms:
             raise ValueError("--score-thresh is the threshold of the exported NMS: give --nms too (the dense "
                              "outputs keep every score, to threshold where they are read)")
+        post = parse_postprocess_args(args.set)
+        if post and not args.nms:
+            raise ValueError(f"--set family.{next(iter(post))} changes the exported NMS: give --nms too (the dense "
+                             "outputs are before any post-processing)")
+        if "score_thresh" in post and args.score_thresh is not None:
+            raise ValueError("--score-thresh and --set family.score_thresh: give one of them")
         if not Path(args.ckpt).exists():  # a folder: load_detector names the checkpoints in it
             raise ValueError(f"--ckpt {args.ckpt}: no such file")
         if Path(args.output).is_dir():
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             import onnxscript  # noqa: F401
         except ImportError as e:
             raise ValueError(f"--format onnx needs {e.name}: pip install 'fastdet[export]'") from None
-        det = load_detector(args.ckpt, ema=args.weights == "ema", arg_names={})  # no --arch here
+        det = load_detector(args.ckpt, ema=args.weights == "ema", arg_names={}, postprocess=post)  # no --arch here
     except (ValueError, CheckpointError) as e:
         print(f"fastdet.export: error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,8 @@ original px.
 
 Files that do not decode are skipped, counted and named in the summary line. A folder
 that already holds a file of these names (an earlier prediction) is refused before any
-work unless ``--exist-ok``; a drawn copy never replaces a source image.
+work unless ``--exist-ok``; a drawn copy never replaces a source image. ``--set
+family.<field>=value`` changes the recipe's NMS (``--set family.nms_iou=0.5``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from fastdet.api import CheckpointError, detect, load_detector
+from fastdet.config import parse_postprocess_args
 from fastdet.data.augment import ImageDecodeError, decode_image
 from fastdet.data.formats import IMAGE_EXTS as IMAGE_SUFFIXES  # the suffixes the set readers take
 from fastdet.runtime.dist import resolve_device
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["ema", "model"], default="ema")
     p.add_argument("--exist-ok", action="store_true",
                    help="replace the drawn images and predictions.json of an earlier prediction in --output-dir")
+    p.add_argument("--set", action="append", default=[], metavar="family.FIELD=VALUE",
+                   help="change the recipe's NMS, e.g. --set family.nms_iou=0.5 (repeatable; the fields the "
+                        "family's post-processing reads; the score threshold is --score-thresh)")
     return p
 
 
@@ -146,6 +151,8 @@ def check_args(args: argparse.Namespace) -> None:
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir {args.output_dir}: exists and is not a folder")
+    if "score_thresh" in parse_postprocess_args(args.set):
+        raise ValueError("--set family.score_thresh: give --score-thresh (the threshold of what is drawn and saved)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.exist_ok:
             refuse_replacing(targets, f"--output-dir {out}", "--exist-ok")
         device = resolve_device(args.device)
-        det = load_detector(args.ckpt, ema=args.weights == "ema", device=device, arg_names={})  # no --arch here
+        det = load_detector(args.ckpt, ema=args.weights == "ema", device=device, arg_names={},  # no --arch here
+                            postprocess=parse_postprocess_args(args.set))
     except (ValueError, CheckpointError) as e:
         print(f"fastdet.predict: error: {e}", file=sys.stderr)
         return 2

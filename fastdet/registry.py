@@ -10,8 +10,9 @@ The architecture named by ``cfg.model.arch`` is looked up here, once per questio
   section typed by the family (dicts of the previous layout are migrated);
 - :func:`phase` / :func:`loss_variants`: what training uses at an epoch, and every
   distinct set of loss arguments a run will use (compiled at warm-up);
-- :func:`predict_kwargs`, :func:`predict_fields`, :func:`build_detector`: post-processing
-  (its keyword arguments, the ``family`` fields it reads) and the model.
+- :func:`predict_kwargs`, :func:`predict_fields`, :func:`postprocess_overrides`,
+  :func:`build_detector`: post-processing (its keyword arguments, the ``family`` fields it
+  reads, those changed at inference) and the model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import yaml
 
 from fastdet.config import Config, ConfigError, FamilyOptions, ModelConfig, apply_overrides
 from fastdet.models import ARCHITECTURES, ArchFamily, Detector, build_model_from_config
-from fastdet.models.recipe import Phase, Recipe, without_augmentation
+from fastdet.models.recipe import Phase, Recipe, check_postprocess, without_augmentation
 
 
 def family(arch: str) -> ArchFamily:
@@ -139,6 +140,25 @@ def predict_fields(cfg: Config) -> tuple[str, ...]:
     reads = _Reads(cfg.family)
     recipe(cfg.model.arch).predict(reads)
     return tuple(dict.fromkeys(reads.names))
+
+
+def postprocess_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """``cfg`` with ``{field: value}`` applied to its ``family`` section's post-processing:
+    only the fields the family's ``predict`` reads (:func:`predict_fields`; a training field
+    is refused naming them), each coerced to its type and held to its range
+    (``check_postprocess``). One :class:`ConfigError` line naming ``family.<field>``."""
+    cfg = resolve(cfg)
+    fields = predict_fields(cfg)
+    for name in overrides:
+        if name not in fields:
+            raise ConfigError(f"family.{name}: only the post-processing can change here, and {cfg.model.arch}'s "
+                              "reads " + ", ".join(f"family.{f}" for f in fields))
+    cfg = apply_overrides(cfg, {f"family.{name}": v for name, v in overrides.items()})
+    try:
+        check_postprocess(cfg.family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
 
 
 def build_detector(cfg: Config, num_classes: int | None = None) -> Detector:

@@ -7,6 +7,7 @@ trained in-process for 2 steps at 64 px on the small demo set (once per family).
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 import shutil
@@ -115,6 +116,28 @@ def test_load_detector_carries_names_preprocessing_and_nms(tiny, det):
     from fastdet import registry
 
     assert info.predict_kwargs == registry.predict_kwargs(tiny.trainer.cfg)  # the recipe's NMS settings
+
+
+def test_load_detector_postprocess_changes_only_the_nms_its_family_reads(tiny, det, demo_small):
+    """``load_detector(postprocess=...)``: the recipe's NMS with those fields changed (in
+    ``info.predict_kwargs`` and what detect keeps); a field the family's post-processing
+    does not read (a training field; PP-YOLO's Matrix NMS has no IoU) or a value out of range
+    is one ConfigError naming it."""
+    from fastdet.config import ConfigError
+
+    few = load_detector(tiny.ckpt, postprocess={"max_det": "3", "score_thresh": 0})
+    assert few.info.predict_kwargs == {**det.info.predict_kwargs, "max_det": 3, "score_thresh": 0.0}
+    kept = detect(few, val_images(demo_small, 2))
+    assert [len(d["scores"]) for d in kept] == [3, 3]  # threshold 0: the best 3 of an untrained model
+    reads = ", ".join(f"family.{f}" for f in ("score_thresh", "post_thresh", "max_det", "pre_nms_topk")) \
+        if tiny.arch == "ppyolo" else "family.nms_iou"
+    with pytest.raises(ConfigError, match=re.escape(reads)):
+        load_detector(tiny.ckpt, postprocess={"flip_prob": 0.0})
+    if tiny.arch == "ppyolo":
+        with pytest.raises(ConfigError, match="family.nms_iou: only the post-processing can change here"):
+            load_detector(tiny.ckpt, postprocess={"nms_iou": 0.5})
+    with pytest.raises(ConfigError, match=re.escape("family.max_det must be at least 1, got 0")):
+        load_detector(tiny.ckpt, postprocess={"max_det": 0})
 
 
 def test_detect_maps_boxes_to_original_pixels(det, demo_small):
@@ -247,7 +270,10 @@ def test_predict_cli_bad_flags_are_one_line_before_any_work(tiny, demo_small, tm
                           "is the folder of the source images"),
                          (base[:2] + ["--source", str(video)] + base[4:], "a video; fastdet.predict reads images"),
                          (base[:2] + ["--source", str(links), "--output-dir", str(links)],
-                          "is the folder of the source images")):
+                          "is the folder of the source images"),
+                         (base + ["--set", "family.score_thresh=0.5"], "give --score-thresh"),
+                         (base + ["--set", "optim.base_lr=1"], "--set optim.base_lr: only the post-processing"),
+                         (base + ["--set", "family.max_det=0"], "family.max_det must be at least 1, got 0")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
@@ -481,6 +507,21 @@ def test_export_canvas_of_another_family_is_one_line(tiny, det, tmp_path, capsys
     assert main(["--ckpt", str(tiny.ckpt), "--output", str(tmp_path / "m.onnx"), "--canvas", "portrait"]) == 2
     err = capsys.readouterr().err
     assert "--canvas portrait: expected one of square" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "family.max_det=5"], "--set family.max_det changes the exported NMS: give --nms too"),
+    (["--nms", "--set", "family.score_thresh=0.1", "--score-thresh", "0.2"],
+     "--score-thresh and --set family.score_thresh: give one of them"),
+    (["--nms", "--set", "family.max_det=0"], "family.max_det must be at least 1, got 0"),
+])
+def test_export_set_is_the_nms_s_and_one_line_otherwise(tiny, tmp_path, capsys, argv, message):
+    from fastdet.export import main
+
+    assert main(["--ckpt", str(tiny.ckpt), "--output", str(tmp_path / "m.onnx"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "m.onnx").exists()
 
 

@@ -137,10 +137,10 @@ def test_eval_cli_on_the_checkpoint(eager_run, demo_small, tmp_path, capsys, cap
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "optim.base_lr=0.1"], "--set optim.base_lr: evaluation takes the post-processing fields "
-                                     "(family.<field>)"),
-    (["--set", "family.static_assigner_epoch=3"], "--set family.static_assigner_epoch: evaluation does not read "
-                                                   "it; ppyoloe's post-processing reads family.score_thresh, "
+    (["--set", "optim.base_lr=0.1"], "--set optim.base_lr: only the post-processing (family.<field>) can change "
+                                     "here"),
+    (["--set", "family.static_assigner_epoch=3"], "family.static_assigner_epoch: only the post-processing can "
+                                                   "change here, and ppyoloe's reads family.score_thresh, "
                                                    "family.nms_iou, family.max_det, family.pre_nms_topk, "
                                                    "family.per_class_topk"),
     (["--set", "family.nms_iou=1.5"], "family.nms_iou must be in [0, 1], got 1.5"),

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from fastdet.config import Config, ConfigError, apply_overrides, parse_set_args
+from fastdet.config import ConfigError, apply_overrides, parse_postprocess_args
 from fastdet import registry
 from fastdet.api import CLI_ARGS, detector_from_checkpoint, read_any_checkpoint
 from fastdet.data.coco import DataError
@@ -30,7 +30,6 @@ from fastdet.data.loader import build_eval_loader, resolve_backend
 from fastdet.data.schedule import LoaderError
 from fastdet.eval.coco import evaluate
 from fastdet.models import Detector
-from fastdet.models.recipe import check_postprocess
 from fastdet.runtime import dist
 from fastdet.runtime.amp import resolve_amp
 from fastdet.runtime.logging import setup_logging
@@ -107,27 +106,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.split == "test" and (args.val_ann or args.val_images or not args.data):
         raise ValueError("--split test scores the test split of --data: give --data (and no --val-ann/--val-images, "
                          "which name a set to score as it is)")
-    for key in parse_set_args(args.set):
-        if not key.startswith("family."):
-            raise ValueError(f"--set {key}: evaluation takes the post-processing fields (family.<field>); the model "
-                             "and the data are the checkpoint's, changed by --data, --img-size, --batch-size")
-
-
-def postprocess_overrides(cfg: Config, items: list[str]) -> Config:
-    """``cfg`` with ``--set family.<field>=value`` applied: only the fields the family's
-    post-processing reads (another is refused naming them), each in its range."""
-    over = parse_set_args(items)
-    fields = registry.predict_fields(cfg)
-    for key in over:
-        if key.split(".", 1)[1] not in fields:
-            raise ConfigError(f"--set {key}: evaluation does not read it; {cfg.model.arch}'s post-processing reads "
-                              + ", ".join(f"family.{f}" for f in fields))
-    cfg = apply_overrides(cfg, over)
-    try:
-        check_postprocess(cfg.family)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return cfg
+    parse_postprocess_args(args.set)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 over.setdefault(key, None)
         cfg = apply_overrides(cfg, over)
         try:
-            cfg = postprocess_overrides(cfg, args.set)
+            cfg = registry.postprocess_overrides(cfg, parse_postprocess_args(args.set))
         except ConfigError as e:  # a flag's value, as check_args's
             print(f"fastdet.eval: error: {e}", file=sys.stderr)
             return 2
