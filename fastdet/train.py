@@ -31,7 +31,7 @@ from fastdet.data.formats import train_num_classes
 from fastdet.data.loader import BACKENDS as LOADERS, train_sizes
 from fastdet.data.schedule import LoaderError
 from fastdet.engine.compile_workers import CompileError
-from fastdet.engine.faults import EXIT_PREEMPTED, Preempted, config_mismatch
+from fastdet.engine.faults import EXIT_PREEMPTED, DeviceOutOfMemory, Preempted, config_mismatch
 from fastdet.engine.optim import OPTIMIZERS, SCHEDULES
 from fastdet.models.recipe import check_postprocess
 from fastdet.engine.rundir import holds_run
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
     try:
         stats = train(cfg, hooks)
     except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, CompileError, LoaderError,
-            ImageDecodeError) as e:
+            ImageDecodeError, DeviceOutOfMemory) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
         _say_error(e)
         return 1

@@ -20,6 +20,7 @@ at an exact step through the trainer's hooks (``tests/fault_launch.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -27,7 +28,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,34 @@ log = logging.getLogger("fastdet")
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure ... the user is invited to retry".
 EXIT_PREEMPTED = 75
+
+
+# What needs less device memory, said with an out-of-memory stop.
+TRAIN_MEMORY = ("a smaller --batch-size (images per process), smaller train sizes (--img-size, data.train_sizes) "
+                "or --amp bf16 need less")
+EVAL_MEMORY = "a smaller data.eval_batch_size (--set data.eval_batch_size=N) needs less"
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The device ran out of memory: one line of what ran, torch's figures, the last
+    checkpoint and what needs less. Said by the rank it happened on (another rank may have
+    room: unlike the errors every rank meets alike)."""
+
+
+@contextlib.contextmanager
+def out_of_memory_said(what: Callable[[], str], advice: str, latest: Path) -> Iterator[None]:
+    """Turn ``torch.OutOfMemoryError`` inside into :class:`DeviceOutOfMemory`: ``what()``
+    (computed only then) names the work, torch's message gives its first two sentences
+    (the allocation asked for and the device's capacity), then the last checkpoint and
+    ``advice``."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        sentences = str(e).strip().split(". ")
+        torch_says = ". ".join(sentences[:2]).rstrip(".")[:300]
+        kept = f"the last checkpoint is {latest}" if latest.exists() else "no checkpoint was written before it"
+        raise DeviceOutOfMemory(f"out of device memory {what()} ({torch_says}): training stopped; {kept}; "
+                                f"{advice}") from None
 
 
 class Preempted(Exception):

@@ -30,7 +30,7 @@ from fastdet.runtime import dist
 from fastdet.engine.checkpointer import Checkpointer, auto_resume
 from fastdet.engine.compile_workers import CompileWorkers
 from fastdet.engine.eval_hook import EvalHook, EvalRunner
-from fastdet.engine.faults import StopControl, restart_count
+from fastdet.engine.faults import EVAL_MEMORY, TRAIN_MEMORY, StopControl, out_of_memory_said, restart_count
 from fastdet.engine.hooks import Hook
 from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
@@ -197,8 +197,9 @@ class Trainer:
         """The EMA's weights (the model's without one) scored on the val set, in the background."""
         self.checkpoints.average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
-        self.evals.evaluate(model, step=self.step, epoch=self._epoch_number(),
-                            state=lambda: self.checkpoints.weights_state(self.epoch, self.step, self.evals.best_ap))
+        with out_of_memory_said(lambda: f"evaluating step {self.step}", EVAL_MEMORY, self.out / "latest.pth"):
+            self.evals.evaluate(model, step=self.step, epoch=self._epoch_number(),
+                                state=lambda: self.checkpoints.weights_state(self.epoch, self.step, self.evals.best_ap))
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, float]:
@@ -227,7 +228,9 @@ class Trainer:
             # Modes first: warm-up compiles and captures the model in the mode it trains in
             # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
             self._train_mode()
-            self.compilation.warmup(self.epoch, self.steps_per_epoch)
+            with out_of_memory_said(lambda: "at the warm-up (compiling the step's graphs)", TRAIN_MEMORY,
+                                    self.out / "latest.pth"):
+                self.compilation.warmup(self.epoch, self.steps_per_epoch)
             progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                           steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
                                           amp_dtype=self.amp_dtype, loader=self.train_loader.backend)
@@ -286,7 +289,9 @@ class Trainer:
                 continue
             self.metrics.batch_loaded()
             self.profiler.before_step(self.step)
-            with self._sync_check():
+            with self._sync_check(), out_of_memory_said(
+                    lambda: f"in training step {self.step + 1} (images {list(batch['images'].shape)}, loss {kw})",
+                    TRAIN_MEMORY, self.out / "latest.pth"):
                 self.optimizer.set_lr(self.schedule(self.step))
                 self.train_step(batch, kw)
             self.step += 1
