@@ -44,7 +44,7 @@ from fastdet.api import CheckpointError, detect, load_detector
 from fastdet.config import parse_postprocess_args
 from fastdet.data.augment import ImageDecodeError, decode_image
 from fastdet.data.formats import IMAGE_EXTS as IMAGE_SUFFIXES  # the suffixes the set readers take
-from fastdet.runtime.dist import resolve_device
+from fastdet.runtime.dist import memory_figures, resolve_device
 from fastdet.runtime.outputs import refuse_replacing
 from fastdet.visualize import draw_detections, save_image
 
@@ -192,8 +192,17 @@ def main(argv: list[str] | None = None) -> int:
                 skipped.append(str(files[i]))
                 (out / names[i]).unlink(missing_ok=True)  # an earlier run's copy (--exist-ok) is not this image's
         if imgs:
-            with torch.inference_mode():
-                dets = detect(det, imgs, score_thresh=args.score_thresh, img_size=size)
+            try:
+                with torch.inference_mode():
+                    dets = detect(det, imgs, score_thresh=args.score_thresh, img_size=size)
+            except torch.OutOfMemoryError as e:  # what is done is kept: its drawn images and its results
+                bar.close()
+                (out / "predictions.json").write_text(json.dumps(results))
+                print(f"fastdet.predict: error: out of device memory predicting {len(imgs)} image(s) from "
+                      f"{files[keep[0]]} ({memory_figures(e)}): predictions.json in {out} holds the {done} image(s) "
+                      f"before them; a smaller --batch-size (now {args.batch_size}) or --img-size needs less",
+                      file=sys.stderr)
+                return 1
             for img in imgs:
                 hw = info.preprocess.canvas(img.shape[0], img.shape[1], size)  # the one detect used
                 canvases[hw] = canvases.get(hw, 0) + 1

@@ -749,6 +749,50 @@ def test_out_of_device_memory_is_one_line_naming_the_work_and_the_last_checkpoin
     assert load_checkpoint(out / "latest.pth")["step"] == (3 if where == "train_step" else 4)
 
 
+def test_predict_and_eval_out_of_device_memory_keep_what_is_done_and_say_it(eager_run, demo_small, tmp_path,
+                                                                            capsys, monkeypatch):
+    """``fastdet.predict`` running out of device memory on its second batch writes
+    predictions.json for the images before it (their drawn copies are there) and says so in
+    one line, exit 1; ``fastdet.eval`` says it in one line naming --batch-size (tracebacks
+    before, and the predictions of the batches done were lost)."""
+    import fastdet.eval.__main__ as eval_cli
+    import fastdet.predict as predict_cli
+
+    done, _ = eager_run
+    calls = []
+    real_detect = predict_cli.detect
+
+    def detect(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError(OutOfMemoryAt.MESSAGE)
+        return real_detect(*args, **kwargs)
+
+    monkeypatch.setattr(predict_cli, "detect", detect)
+    files = sorted((demo_small / "val2017").glob("*.jpg"))[:5]
+    out = tmp_path / "preds"
+    code = predict_cli.main(["--ckpt", str(done / "best.pth"), "--source", str(demo_small / "val2017"),
+                             "--output-dir", str(out), "--batch-size", "2", "--score-thresh", "0", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert (f"out of device memory predicting 2 image(s) from {files[2]} (CUDA out of memory. Tried to allocate "
+            f"2.00 GiB): predictions.json in {out} holds the 2 image(s) before them; a smaller --batch-size (now 2)"
+            in err), err
+    results = json.loads((out / "predictions.json").read_text())
+    assert results and {r["file_name"] for r in results} == {f.name for f in files[:2]}
+    assert sorted(p.name for p in out.glob("*.jpg")) == [f.name for f in files[:2]]
+
+    def evaluate(*args, **kwargs):
+        raise torch.OutOfMemoryError(OutOfMemoryAt.MESSAGE)
+
+    monkeypatch.setattr(eval_cli, "evaluate", evaluate)
+    code = eval_cli.main(["--ckpt", str(done / "best.pth"), "--data", str(demo_small), "--device", "cpu",
+                          "--batch-size", "8"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == ("fastdet.eval: error: out of device memory (CUDA out of memory. Tried to "
+                                         "allocate 2.00 GiB): a smaller --batch-size (now 8) needs less"), err
+
+
 def test_tf32_and_sync_debug_flags():
     """TF32 stays off unless --tf32 (the trainer sets cuDNN and cuBLAS from it on CUDA,
     with cudnn.benchmark on); --sync-debug is a CUDA-only check."""

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from fastdet.runtime.dist import memory_figures
 from fastdet.runtime.logging import epoch_of_step
 
 log = logging.getLogger("fastdet")
@@ -62,10 +63,8 @@ def out_of_memory_said(what: Callable[[], str], advice: str, latest: Path) -> It
     try:
         yield
     except torch.OutOfMemoryError as e:
-        sentences = str(e).strip().split(". ")
-        torch_says = ". ".join(sentences[:2]).rstrip(".")[:300]
         kept = f"the last checkpoint is {latest}" if latest.exists() else "no checkpoint was written before it"
-        raise DeviceOutOfMemory(f"out of device memory {what()} ({torch_says}): training stopped; {kept}; "
+        raise DeviceOutOfMemory(f"out of device memory {what()} ({memory_figures(e)}): training stopped; {kept}; "
                                 f"{advice}") from None
 
 

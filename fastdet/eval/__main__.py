@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileNotFoundError, ValueError, LoaderError) as e:  # CheckpointError, ConvertError too
         print(f"fastdet.eval: error: {e}", file=sys.stderr)
         return 1
+    except torch.OutOfMemoryError as e:
+        print(f"fastdet.eval: error: out of device memory ({dist.memory_figures(e)}): a smaller --batch-size (now "
+              f"{cfg.data.eval_batch_size}) needs less", file=sys.stderr)
+        return 1
     finally:
         dist.shutdown()
     logging.getLogger("fastdet").info("evaluated %s on %s", args.ckpt, val.ann_file)

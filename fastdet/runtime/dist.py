@@ -46,6 +46,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def memory_figures(e: BaseException) -> str:
+    """The first two sentences of torch's out-of-memory message (the allocation asked for and
+    the device's capacity and free memory), without its advice paragraph."""
+    return ". ".join(str(e).strip().split(". ")[:2]).rstrip(".")[:300]
+
+
 def check_device_flags(cfg: Any, device: torch.device) -> None:
     """The flags that need a CUDA device, refused in one line on ``device`` (the resolved
     ``--device``: ``auto`` is only known here, not in ``check_config``). The trainer and
