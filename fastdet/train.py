@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
@@ -40,8 +41,8 @@ from fastdet.models import ARCHITECTURES
 from fastdet.models.detector import Detector
 from fastdet.ops.ema import EMA_FLAVOURS
 from fastdet.convert.core import convert_weights, is_fastdet_checkpoint
-from fastdet.runtime.checkpoint import (load_checkpoint, load_torch_file, load_with_fallback, previous_path,
-                                        read_weights, weight_file_format)
+from fastdet.runtime.checkpoint import (CheckpointWriteError, load_checkpoint, load_torch_file, load_with_fallback,
+                                        previous_path, read_weights, weight_file_format)
 from fastdet.runtime.logging import ProfilerWindow
 
 # flag -> (config key, argparse kwargs). Each flag is a shortcut for --set key=value.
@@ -489,7 +490,7 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
     try:
         stats = train(cfg, hooks)
     except (DataError, ConfigError, FileNotFoundError, ValueError, TrainingError, CompileError, LoaderError,
-            ImageDecodeError, DeviceOutOfMemory) as e:
+            ImageDecodeError, DeviceOutOfMemory, CheckpointWriteError) as e:
         _log_to_file_only(f"error: {e}")  # the terminal shows it once, on stderr
         _say_error(e)
         return 1
@@ -497,6 +498,14 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"fastdet.train: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        # A log, metrics or TensorBoard write on a full disk: one line (checkpoints say it
+        # themselves, CheckpointWriteError); the last checkpoint written is whole.
+        _say_error(CheckpointWriteError(f"cannot write {e.filename or cfg.run.output_dir}: {e.strerror}; the last "
+                                        "checkpoint written is kept"))
+        return 1
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, nothing saved
         print("fastdet.train: interrupted (nothing saved since the last checkpoint)", file=sys.stderr)
         return 130

@@ -6,6 +6,7 @@ Each run is a subprocess (as a user runs it), at 64-96 px with a handful of step
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -747,6 +748,51 @@ def test_out_of_device_memory_is_one_line_naming_the_work_and_the_last_checkpoin
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert said.replace("RUN/", f"{out}/") in err, err
     assert load_checkpoint(out / "latest.pth")["step"] == (3 if where == "train_step" else 4)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_one_before_is_kept(eager_run, demo_small, tmp_path,
+                                                                                    capsys, caplog, monkeypatch):
+    """A full disk while latest.pth is written (torch.save's own words for it: "[enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598") stops the run in one line, exit 1:
+    the file, the cause, the space left; the checkpoint before it is kept and no temp file is
+    left (a traceback before)."""
+    import fastdet.runtime.checkpoint as checkpoint
+    from fastdet.train import main
+
+    done, _ = eager_run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    real_save = checkpoint.torch.save
+
+    def save(state, f, *args, **kwargs):
+        if str(f).startswith(str(out / "latest.pth")):
+            with open(f, "wb") as part:
+                part.write(b"PK\x03\x04 half a file")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return real_save(state, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    with caplog.at_level(logging.INFO, logger="fastdet"):
+        code = main(train_cmd(demo_small, out, "--max-steps", "4", "--resume")[3:])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"error: cannot write {re.escape(str(out))}/latest.pth: \[enforce fail at inline_container.cc:672\] "
+                     r"\. unexpected pos 704 vs 598 \([\d,]+ MiB free on its file system\); the file it would replace is "
+                     r"kept$", err.strip()), err
+    monkeypatch.undo()
+    assert load_checkpoint(out / "latest.pth")["step"] == 3
+    assert not list(out.glob("*.tmp"))
+    # A full disk met by another write (metrics.jsonl at a log point) is one line too.
+    import fastdet.engine.metrics_log as metrics_log
+
+    def write(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "metrics.jsonl"))
+
+    monkeypatch.setattr(metrics_log.MetricsLog, "write", write)
+    code = main(train_cmd(demo_small, out, "--max-steps", "4", "--resume")[3:])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == (f"fastdet.train: error: cannot write {out}/metrics.jsonl: No space left on "
+                                         "device; the last checkpoint written is kept"), err
 
 
 def test_predict_and_eval_out_of_device_memory_keep_what_is_done_and_say_it(eager_run, demo_small, tmp_path,

@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import random
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -75,23 +76,40 @@ def _to_tuples(x: Any) -> Any:
     return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk or quota, a read-only or lost file
+    system): one line naming the file, the cause and the space left; the file it would have
+    replaced is untouched."""
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any], keep_previous: bool = False) -> None:
     """Write ``state`` to ``path`` atomically (temp file in the same folder, flushed to disk,
     + rename). ``keep_previous``: the file it replaces becomes :func:`previous_path` (the
-    last two are kept, so a damaged newest one still leaves one to resume from)."""
+    last two are kept, so a damaged newest one still leaves one to resume from). A failed
+    write is :class:`CheckpointWriteError` (torch.save says a full disk as "[enforce fail at
+    inline_container.cc] unexpected pos ..."), its temp file removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        os.close(fd)
         torch.save(state, tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         if keep_previous and path.exists():
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        try:
+            free = f"{shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free on its file system"
+        except OSError:
+            free = "its file system cannot be read"
+        raise CheckpointWriteError(f"cannot write {path}: {cause} ({free}); the file it would replace is kept") \
+            from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
