@@ -207,6 +207,28 @@ def test_workers_give_the_same_batches(demo_train):
     assert n == steps
 
 
+def test_a_worker_that_dies_is_one_loader_error_line(demo_train):
+    """A worker killed mid-epoch (what the kernel's out-of-memory killer does on a host short
+    of memory) is one LoaderError naming it and what needs less memory (torch's RuntimeError
+    traceback before, which ``fastdet.train`` does not say in one line)."""
+    import os
+    import signal
+
+    from fastdet.data.schedule import LoaderError
+
+    loader = train_loader(cfg_for(num_workers=1), demo_train, rank=0, world_size=1, device="cpu", seed=9)
+    it = iter(loader)
+    next(it)
+    (worker,) = loader._producer._iterator._workers
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(LoaderError, match=r"^DataLoader worker \(pid\(?s?\)? \d+\) .*: a data loader worker died "
+                                          r"\(killed when the host is out of memory\); fewer --workers \(now 1\)"):
+        for _ in it:
+            pass
+    loader.close()
+
+
 # --------------------------------------------------------------------------- undecodable images
 
 class _Report:

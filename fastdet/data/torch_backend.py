@@ -39,7 +39,7 @@ from fastdet.data.layout import BATCH_KEYS, BY_NAME
 from fastdet.data.loader_base import EvalLoader, Loader, TrainLoader
 from fastdet.data.preprocess import Preprocess
 from fastdet.data.records import ImageRecord
-from fastdet.data.schedule import EvalSchedule, TrainSchedule
+from fastdet.data.schedule import EvalSchedule, LoaderError, TrainSchedule
 
 # Training: substitutes tried for a sample whose image does not decode.
 MAX_SUBSTITUTES = 10
@@ -240,6 +240,20 @@ class _TorchLoader(Loader):
             )
         return self._producer
 
+    def _raw_batches(self) -> Iterator[dict[str, Any]]:
+        """The DataLoader's batches. A worker that dies (the kernel's out-of-memory killer on a
+        host short of memory, a crash in a decoder library) is one :class:`LoaderError` line
+        naming it and what needs less host memory, not torch's traceback."""
+        try:
+            yield from self._loader()
+        except RuntimeError as e:
+            if "DataLoader worker" not in str(e):
+                raise
+            said = str(e).strip().splitlines()[0].rstrip(". ")
+            raise LoaderError(f"{said}: a data loader worker died (killed when the host is out of memory); fewer "
+                              f"--workers (now {self.num_workers}) or a smaller --batch-size need less host "
+                              "memory") from None
+
     def _to_device(self, raw: dict[str, Any], hw: tuple[int, int]) -> dict[str, torch.Tensor]:
         self._count_skips(raw["skipped"], raw["dropped"])
         if "images" not in raw:  # every image of an evaluation batch failed to decode
@@ -266,7 +280,7 @@ class TorchTrainLoader(_TorchLoader, TrainLoader):
 
     def _epoch_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         self._sampler.epoch = epoch
-        for step, raw in enumerate(self._loader()):
+        for step, raw in enumerate(self._raw_batches()):
             yield self._to_device(raw, self.schedule.batch(epoch, step).hw)
 
 
@@ -280,5 +294,5 @@ class TorchEvalLoader(_TorchLoader, EvalLoader):
                                      preprocess=self.preprocess)
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        for step, raw in enumerate(self._loader()):
+        for step, raw in enumerate(self._raw_batches()):
             yield self._to_device(raw, self.schedule.batch(step).hw)
