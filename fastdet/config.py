@@ -47,6 +47,11 @@ class ModelConfig:
     # A local state dict to start the backbone from (--backbone-weights; FCOS: a torchvision
     # ResNet-50's, its ImageNet start; nothing is downloaded). Loaded when a run starts fresh.
     backbone_weights: Optional[str] = None
+    # Keep the backbone as the run starts it (--freeze-backbone: fine-tuning on a small set
+    # from --ckpt or --backbone-weights; mmdetection's frozen_stages, ultralytics' freeze,
+    # PaddleDetection's freeze_at + freeze_norm): its parameters take no gradient and no
+    # optimizer state, its BatchNorm statistics stay fixed; the neck and head train.
+    freeze_backbone: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -194,12 +194,15 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, lr: float,
     raise ValueError(f"optim.optimizer: expected one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
 
 
-def build_optimizer_and_ema(cfg: OptimConfig, model: nn.Module, world_batch: int, device: torch.device
-                            ) -> tuple[_DeviceLROptimizer, ModelEMA | None, float]:
-    """The optimizer (LR scaled linearly by the global batch), the EMA, and that base LR."""
+def build_optimizer_and_ema(cfg: OptimConfig, model: nn.Module, world_batch: int, device: torch.device,
+                            fixed: Sequence[str] = ()) -> tuple[_DeviceLROptimizer, ModelEMA | None, float]:
+    """The optimizer (LR scaled linearly by the global batch), the EMA, and that base LR.
+    ``fixed``: the model's submodules that do not train (a frozen backbone), whose EMA is a
+    copy (``ModelEMA(fixed=...)``); their parameters are left out of the optimizer by
+    ``requires_grad``, which the caller has turned off."""
     base_lr = cfg.base_lr * world_batch / cfg.ref_batch
     optimizer = build_optimizer(cfg, model, base_lr, device)
-    ema = ModelEMA(model, decay=cfg.ema_decay, kind=cfg.ema_type) if cfg.ema else None
+    ema = ModelEMA(model, decay=cfg.ema_decay, kind=cfg.ema_type, fixed=fixed) if cfg.ema else None
     return optimizer, ema, base_lr
 
 

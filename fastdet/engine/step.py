@@ -60,7 +60,7 @@ import torch._dynamo
 from torch import Tensor, nn
 
 from fastdet import registry
-from fastdet.config import Config
+from fastdet.config import Config, ModelConfig
 from fastdet.data.layout import STEP_KEYS as INPUT_KEYS
 from fastdet.data.layout import TARGET_KEYS
 from fastdet.engine.graph_cache import cache_counts, count_delta, same_keys_in_every_process
@@ -474,6 +474,29 @@ def freeze_bn_stats(model: nn.Module) -> None:
             mod.eval()
 
 
+# The part ``model.freeze_backbone`` keeps fixed: every family's Detector has it.
+FROZEN_PART = "backbone"
+
+
+def freeze_backbone(model: nn.Module) -> None:
+    """``model.freeze_backbone``: the backbone's parameters take no gradient (set before the
+    optimizer, the EMA and DDP are built, which then leave them out)."""
+    model.get_submodule(FROZEN_PART).requires_grad_(False)
+
+
+def set_train_mode(model: nn.Module, cfg: ModelConfig) -> None:
+    """The mode the model trains (and is compiled and captured) in: train mode, with the
+    BatchNorm statistics of the whole model (``freeze_bn``) or of a frozen backbone
+    (``freeze_backbone``) fixed. Called when the step is built and every time the trainer
+    goes back to training: evaluation puts the model in eval mode, and Dynamo guards on each
+    module's ``training`` (a change would recompile)."""
+    model.train()
+    if cfg.freeze_bn:
+        freeze_bn_stats(model)
+    elif cfg.freeze_backbone:
+        freeze_bn_stats(model.get_submodule(FROZEN_PART))
+
+
 @dataclass
 class TrainParts:
     """What a train step updates: built by :func:`build_train_parts`, restored by the trainer
@@ -489,14 +512,19 @@ class TrainParts:
 def build_train_parts(cfg: Config, device: torch.device, *, world_size: int = 1,
                       backbone_weights: bool = False) -> TrainParts:
     """The detector on ``device`` (with ``model.backbone_weights`` loaded when
-    ``backbone_weights``; channels-last with ``data.channels_last``), its optimizer and EMA
-    for a global batch of ``data.batch_size x world_size``, and the AMP dtype."""
+    ``backbone_weights``; its backbone frozen with ``model.freeze_backbone``; channels-last
+    with ``data.channels_last``), its optimizer (over the parameters that train) and EMA (a
+    frozen backbone's tensors copied, not averaged) for a global batch of
+    ``data.batch_size x world_size``, and the AMP dtype."""
     model = registry.build_detector(cfg).to(device)
     if backbone_weights and cfg.model.backbone_weights:
         model.load_backbone_weights(cfg.model.backbone_weights)
+    if cfg.model.freeze_backbone:
+        freeze_backbone(model)
     if cfg.data.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size * world_size, device)
+    optimizer, ema, base_lr = build_optimizer_and_ema(cfg.optim, model, cfg.data.batch_size * world_size, device,
+                                                      fixed=(FROZEN_PART,) if cfg.model.freeze_backbone else ())
     return TrainParts(model, optimizer, ema, base_lr, resolve_amp(cfg.compile.amp, device))
 
 
@@ -515,7 +543,8 @@ def build_train_step(cfg: Config, device: torch.device, *, parts: TrainParts | N
 
     Everything inductor's cache key can see is set here from ``cfg`` (the model, its layout,
     train mode and frozen BatchNorm statistics, the optimizer and EMA, AMP, the compile
-    settings, DDP's wrapping), so a worker's graph is the trainer's.
+    settings, DDP's wrapping; a frozen backbone's ``requires_grad`` and BatchNorm mode), so a
+    worker's graph is the trainer's.
 
     Args:
         parts: the model, optimizer and EMA to use (the trainer's, restored from a
@@ -532,9 +561,7 @@ def build_train_step(cfg: Config, device: torch.device, *, parts: TrainParts | N
     model = parts.model
     # The mode the step is compiled (and captured) in: Dynamo guards on each module's
     # `training`, and a graph bakes BatchNorm's mode in.
-    model.train()
-    if cfg.model.freeze_bn:
-        freeze_bn_stats(model)
+    set_train_mode(model, cfg.model)
     wrap = None
     if ddp:
         if cfg.model.sync_bn and world_size > 1:

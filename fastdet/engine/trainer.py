@@ -38,7 +38,7 @@ from fastdet.engine.optim import LRSchedule
 from fastdet.engine.preflight import PreflightError, check_end_of_run_path, preflight_set
 from fastdet.engine.rundir import choose_run_dir, forget_failed_start
 from fastdet.eval.scoring import resolve_backend
-from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, freeze_bn_stats
+from fastdet.engine.step import TrainParts, build_train_parts, build_train_step, set_train_mode
 from fastdet.runtime.amp import backend_flags
 from fastdet.models.recipe import pretrained_backbone_note
 
@@ -380,9 +380,7 @@ class Trainer:
             return next(it, None)
 
     def _train_mode(self) -> None:
-        self.model.train()
-        if self.cfg.model.freeze_bn:
-            freeze_bn_stats(self.model)
+        set_train_mode(self.model, self.cfg.model)  # as build_train_step set it (the graphs' mode)
 
     def _preflight(self) -> None:
         """The evaluation and checkpoint paths on one eval batch per rank, before step 1

@@ -21,14 +21,18 @@ the model (``ema.module``, ``requires_grad`` off, eval mode); :meth:`ModelEMA.av
 is the module as it is read (evaluation, checkpoints).
 
 Floating parameters and buffers (BatchNorm running stats included) are averaged; other
-buffers (``num_batches_tracked``) are copied.
+buffers (``num_batches_tracked``) are copied. The tensors of the submodules named ``fixed``
+(a frozen backbone: ``model.freeze_backbone``) do not change in training, and their EMA is
+the tensor itself: taken from the model when the average starts (or is loaded), never
+averaged, zeroed or debiased (an average of a constant drifts by rounding, and the
+``"paddle"`` flavour's debiasing would rescale it).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -75,6 +79,8 @@ class ModelEMA:
         decay: the final decay (PP-YOLOE: 0.9998).
         kind: a name in :data:`EMA_FLAVOURS` (see the module docstring).
         tau: time constant of the ramp.
+        fixed: names of the model's submodules that do not train (``"backbone"``): their
+            parameters and buffers are copied from the model once, not averaged.
 
     ``update(model)`` runs under torch.compile and CUDA-graph capture (device tensors
     only). ``state_dict()`` is ``{"module": <EMA weights as read>, "updates": int,
@@ -82,7 +88,8 @@ class ModelEMA:
     flavour; ``state_tensors()`` lists every tensor ``update`` writes.
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9998, kind: str = "threshold", tau: float = 2000.0):
+    def __init__(self, model: nn.Module, decay: float = 0.9998, kind: str = "threshold", tau: float = 2000.0,
+                 fixed: Sequence[str] = ()):
         if kind not in EMA_FLAVOURS:
             raise ValueError(f"ModelEMA: kind must be one of {KINDS}, got {kind!r} (config field optim.ema_type)")
         if not 0.0 <= decay < 1.0:
@@ -92,13 +99,22 @@ class ModelEMA:
         self.flavour = EMA_FLAVOURS[kind]
         self.tau = float(tau)
         src = unwrap_model(model)
+        for name in fixed:
+            try:
+                src.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"ModelEMA: the model has no submodule {name!r} to keep fixed") from None
         self.module = copy.deepcopy(src).eval()
         self.module.requires_grad_(False)
+        # Per tensor of _tensors(model): averaged (True) or a fixed submodule's (False).
+        names = [n for n, _ in src.named_parameters()] + [n for n, _ in src.named_buffers()]
+        self._averaged = [not any(n.startswith(f + ".") for f in fixed) for n in names]
         device = next((t.device for t in src.parameters()), torch.device("cpu"))
         self.updates = torch.zeros((), dtype=torch.int64, device=device)
         # Static address for cudagraph trees: a plain tensor attribute is not a module buffer.
         torch._dynamo.mark_static_address(self.updates, guard=False)
-        self._ema_tensors = self._tensors(self.module)
+        self._all_tensors = self._tensors(self.module)
+        self._ema_tensors = self._only_averaged(self._all_tensors)  # what update writes
         self._debiased: nn.Module | None = None
         if self.flavour.zero_init:
             self._zero_floats()
@@ -106,6 +122,9 @@ class ModelEMA:
     @staticmethod
     def _tensors(module: nn.Module) -> list[Tensor]:
         return [p for p in module.parameters()] + [b for b in module.buffers()]
+
+    def _only_averaged(self, tensors: list[Tensor]) -> list[Tensor]:
+        return [t for t, avg in zip(tensors, self._averaged) if avg]
 
     @torch.no_grad()
     def _zero_floats(self) -> None:
@@ -121,10 +140,10 @@ class ModelEMA:
     def update(self, model: nn.Module) -> None:
         """Fold the model's current weights into the average (one fused kernel)."""
         src = self._tensors(unwrap_model(model))
-        if len(src) != len(self._ema_tensors):
+        if len(src) != len(self._all_tensors):
             raise ValueError(f"ModelEMA.update: the model has {len(src)} parameters and buffers, the EMA "
-                             f"{len(self._ema_tensors)}: pass the model the EMA was made from")
-        ema_update_(self._ema_tensors, src, self.current_decay())
+                             f"{len(self._all_tensors)}: pass the model the EMA was made from")
+        ema_update_(self._ema_tensors, self._only_averaged(src), self.current_decay())
         self.updates.add_(1)
 
     def state_tensors(self) -> list[Tensor]:
@@ -143,15 +162,15 @@ class ModelEMA:
         scale = 1.0 / (1.0 - d_last ** n)
         if self._debiased is None:
             self._debiased = copy.deepcopy(self.module)
-        for dst, src in zip(self._tensors(self._debiased), self._ema_tensors):
-            dst.copy_(src * scale if src.is_floating_point() else src)
+        for dst, src, avg in zip(self._tensors(self._debiased), self._all_tensors, self._averaged):
+            dst.copy_(src * scale if avg and src.is_floating_point() else src)
         return self._debiased
 
     @torch.no_grad()
     def reset(self, model: nn.Module) -> None:
         """Restart the average (e.g. after loading weights): from the model's current
         weights, or from zeros for a zero-initialised flavour."""
-        for e, s in zip(self._ema_tensors, self._tensors(unwrap_model(model))):
+        for e, s in zip(self._all_tensors, self._tensors(unwrap_model(model))):
             e.copy_(s)
         if self.flavour.zero_init:
             self._zero_floats()
