@@ -100,6 +100,10 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "--no-ema": ("optim.ema", False, "train without an EMA of the weights"),
     "--ckpt-partial": ("run.ckpt_partial", True,
                        "with --ckpt from another family or size: load the tensors that fit, start the rest fresh"),
+    "--freeze-backbone": ("model.freeze_backbone", True,
+                          "keep the backbone as it starts (from --ckpt or --backbone-weights): no gradient, no "
+                          "optimizer state, BatchNorm statistics fixed; the neck and head train (fine-tuning on "
+                          "a small set)"),
     "--sync-bn": ("model.sync_bn", True,
                   "under torchrun: BatchNorm statistics over every rank's batch (on in the presets "
                   "of PP-YOLOE and PP-YOLO; works with --compile)"),
@@ -334,6 +338,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"--ckpt-interval-minutes must be 0 (off) or positive, got "
                           f"{cfg.run.ckpt_interval_minutes:g}")
     _check_values(cfg)
+    _check_frozen_backbone_starts_trained(cfg)
     _check_one_image_batch_norm(cfg)
     try:
         out = Path(cfg.run.output_dir.format(arch=cfg.model.arch, size=cfg.model.size)).expanduser()
@@ -364,6 +369,20 @@ def _check_weight_files(cfg: Config) -> None:
             raise ConfigError(f"--ckpt {e}") from None
         if not cfg.run.resume:
             check_same_model(path, fmt, cfg)
+
+
+def _check_frozen_backbone_starts_trained(cfg: Config) -> None:
+    """--freeze-backbone keeps the backbone as the run starts it: from scratch that is a
+    random one, kept for the whole run. A resumed run starts from its checkpoint (which was
+    refused so when it started); --resume auto may start the run, so it needs weights too."""
+    if not cfg.model.freeze_backbone or cfg.run.ckpt or cfg.model.backbone_weights or cfg.run.resume:
+        return
+    fam = registry.family(cfg.model.arch)
+    file = fam.recipe.backbone_files.get(cfg.model.size) if fam.recipe is not None else None
+    backbone = f", --backbone-weights PATH (a pretrained backbone: {file})" if file else ""
+    raise ConfigError(f"--freeze-backbone without --ckpt, --backbone-weights or --resume would keep a random "
+                      f"backbone for the whole run: give --ckpt PATH (a trained detector's weights){backbone}, "
+                      "or drop --freeze-backbone")
 
 
 def _check_one_image_batch_norm(cfg: Config) -> None:
