@@ -690,64 +690,72 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(eager_run, dem
 
 
 class OutOfMemoryAt(Hook):
-    """Raises what the CUDA caching allocator raises, inside the trainer's call of ``where``
-    (``"train_step"`` at training step ``step``, ``"evaluate"`` at the first evaluation)."""
+    """Raises what the CUDA caching allocator raises, inside the trainer's call of its train
+    step at step ``step``."""
 
     MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
                "1.06 GiB is free. Including non-PyTorch memory, this process has 78.04 GiB memory in use.")
 
-    def __init__(self, where: str, step: int = 0):
-        self.where, self.step = where, step
+    def __init__(self, step: int):
+        self.step = step
 
     def before_train(self, trainer) -> None:
-        if self.where == "train_step":
-            hook = self
+        hook = self
 
-            class Failing:  # the step, but out of memory at the hook's step
-                def __init__(self, step):
-                    self.step = step
+        class Failing:  # the step, but out of memory at the hook's step
+            def __init__(self, step):
+                self.step = step
 
-                def __getattr__(self, name):
-                    return getattr(self.step, name)
+            def __getattr__(self, name):
+                return getattr(self.step, name)
 
-                def __call__(self, batch, kw):
-                    if trainer.step + 1 == hook.step:
-                        raise torch.OutOfMemoryError(hook.MESSAGE)
-                    return self.step(batch, kw)
+            def __call__(self, batch, kw):
+                if trainer.step + 1 == hook.step:
+                    raise torch.OutOfMemoryError(hook.MESSAGE)
+                return self.step(batch, kw)
 
-            trainer.train_step = Failing(trainer.train_step)
-        else:
-            def failing_eval(*args, **kwargs):
-                raise torch.OutOfMemoryError(self.MESSAGE)
-
-            trainer.evals.evaluate = failing_eval
+        trainer.train_step = Failing(trainer.train_step)
 
 
 @pytest.mark.parametrize("where, said", [
     ("train_step", "out of device memory in training step 4 (images [4, 3, 64, 64], loss {'static_assigner': True}) "
                    "(CUDA out of memory. Tried to allocate 2.00 GiB): training stopped; the last checkpoint is "
                    "RUN/latest.pth; a smaller --batch-size (images per process)"),
-    ("evaluate", "out of device memory evaluating step 4 (CUDA out of memory. Tried to allocate 2.00 GiB): training "
+    ("evaluate", "out of device memory evaluating step 3 (CUDA out of memory. Tried to allocate 2.00 GiB): training "
                  "stopped; the last checkpoint is RUN/latest.pth; a smaller data.eval_batch_size"),
 ])
 def test_out_of_device_memory_is_one_line_naming_the_work_and_the_last_checkpoint(eager_run, demo_small, tmp_path,
-                                                                                 capsys, caplog, where, said):
+                                                                                 capsys, caplog, monkeypatch, where,
+                                                                                 said):
     """Device memory running out in a step (a larger train size, the task-aligned phase) or
     in an evaluation (its batch) is one line, exit 1: what ran (the step, its input's shape and
     loss variant), torch's figures, the checkpoint to go back to and what needs less memory;
     the checkpoint is the last one written, untouched. (A traceback before.)"""
     from fastdet.train import main
 
+    from fastdet.engine.eval_hook import EvalHook
+
     done, _ = eager_run
     out = tmp_path / "run"
     shutil.copytree(done, out)
-    argv = train_cmd(demo_small, out, "--max-steps", "4", "--resume")[3:]
+    hooks = []
+    if where == "train_step":
+        hooks.append(OutOfMemoryAt(step=4))
+        argv = train_cmd(demo_small, out, "--max-steps", "4", "--resume")[3:]
+    else:  # a run stopped during its last evaluation evaluates at once when resumed (no step to train)
+        (out / "eval.jsonl").unlink()
+
+        def evaluate(*args, **kwargs):
+            raise torch.OutOfMemoryError(OutOfMemoryAt.MESSAGE)
+
+        monkeypatch.setattr(EvalHook, "evaluate", evaluate)
+        argv = train_cmd(demo_small, out, "--max-steps", "3", "--resume")[3:]
     with caplog.at_level(logging.INFO, logger="fastdet"):
-        code = main(argv, hooks=[OutOfMemoryAt(where, step=4)])
+        code = main(argv, hooks=hooks)
     err = capsys.readouterr().err
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert said.replace("RUN/", f"{out}/") in err, err
-    assert load_checkpoint(out / "latest.pth")["step"] == (3 if where == "train_step" else 4)
+    assert load_checkpoint(out / "latest.pth")["step"] == 3
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_one_before_is_kept(eager_run, demo_small, tmp_path,
