@@ -31,7 +31,7 @@ from fastdet.runtime.logging import Progress, setup_logging
 from fastdet.engine.optim import build_optimizer_and_ema
 from fastdet.engine.step import TrainStep, compiled_graph_count, synthetic_batch
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 REPO = Path(__file__).resolve().parent.parent
 
 

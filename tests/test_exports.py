@@ -30,7 +30,7 @@ from fastdet.config import DataConfig
 from fastdet.data.__main__ import main as data_main
 from fastdet.data.formats import load_split
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 SPLITS = ("train", "val")
 
 

@@ -29,7 +29,7 @@ from test_train import assert_same_training  # tests/ is on sys.path (rootdir co
 from fastdet.runtime.checkpoint import load_checkpoint
 from fastdet.models import ARCHITECTURES
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 COMPILE = ["--compile", "--set", "compile.backend=aot_eager", "--set", "compile.warmup=blocking"]
 # The smallest size of each family. Each compiled CLI run takes a minute or more on a
 # 2-core CPU, so `make test` keeps one of them (YOLOX with DALI, the loader with every

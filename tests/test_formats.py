@@ -26,7 +26,7 @@ from fastdet.data.coco import DataError, load_coco
 from fastdet.data.formats import data_format, load_split, yolo_label_path
 from fastdet.eval.scoring import score
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- writers

@@ -24,7 +24,7 @@ from fastdet.data.augment import decode_image
 from fastdet.data.preprocess import boxes_to_original
 from fastdet.models import ARCHITECTURES
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 IMG = 64
 # Low enough that a 2-step model has detections to compare: YOLOX's scores start at
 # obj x cls = 0.01 x 0.01 (its prior-probability bias init).

@@ -25,7 +25,7 @@ from fastdet.engine.hooks import Hook
 from fastdet.runtime.checkpoint import load_checkpoint
 from fastdet.models import build_model
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 
 
 def train_cmd(data: Path, out: Path, *extra: str) -> list[str]:

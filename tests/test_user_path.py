@@ -20,7 +20,7 @@ from in_process import main_in_process  # tests/ is on sys.path (rootdir conftes
 
 from fastdet.runtime.checkpoint import load_checkpoint
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # OMP_NUM_THREADS: tests/conftest.py
 
 
 def train_cmd(data: Path, out: Path | None, *extra: str) -> list[str]:
