@@ -977,11 +977,11 @@ def test_torchrun_restart_after_a_killed_rank_continues_the_run(demo_small, tmp_
     assert_same_training(one, out)
 
 
-def test_a_last_evaluation_lost_to_a_stop_is_made_on_resume(eager_run, demo_small, tmp_path):
+def test_a_last_evaluation_lost_to_a_stop_is_made_on_resume(eager_run, demo_small, tmp_path, capsys, caplog):
     """A run killed during the evaluation of its last step (torchrun then restarts it; or the
     user resumes): latest.pth holds the last step, eval.jsonl has no line of it. Resuming
     evaluates it (before, "nothing to train", exit 0, and no final AP ever); once recorded,
-    a resume has nothing to do."""
+    a resume has nothing to do (main() in this process: it stops before any work)."""
     done, _ = eager_run
     out = tmp_path / "run"
     shutil.copytree(done, out)
@@ -993,8 +993,8 @@ def test_a_last_evaluation_lost_to_a_stop_is_made_on_resume(eager_run, demo_smal
     assert "its evaluation of it was not recorded (stopped during it): evaluating it now" in a.stdout
     assert "final: AP" in a.stdout
     assert [json.loads(line)["step"] for line in (out / "eval.jsonl").read_text().splitlines()][-1] == 3
-    b = run(train_cmd(demo_small, out, "--max-steps", "3", "--resume"))
-    assert b.returncode == 0 and "nothing to train" in b.stdout, b.stdout[-3000:] + b.stderr[-3000:]
+    code, said, err = main_in_process(train_cmd(demo_small, out, "--max-steps", "3", "--resume")[3:], capsys, caplog)
+    assert code == 0 and "nothing to train" in said, said[-3000:] + err[-3000:]
 
 
 def test_an_error_every_rank_meets_is_said_once_under_torchrun(demo_small, tmp_path):

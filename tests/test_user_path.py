@@ -128,20 +128,22 @@ def test_coco_file_without_iscrowd_and_area_is_filled_counted_and_evaluates(demo
     assert f"filled in {n_val} missing 'area', {n_val} missing 'iscrowd' as COCO defines them" in r.stdout, r.stdout
 
 
-def test_an_evaluation_problem_fails_before_the_first_step_in_one_line(demo_small, tmp_path):
+def test_an_evaluation_problem_fails_before_the_first_step_in_one_line(demo_small, tmp_path, capsys, caplog,
+                                                                      monkeypatch):
     """An ``area`` written as a string (some converters do) reads fine and breaks
-    pycocotools' area ranges; before, that came after training, at the first evaluation."""
+    pycocotools' area ranges; before, that came after training, at the first evaluation.
+    main() in this process: it fails before the first step (a traceback would fail the test)."""
     def bad_area(doc, split):
         if split == "val":
             doc["annotations"][0]["area"] = "12.5"
     data = _copy_with(demo_small, tmp_path / "data", bad_area)
     out = tmp_path / "out"
     # pycocotools breaks on it; faster-coco-eval reads the string as a number
-    r = subprocess.run(train_cmd(data, out, "--max-steps", "2"), capture_output=True, text=True,
-                       env={**ENV, "FASTDET_COCO_EVAL": "pycocotools"}, timeout=600)
-    assert r.returncode == 1
-    assert "fails before training, scoring against the ground truth of" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    monkeypatch.setenv("FASTDET_COCO_EVAL", "pycocotools")
+    code, _, err = main_in_process(train_cmd(data, out, "--max-steps", "2")[3:], capsys, caplog)
+    assert code == 1
+    assert "fails before training, scoring against the ground truth of" in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (out / "metrics.jsonl").exists() and not (out / "latest.pth").exists()
 
 
@@ -250,12 +252,13 @@ def test_help_names_every_family_size_and_the_data_flags(capsys, caplog):
 
 # --------------------------------------------------------------------------- 5. --ckpt of another model
 
-def test_ckpt_of_another_size_is_refused_naming_both(demo_small, first_run, tmp_path):
+def test_ckpt_of_another_size_is_refused_naming_both(demo_small, first_run, tmp_path, capsys, caplog):
     _, src = first_run
-    r = run(train_cmd(demo_small, tmp_path / "m", "--size", "m", "--ckpt", str(src / "latest.pth")))
-    assert r.returncode == 2
-    assert "holds ppyoloe-s weights and this run trains ppyoloe-m" in r.stderr and "--ckpt-partial" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    code, _, err = main_in_process(train_cmd(demo_small, tmp_path / "m", "--size", "m", "--ckpt",
+                                             str(src / "latest.pth"))[3:], capsys, caplog)
+    assert code == 2
+    assert "holds ppyoloe-s weights and this run trains ppyoloe-m" in err and "--ckpt-partial" in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "m").exists()
 
 
