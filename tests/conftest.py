@@ -38,13 +38,14 @@ os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, (os.cpu_count() or 1) // WORKE
 # The order test files start in under pytest-xdist (Makefile: --dist loadfile
 # --no-loadscope-reorder): each worker runs a file whole, so a file of several minutes
 # that starts late keeps one core busy after the other has finished. These files (each
-# over ~40 s of `make test` on a 2-core CPU, longest first) start first, the rest follow
-# in their usual order: longest-processing-time-first scheduling, ~60 s off the suite's
-# 19-20 min against xdist's own order (files by number of tests). Only the speed of the
-# suite depends on this list; tests/test_structure.py checks that each name exists.
-LONGEST_FIRST = ("test_train.py", "test_background_compile.py", "test_families_cli.py", "test_user_path.py",
-                 "test_inference.py", "test_ppyoloe.py", "test_formats.py", "test_ops_build.py",
-                 "test_gpu_check.py", "test_sync_bn.py", "test_contract.py", "test_yolox.py")
+# over ~30 s of `make test` on a 2-core CPU, longest first: test_train ~360 s, then ~230,
+# 190, 160, 135, 80, 80, 75 s ...) start first, the rest follow in their usual order:
+# longest-processing-time-first scheduling, ~60 s off the suite against xdist's own order
+# (files by number of tests). Only the speed of the suite depends on this list;
+# tests/test_structure.py checks that each name exists.
+LONGEST_FIRST = ("test_train.py", "test_background_compile.py", "test_inference.py", "test_families_cli.py",
+                 "test_gpu_check.py", "test_formats.py", "test_user_path.py", "test_ops_build.py",
+                 "test_contract.py", "test_ppyoloe.py", "test_convert.py", "test_sync_bn.py", "test_yolox.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
