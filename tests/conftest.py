@@ -31,7 +31,7 @@ if WORKERS > 1:
 # scripts) inherit OMP_NUM_THREADS: the same share, at most 2 (64-128 px models; more
 # threads only wait on each other). On CI's 2 cores that is 1 a process: with 2 a process
 # beside the other worker's, the OpenMP threads of a process waited on each other's turn on
-# a core, and a 3-step ppyoloe-s run took 22.6 s instead of 10.5 s.
+# a core; two 3-step ppyoloe-s runs side by side took 84-106 s each, 20-21 s at 1 thread.
 os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 
