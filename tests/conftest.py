@@ -44,7 +44,7 @@ os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, (os.cpu_count() or 1) // WORKE
 # (files by number of tests). Only the speed of the suite depends on this list;
 # tests/test_structure.py checks that each name exists.
 LONGEST_FIRST = ("test_train.py", "test_background_compile.py", "test_inference.py", "test_families_cli.py",
-                 "test_gpu_check.py", "test_formats.py", "test_user_path.py", "test_ops_build.py",
+                 "test_gpu_check.py", "test_formats.py", "test_user_path.py", "test_freeze.py", "test_ops_build.py",
                  "test_contract.py", "test_ppyoloe.py", "test_convert.py", "test_sync_bn.py", "test_yolox.py")
 
 
