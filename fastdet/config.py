@@ -15,6 +15,7 @@ stored in every checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import types
 import typing
@@ -338,7 +339,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             f = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-        if f != int(f):
+        if not math.isfinite(f) or f != int(f):  # int(inf) raises OverflowError, int(nan) ValueError
             raise ConfigError(f"{name}: expected an integer, got {value!r}")
         return int(f)
     if tp is float:

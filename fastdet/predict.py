@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 (out / "predictions.json").write_text(json.dumps(results))
                 print(f"fastdet.predict: error: out of device memory predicting {len(imgs)} image(s) from "
                       f"{files[keep[0]]} ({memory_figures(e)}): predictions.json in {out} holds the {done} image(s) "
-                      f"before them; a smaller --batch-size (now {args.batch_size}) or --img-size needs less",
+                      f"before them; a smaller --batch-size (now {args.batch_size}) or --img-size needs less (with "
+                      "--exist-ok, to write over them)",
                       file=sys.stderr)
                 return 1
             for img in imgs:

@@ -31,6 +31,7 @@ from fastdet.data.coco import DataError
 from fastdet.data.formats import train_num_classes
 from fastdet.data.loader import BACKENDS as LOADERS, train_sizes
 from fastdet.data.schedule import LoaderError
+from fastdet.data.torch_backend import worker_death
 from fastdet.engine.compile_workers import CompileError
 from fastdet.engine.faults import EXIT_PREEMPTED, DeviceOutOfMemory, Preempted, config_mismatch
 from fastdet.engine.optim import OPTIMIZERS, SCHEDULES
@@ -517,13 +518,21 @@ def main(argv: list[str] | None = None, hooks: Sequence[Any] = ()) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"fastdet.train: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except RuntimeError as e:  # torch's SIGCHLD handler says a dead loader worker wherever the main thread is
+        died = worker_death(e, cfg.data.num_workers)
+        if died is None:
+            raise
+        _say_error(died)
+        return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
-        # A log, metrics or TensorBoard write on a full disk: one line (checkpoints say it
-        # themselves, CheckpointWriteError); the last checkpoint written is whole.
-        _say_error(CheckpointWriteError(f"cannot write {e.filename or cfg.run.output_dir}: {e.strerror}; the last "
-                                        "checkpoint written is kept"))
+        # A metrics, evaluation or TensorBoard write on a full disk (an append names no
+        # file): one line; checkpoints say it themselves (CheckpointWriteError), and each is
+        # written whole or not at all.
+        where = f"cannot write {e.filename}" if e.filename else "a write of the run failed"
+        _say_error(CheckpointWriteError(f"{where}: {e.strerror}; the run's checkpoints are whole (each is written "
+                                        "to a temp file and renamed)"))
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, nothing saved
         print("fastdet.train: interrupted (nothing saved since the last checkpoint)", file=sys.stderr)

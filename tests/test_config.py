@@ -253,6 +253,14 @@ def test_pre_nms_topk_0_is_every_candidate_only_where_the_family_reads_it_so(arc
             check_config(cfg)
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
+def test_an_integer_field_given_a_non_finite_number_is_one_config_error(value):
+    """int(float("inf")) raised OverflowError, int(nan) a ValueError naming no field: both
+    were tracebacks through --set (train, and eval/predict/export's family.max_det)."""
+    with pytest.raises(ConfigError, match=re.escape(f"family.max_det: expected an integer, got {value!r}")):
+        apply_overrides(get_preset("ppyoloe", "s"), {"family.max_det": value})
+
+
 def test_ppyolo_has_no_nms_iou_and_a_stored_one_is_dropped():
     """PP-YOLO's Matrix NMS cuts at no IoU: family.nms_iou, which it carried and never read,
     is gone (--set of it is an unknown field, predict takes no iou_thresh); a checkpoint's

@@ -689,6 +689,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(eager_run, dem
     assert all(torch.isfinite(v).all() for v in after["model"].values() if v.is_floating_point())
 
 
+# What the out-of-memory lines keep of OutOfMemoryAt.MESSAGE: up to the device's free memory.
+FIGURES = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which 1.06 GiB "
+           "is free")
+
+
 class OutOfMemoryAt(Hook):
     """Raises what the CUDA caching allocator raises, inside the trainer's call of its train
     step at step ``step``."""
@@ -719,9 +724,9 @@ class OutOfMemoryAt(Hook):
 
 @pytest.mark.parametrize("where, said", [
     ("train_step", "out of device memory in training step 4 (images [4, 3, 64, 64], loss {'static_assigner': True}) "
-                   "(CUDA out of memory. Tried to allocate 2.00 GiB): training stopped; the last checkpoint is "
+                   f"({FIGURES}): training stopped; the last checkpoint is "
                    "RUN/latest.pth; a smaller --batch-size (images per process)"),
-    ("evaluate", "out of device memory evaluating step 3 (CUDA out of memory. Tried to allocate 2.00 GiB): training "
+    ("evaluate", f"out of device memory evaluating step 3 ({FIGURES}): training "
                  "stopped; the last checkpoint is RUN/latest.pth; a smaller data.eval_batch_size"),
 ])
 def test_out_of_device_memory_is_one_line_naming_the_work_and_the_last_checkpoint(eager_run, demo_small, tmp_path,
@@ -785,7 +790,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_one_before_is_k
     err = capsys.readouterr().err
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert re.search(rf"error: cannot write {re.escape(str(out))}/latest.pth: \[enforce fail at inline_container.cc:672\] "
-                     r"\. unexpected pos 704 vs 598 \([\d,]+ MiB free on its file system\); the file it would replace is "
+                     r"\. unexpected pos 704 vs 598 \([\d,]+ MiB free on its file system\); the checkpoint before it is "
                      r"kept$", err.strip()), err
     monkeypatch.undo()
     assert load_checkpoint(out / "latest.pth")["step"] == 3
@@ -800,7 +805,31 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_one_before_is_k
     code = main(train_cmd(demo_small, out, "--max-steps", "4", "--resume")[3:])
     err = capsys.readouterr().err
     assert code == 1 and err.strip() == (f"fastdet.train: error: cannot write {out}/metrics.jsonl: No space left on "
-                                         "device; the last checkpoint written is kept"), err
+                                         "device; the run's checkpoints are whole (each is written to a temp file "
+                                         "and renamed)"), err
+
+
+def test_a_loader_worker_death_said_by_torchs_signal_handler_is_one_line(eager_run, demo_small, tmp_path, capsys,
+                                                                          caplog):
+    """Torch's SIGCHLD handler raises a dead loader worker's RuntimeError wherever the main
+    thread is (in the step, at a log point): fastdet.train says it in one line, exit 1, as
+    the loader does when the iteration finds it (test_torch_loader)."""
+    from fastdet.train import main
+
+    class WorkerKilled(Hook):
+        def after_step(self, trainer) -> None:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+
+    done, _ = eager_run
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    with caplog.at_level(logging.INFO, logger="fastdet"):
+        code = main(train_cmd(demo_small, out, "--max-steps", "4", "--resume")[3:], hooks=[WorkerKilled()])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == (
+        "fastdet.train: error: DataLoader worker (pid 4242) is killed by signal: Killed: a data loader worker died "
+        "(killed when the host is out of memory); fewer --workers (now 0) or a smaller --batch-size need less host "
+        "memory"), err
 
 
 def test_predict_and_eval_out_of_device_memory_keep_what_is_done_and_say_it(eager_run, demo_small, tmp_path,
@@ -829,9 +858,9 @@ def test_predict_and_eval_out_of_device_memory_keep_what_is_done_and_say_it(eage
                              "--output-dir", str(out), "--batch-size", "2", "--score-thresh", "0", "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 1 and len(err.strip().splitlines()) == 1, err
-    assert (f"out of device memory predicting 2 image(s) from {files[2]} (CUDA out of memory. Tried to allocate "
-            f"2.00 GiB): predictions.json in {out} holds the 2 image(s) before them; a smaller --batch-size (now 2)"
-            in err), err
+    assert (f"out of device memory predicting 2 image(s) from {files[2]} ({FIGURES}): predictions.json in {out} "
+            "holds the 2 image(s) before them; a smaller --batch-size (now 2) or --img-size needs less (with "
+            "--exist-ok, to write over them)" in err), err
     results = json.loads((out / "predictions.json").read_text())
     assert results and {r["file_name"] for r in results} == {f.name for f in files[:2]}
     assert sorted(p.name for p in out.glob("*.jpg")) == [f.name for f in files[:2]]
@@ -843,8 +872,8 @@ def test_predict_and_eval_out_of_device_memory_keep_what_is_done_and_say_it(eage
     code = eval_cli.main(["--ckpt", str(done / "best.pth"), "--data", str(demo_small), "--device", "cpu",
                           "--batch-size", "8"])
     err = capsys.readouterr().err
-    assert code == 1 and err.strip() == ("fastdet.eval: error: out of device memory (CUDA out of memory. Tried to "
-                                         "allocate 2.00 GiB): a smaller --batch-size (now 8) needs less"), err
+    assert code == 1 and err.strip() == (f"fastdet.eval: error: out of device memory ({FIGURES}): a smaller "
+                                         "--batch-size (now 8) needs less"), err
 
 
 def test_tf32_and_sync_debug_flags():

@@ -213,6 +213,20 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
+def worker_death(e: BaseException, num_workers: int) -> LoaderError | None:
+    """The :class:`LoaderError` line for torch's words on a DataLoader worker that is gone
+    (the kernel's out-of-memory killer on a host short of memory, a crash in a decoder
+    library), raised in the iteration or, from torch's SIGCHLD handler, wherever the main
+    thread is; None for anything else. An exception raised inside a worker ("Caught ... in
+    DataLoader worker process N") is a bug to show as it is."""
+    if not isinstance(e, RuntimeError) or not any(w in str(e) for w in ("exited unexpectedly",
+                                                                         "is killed by signal")):
+        return None
+    said = str(e).strip().splitlines()[0].rstrip(". ")
+    return LoaderError(f"{said}: a data loader worker died (killed when the host is out of memory); fewer --workers "
+                       f"(now {num_workers}) or a smaller --batch-size need less host memory")
+
+
 class _TorchLoader(Loader):
     """The DataLoader half of both torch loaders: its dataset and batch sampler, built lazily."""
 
@@ -247,12 +261,10 @@ class _TorchLoader(Loader):
         try:
             yield from self._loader()
         except RuntimeError as e:
-            if "DataLoader worker" not in str(e):
+            died = worker_death(e, self.num_workers)
+            if died is None:
                 raise
-            said = str(e).strip().splitlines()[0].rstrip(". ")
-            raise LoaderError(f"{said}: a data loader worker died (killed when the host is out of memory); fewer "
-                              f"--workers (now {self.num_workers}) or a smaller --batch-size need less host "
-                              "memory") from None
+            raise died from None
 
     def _to_device(self, raw: dict[str, Any], hw: tuple[int, int]) -> dict[str, torch.Tensor]:
         self._count_skips(raw["skipped"], raw["dropped"])

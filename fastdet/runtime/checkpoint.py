@@ -101,12 +101,16 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], keep_previous: bool
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
+        # torch.save's writer says a failed write as a RuntimeError of its zip container;
+        # another RuntimeError (a device fault while reading a tensor) is not a write's.
+        if isinstance(e, RuntimeError) and not any(w in str(e) for w in ("inline_container", "PytorchStreamWriter")):
+            raise
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         try:
             free = f"{shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free on its file system"
         except OSError:
             free = "its file system cannot be read"
-        raise CheckpointWriteError(f"cannot write {path}: {cause} ({free}); the file it would replace is kept") \
+        raise CheckpointWriteError(f"cannot write {path}: {cause} ({free}); the checkpoint before it is kept") \
             from None
     finally:
         if tmp is not None and os.path.exists(tmp):

@@ -47,9 +47,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def memory_figures(e: BaseException) -> str:
-    """The first two sentences of torch's out-of-memory message (the allocation asked for and
-    the device's capacity and free memory), without its advice paragraph."""
-    return ". ".join(str(e).strip().split(". ")[:2]).rstrip(".")[:300]
+    """Torch's out-of-memory message up to the device's free memory ("CUDA out of memory.
+    Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which 1.06 GiB is
+    free"), without what follows (the process's use, the advice paragraph); the first two
+    sentences of another message."""
+    text = str(e).strip()
+    end = text.find(" is free")
+    if end >= 0:
+        return text[:end + len(" is free")][:400]
+    return ". ".join(text.split(". ")[:2]).rstrip(".")[:300]
 
 
 def check_device_flags(cfg: Any, device: torch.device) -> None:
