@@ -10,6 +10,7 @@ compiled (aot_eager) and under torchrun with 2 ranks, from a ``--ckpt``.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -153,6 +154,18 @@ def start_ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("start") / "start.pth"
     save_checkpoint(path, {"config": cfg.to_dict(), "model": model.state_dict()})
     return path
+
+
+def test_freeze_backbone_from_a_ckpt_of_another_size_is_refused(demo_small, tmp_path, start_ckpt, capsys, caplog):
+    """--ckpt-partial from another size starts the backbone tensors of another shape fresh:
+    frozen, they would stay random for the whole run. One line, before the first step."""
+    out = tmp_path / "out"
+    code, _, err = main_in_process(frozen_cmd(demo_small, out, "--size", "m", "--ckpt", str(start_ckpt),
+                                              "--ckpt-partial", "--freeze-backbone")[3:], capsys, caplog)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"--freeze-backbone with --ckpt {re.escape(str(start_ckpt))}: \d+ of \d+ backbone tensors are "
+                     r"not in it at ppyoloe-m's shapes \(first: backbone\.\S+\) and would stay random", err), err
+    assert not (out / "latest.pth").exists()
 
 
 def frozen_cmd(data: Path, out: Path, *extra: str) -> list[str]:

@@ -27,7 +27,7 @@ from fastdet.convert import load_any
 from fastdet.engine.faults import config_mismatch, restart_count
 from fastdet.engine.finetune import load_for_finetune
 from fastdet.runtime import dist
-from fastdet.runtime.checkpoint import (load_checkpoint, load_with_fallback, previous_path, rng_state,
+from fastdet.runtime.checkpoint import (load_checkpoint, load_with_fallback, previous_path, rng_state, select_weights,
                                        save_checkpoint, set_rng_state)
 
 log = logging.getLogger("fastdet")
@@ -252,6 +252,21 @@ class Checkpointer:
             model = ck["config"].get("model") or {}
             raise ValueError(f"--ckpt {path} ({model.get('arch')}-{model.get('size')} weights): {e}; this run "
                              f"trains {self.cfg.model.arch}-{self.cfg.model.size}") from None
+        if self.cfg.model.freeze_backbone and not self.cfg.model.backbone_weights:
+            self._check_frozen_backbone_loaded(ck, path)
         if self.ema is not None:
             self.ema.reset(self.model)
         log.info("fine-tuning from %s; %s", path, msg)
+
+    def _check_frozen_backbone_loaded(self, ck: dict[str, Any], path: str) -> None:
+        """--freeze-backbone keeps the backbone as --ckpt left it: every backbone tensor must
+        have come from it (with --ckpt-partial from another size, the ones of another shape
+        start fresh and would stay random for the whole run). One ValueError line."""
+        weights, _ = select_weights(ck)
+        own = {k: v for k, v in self.model.state_dict().items() if k.startswith("backbone.")}
+        fresh = [k for k, v in own.items() if k not in weights or tuple(weights[k].shape) != tuple(v.shape)]
+        if fresh:
+            raise ValueError(f"--freeze-backbone with --ckpt {path}: {len(fresh)} of {len(own)} backbone tensors are "
+                             f"not in it at {self.cfg.model.arch}-{self.cfg.model.size}'s shapes (first: {fresh[0]}) "
+                             "and would stay random for the whole run: give a checkpoint of this size, or "
+                             "--backbone-weights, or drop --freeze-backbone")
