@@ -68,6 +68,25 @@ def out_of_memory_said(what: Callable[[], str], advice: str, latest: Path) -> It
                                 f"{advice}") from None
 
 
+class MemoryGuard:
+    """The trainer's out-of-device-memory lines at its three points (the warm-up, a step, an
+    evaluation): each a context manager of :func:`out_of_memory_said` naming that work and
+    ``latest`` (the checkpoint to go back to)."""
+
+    def __init__(self, latest: Path) -> None:
+        self.latest = latest
+
+    def warmup(self) -> contextlib.AbstractContextManager:
+        return out_of_memory_said(lambda: "at the warm-up (compiling the step's graphs)", TRAIN_MEMORY, self.latest)
+
+    def step(self, step: int, batch: dict[str, Any], loss_kwargs: Any) -> contextlib.AbstractContextManager:
+        return out_of_memory_said(lambda: f"in training step {step} (images {list(batch['images'].shape)}, loss "
+                                          f"{loss_kwargs})", TRAIN_MEMORY, self.latest)
+
+    def evaluation(self, step: int) -> contextlib.AbstractContextManager:
+        return out_of_memory_said(lambda: f"evaluating step {step}", EVAL_MEMORY, self.latest)
+
+
 class Preempted(Exception):
     """Training stopped on a signal at a step boundary, with ``latest.pth`` written."""
 

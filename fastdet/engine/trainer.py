@@ -30,7 +30,7 @@ from fastdet.runtime import dist
 from fastdet.engine.checkpointer import Checkpointer, auto_resume
 from fastdet.engine.compile_workers import CompileWorkers
 from fastdet.engine.eval_hook import EvalHook, EvalRunner
-from fastdet.engine.faults import EVAL_MEMORY, TRAIN_MEMORY, StopControl, out_of_memory_said, restart_count
+from fastdet.engine.faults import MemoryGuard, StopControl, restart_count
 from fastdet.engine.hooks import Hook
 from fastdet.engine.metrics_log import MetricsLog
 from fastdet.runtime.logging import Progress, ProfilerWindow, StepGaps, epoch_of_step, setup_logging
@@ -118,6 +118,7 @@ class Trainer:
             keep = cfg.run.resume or cfg.run.exist_ok or cfg.run.auto_resume
             out, self._made_out, self._log_before = choose_run_dir(asked, keep, restarted=restart_count() > 0)
         self.out = dist.broadcast_object(out)
+        self.memory = MemoryGuard(self.out / "latest.pth")  # out-of-device-memory lines
         dist.barrier()
         setup_logging(self.out, self.dist.is_main)
         if self.out != asked:
@@ -197,7 +198,7 @@ class Trainer:
         """The EMA's weights (the model's without one) scored on the val set, in the background."""
         self.checkpoints.average_bn_stats()
         model = self.ema.averaged() if self.ema is not None else self.model
-        with out_of_memory_said(lambda: f"evaluating step {self.step}", EVAL_MEMORY, self.out / "latest.pth"):
+        with self.memory.evaluation(self.step):
             self.evals.evaluate(model, step=self.step, epoch=self._epoch_number(),
                                 state=lambda: self.checkpoints.weights_state(self.epoch, self.step, self.evals.best_ap))
 
@@ -228,8 +229,7 @@ class Trainer:
             # Modes first: warm-up compiles and captures the model in the mode it trains in
             # (Dynamo guards on each module's `training`, a graph bakes BatchNorm's mode in).
             self._train_mode()
-            with out_of_memory_said(lambda: "at the warm-up (compiling the step's graphs)", TRAIN_MEMORY,
-                                    self.out / "latest.pth"):
+            with self.memory.warmup():
                 self.compilation.warmup(self.epoch, self.steps_per_epoch)
             progress = self.metrics.start(self.step, total_steps, images=len(self.train_set),
                                           steps_per_epoch=self.steps_per_epoch, lr=self.base_lr,
@@ -289,9 +289,7 @@ class Trainer:
                 continue
             self.metrics.batch_loaded()
             self.profiler.before_step(self.step)
-            with self._sync_check(), out_of_memory_said(
-                    lambda: f"in training step {self.step + 1} (images {list(batch['images'].shape)}, loss {kw})",
-                    TRAIN_MEMORY, self.out / "latest.pth"):
+            with self._sync_check(), self.memory.step(self.step + 1, batch, kw):
                 self.optimizer.set_lr(self.schedule(self.step))
                 self.train_step(batch, kw)
             self.step += 1
