@@ -4,7 +4,7 @@ After training steps every backbone tensor (parameters and BatchNorm buffers, of
 and of its EMA) is bit-identical to the one the run started from, the neck and head have
 moved, and the optimizer holds no backbone parameter: for every family in one process
 (the step as the trainer builds it), and through the command line eager (then resumed),
-compiled (aot_eager) and under torchrun with 2 ranks, from a ``--ckpt``.
+and under torchrun with 2 ranks compiled (aot_eager), from a ``--ckpt``.
 """
 
 from __future__ import annotations
@@ -202,28 +202,21 @@ def test_freeze_backbone_keeps_the_backbone_eager_and_after_resume(demo_small, t
     check_run(out, start_ckpt)
 
 
-def test_freeze_backbone_under_compile(demo_small, tmp_path, start_ckpt):
-    """--compile (aot_eager: Dynamo and AOTAutograd's graphs, eager kernels): the modes set
-    before the warm-up are the ones trained in (no recompile), and the backbone stays."""
-    out = tmp_path / "run"
-    r = run(frozen_cmd(demo_small, out, "--ckpt", str(start_ckpt), "--freeze-backbone", *COMPILE), env=ONE_THREAD)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "compile True" in r.stdout and "recompiled" not in r.stdout + r.stderr
-    check_run(out, start_ckpt)
-
-
-def test_freeze_backbone_under_torchrun_two_ranks(demo_small, tmp_path, start_ckpt):
-    """torchrun, 2 ranks (gloo, DDP, SyncBatchNorm in the neck): DDP's reducer holds the
-    parameters that train, and both ranks train them; the backbone stays."""
+def test_freeze_backbone_under_torchrun_two_ranks_compiled(demo_small, tmp_path, start_ckpt):
+    """torchrun, 2 ranks (gloo, DDP, SyncBatchNorm in the neck) with --compile (aot_eager:
+    Dynamo and AOTAutograd's graphs, eager kernels), as users launch it: DDP's reducer holds
+    the parameters that train, both ranks train them, the modes set before the warm-up are
+    the ones trained in (no recompile), and the backbone stays."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           *frozen_cmd(demo_small, out, "--ckpt", str(start_ckpt), "--freeze-backbone")[1:]]
+           *frozen_cmd(demo_small, out, "--ckpt", str(start_ckpt), "--freeze-backbone", *COMPILE)[1:]]
     cmd[cmd.index("--batch-size") + 1] = "2"
     r = run(cmd, env=ONE_THREAD)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "x 2 rank(s)" in r.stdout
+    assert "x 2 rank(s)" in r.stdout and "compile True" in r.stdout
+    assert "recompiled" not in r.stdout + r.stderr
     check_run(out, start_ckpt)
 
 
